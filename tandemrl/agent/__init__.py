@@ -1,0 +1,1 @@
+"""The Search-R1 agent loop: prompt, parser, reward, search tool client, evaluation."""

@@ -1,0 +1,1 @@
+"""The rollout buffer: admission, staleness, drops, per-task state."""

@@ -1,0 +1,114 @@
+"""The `tandem` command: one subcommand per job, each implemented by a `run_*(args) -> int` function in
+the module that owns the concept. Modules are imported only when their subcommand runs, so
+`tandem config show` never imports torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+from tandemrl.config.schema import ConfigError
+
+
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="YAML config file, e.g. examples/searchr1/config/embedded_cpu_async.yaml")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.rollout_batch_size=64")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    config = sub.add_parser("config", help="inspect a configuration").add_subparsers(dest="action", required=True)
+    show = config.add_parser("show", help="print the resolved configuration, derived values marked")
+    _add_config_args(show)
+    show.set_defaults(handler="tandemrl.config.show:run_show")
+
+    train = sub.add_parser("train", help="RL training (sync or async runner)")
+    _add_config_args(train)
+    train.set_defaults(handler="tandemrl.runner.launch:run_train")
+
+    demo = sub.add_parser("demo", help="prepare the embedded defaults and run a short async training on them")
+    demo.add_argument("overrides", nargs="*")
+    demo.set_defaults(handler="tandemrl.runner.demo:run_demo")
+
+    sft = sub.add_parser("sft", help="supervised cold start on knowledge-base demonstrations")
+    _add_config_args(sft)
+    sft.set_defaults(handler="tandemrl.trainer.sft:run_sft")
+
+    evaluate = sub.add_parser("eval", help="greedy evaluation: EM per data source")
+    _add_config_args(evaluate)
+    evaluate.add_argument("--split", default="test", choices=["train", "val", "test"])
+    evaluate.add_argument("--limit", type=int, default=None)
+    evaluate.add_argument("--out", default=None, help="jsonl of trajectories (default: next to the run)")
+    evaluate.set_defaults(handler="tandemrl.agent.evaluate:run_eval")
+
+    export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
+    export.add_argument("checkpoint")
+    export.add_argument("--out", required=True)
+    export.set_defaults(handler="tandemrl.trainer.export:run_export")
+
+    prepare = sub.add_parser("prepare", help="prepare the embedded defaults").add_subparsers(dest="what", required=True)
+    for what, helptext in (("model", "SmolLM2 HF directory"), ("retriever", "MiniLM retriever"),
+                           ("all", "model, retriever, knowledge base and index")):
+        p = prepare.add_parser(what, help=helptext)
+        p.set_defaults(handler=f"tandemrl.data.prepare:run_prepare_{what}")
+    kb = prepare.add_parser("kb", help="generate a knowledge base with questions")
+    kb.add_argument("--seed", type=int, default=0)
+    kb.add_argument("--num-entities", type=int, default=5000)
+    kb.add_argument("--out", required=True)
+    kb.set_defaults(handler="tandemrl.data.prepare:run_prepare_kb")
+
+    index = sub.add_parser("index", help="retrieval index").add_subparsers(dest="action", required=True)
+    build = index.add_parser("build", help="encode a corpus into Qdrant")
+    build.add_argument("--corpus", required=True)
+    build.add_argument("--index", required=True)
+    build.add_argument("--encoder", default="minilm", help="minilm | e5 | a sentence-transformers directory")
+    build.add_argument("--sparse", default=None, choices=["bm25"])
+    build.add_argument("--qdrant-url", default=None)
+    build.add_argument("--batch-size", type=int, default=256)
+    build.set_defaults(handler="tandemrl.retrieval.build:run_build")
+
+    serve_retrieval = sub.add_parser("serve-retrieval", help="the Search-R1 /retrieve HTTP server")
+    serve_retrieval.add_argument("--index", required=True)
+    serve_retrieval.add_argument("--host", default="127.0.0.1")
+    serve_retrieval.add_argument("--port", type=int, default=8000)
+    serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
+    serve_retrieval.add_argument("--qdrant-url", default=None)
+    serve_retrieval.set_defaults(handler="tandemrl.retrieval.server:run_serve")
+
+    serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")
+    serve_engine.add_argument("--model", required=True)
+    serve_engine.add_argument("--host", default="127.0.0.1")
+    serve_engine.add_argument("--port", type=int, required=True)
+    serve_engine.add_argument("--device", default="auto")
+    serve_engine.add_argument("--dtype", default="auto")
+    serve_engine.add_argument("--max-running-requests", type=int, default=64)
+    serve_engine.add_argument("--max-context-len", type=int, default=4096)
+    serve_engine.add_argument("--seed", type=int, default=0)
+    serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    module_name, func_name = args.handler.split(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), func_name)
+        return int(handler(args) or 0)
+    except ConfigError as error:
+        print(f"tandem: configuration error: {error}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as error:
+        print(f"tandem: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

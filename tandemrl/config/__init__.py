@@ -1,0 +1,1 @@
+"""Typed configuration: schema, YAML + dotted overrides, derived values."""

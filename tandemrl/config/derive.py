@@ -1,0 +1,125 @@
+"""Derived values and the rules that span several sections.
+
+Invariant: after `derive_and_validate(config)` every derived key holds a concrete value and
+`config.derived[key]` says how it was obtained, so it can be logged and shown by `tandem config show`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from tandemrl.config.schema import ConfigError, TandemConfig
+
+log = logging.getLogger(__name__)
+
+INFLIGHT_HEADROOM = 1.2  # issue slightly more groups than the engines can run, so they never idle
+
+
+def derive_and_validate(config: TandemConfig) -> list[str]:
+    """Fill derived keys, check cross-section rules; returns the warnings (also logged)."""
+    config.derived.clear()
+    _derive_instances(config)
+    _derive_buffer_limits(config)
+    _derive_output_dir(config)
+    _validate_cross_section(config)
+    return _warnings(config)
+
+
+def _derive_instances(config: TandemConfig) -> None:
+    rollout = config.rollout
+    if rollout.instances is not None:
+        return
+    spec = config.cluster.component_placement.get("rollout")
+    if spec is None:
+        rollout.instances = 1
+        config.derived["rollout.instances"] = "1 (no rollout placement in cluster.component_placement)"
+        return
+    num_gpus = len(parse_gpu_range(spec, "cluster.component_placement.rollout"))
+    if num_gpus % rollout.tensor_parallel_size:
+        raise ConfigError(
+            f"cluster.component_placement.rollout={spec!r}: {num_gpus} GPUs cannot be split into engines of "
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}. Give the rollout a multiple of "
+            "tensor_parallel_size GPUs.")
+    rollout.instances = num_gpus // rollout.tensor_parallel_size
+    config.derived["rollout.instances"] = (
+        f"{rollout.instances} = {num_gpus} rollout GPUs / tensor_parallel_size {rollout.tensor_parallel_size}")
+
+
+def parse_gpu_range(spec: str, key: str) -> list[int]:
+    """'0-7' -> [0..7]; '0,2,4-5' -> [0, 2, 4, 5]; 'all' -> [] is not allowed here."""
+    gpus: list[int] = []
+    try:
+        for part in str(spec).split(","):
+            lo, _, hi = part.strip().partition("-")
+            gpus.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError as error:
+        raise ConfigError(f"{key}={spec!r}: not a GPU range. Use e.g. '0-7' or '0,1,4-5'.") from error
+    return gpus
+
+
+def _derive_buffer_limits(config: TandemConfig) -> None:
+    buffer = config.rollout_buffer
+    batch = config.data.rollout_batch_size
+    if buffer.max_inflight_groups is None:
+        rollout, group_size = config.rollout, config.algorithm.group_size
+        buffer.max_inflight_groups = math.ceil(
+            rollout.max_running_requests * rollout.instances * INFLIGHT_HEADROOM / group_size)
+        config.derived["rollout_buffer.max_inflight_groups"] = (
+            f"{buffer.max_inflight_groups} = ceil(max_running_requests {rollout.max_running_requests} x "
+            f"instances {rollout.instances} x {INFLIGHT_HEADROOM} / group_size {group_size})")
+    if buffer.max_buffered_groups is None:
+        buffer.max_buffered_groups = 2 * batch
+        config.derived["rollout_buffer.max_buffered_groups"] = (
+            f"{buffer.max_buffered_groups} = 2 x rollout_batch_size {batch}")
+    if buffer.max_dropped_groups_per_step is None:
+        buffer.max_dropped_groups_per_step = 10 * batch
+        config.derived["rollout_buffer.max_dropped_groups_per_step"] = (
+            f"{buffer.max_dropped_groups_per_step} = 10 x rollout_batch_size {batch}")
+
+
+def _derive_output_dir(config: TandemConfig) -> None:
+    if config.runner.output_dir is None:
+        config.runner.output_dir = f"runs/{config.runner.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        config.derived["runner.output_dir"] = "runs/<runner.name>-<start time>"
+
+
+def _validate_cross_section(config: TandemConfig) -> None:
+    buffer, batch = config.rollout_buffer, config.data.rollout_batch_size
+    if buffer.max_buffered_groups < batch:
+        raise ConfigError(
+            f"rollout_buffer.max_buffered_groups={buffer.max_buffered_groups} is smaller than "
+            f"data.rollout_batch_size={batch}: the buffer could never hold one step's worth of groups, so "
+            f"training would wait forever. Set rollout_buffer.max_buffered_groups >= {batch} (default "
+            f"{2 * batch}), or lower data.rollout_batch_size.")
+    if config.runner.async_mode and not config.agentloop.task_name:
+        raise ConfigError(
+            "agentloop.task_name is unset but runner.async_mode=true: async training keys the rollout "
+            "buffer's per-task state by it and stamps it on every rollout request. Set "
+            "agentloop.task_name, e.g. agentloop.task_name=searchr1.")
+    if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
+        raise ConfigError(
+            f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
+            "async mode pauses the engines and syncs weights through the server protocol, which only the "
+            "server backend has. Set rollout.sglang.backend_type=server, or runner.async_mode=false.")
+
+
+def _warnings(config: TandemConfig) -> list[str]:
+    warnings = []
+    staleness = config.agentloop.max_actor_accept_staleness
+    buffered, batch = config.rollout_buffer.max_buffered_groups, config.data.rollout_batch_size
+    natural = math.ceil(buffered / batch)
+    if staleness is not None and staleness < natural:
+        warnings.append(
+            f"agentloop.max_actor_accept_staleness={staleness} is below ceil(max_buffered_groups {buffered} / "
+            f"rollout_batch_size {batch}) = {natural}: groups that wait their turn in a full buffer will "
+            "routinely be dropped as stale, wasting rollouts. Raise the staleness limit or lower "
+            "rollout_buffer.max_buffered_groups.")
+    for warning in warnings:
+        log.warning(warning)
+    return warnings
+
+
+def describe_derived(config: TandemConfig) -> list[str]:
+    return [f"{key} derived: {how}" for key, how in config.derived.items()]

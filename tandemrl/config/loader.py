@@ -1,0 +1,143 @@
+"""Load YAML + Hydra-style dotted overrides into the typed `TandemConfig`.
+
+Invariant: the raw mapping is checked key by key against the dataclass fields before any object
+is built, so every unknown key or wrong type fails with the full dotted key and a suggestion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tandemrl.config.schema import ConfigError, TandemConfig
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TandemConfig:
+    """Read `path` (or only defaults when None), apply `key=value` overrides, build and derive."""
+    from tandemrl.config.derive import derive_and_validate
+
+    raw: dict[str, Any] = {}
+    if path is not None:
+        raw = read_yaml(path)
+    for override in overrides:
+        apply_override(raw, override)
+    config = build(TandemConfig, raw, prefix="")
+    derive_and_validate(config)
+    return config
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file, "
+                          "e.g. examples/searchr1/config/embedded_cpu_async.yaml.")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}.")
+    return raw
+
+
+def apply_override(raw: dict[str, Any], override: str) -> None:
+    """Apply one `a.b.c=value` override; the value is parsed as YAML (`null`, numbers, lists...)."""
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} is not of the form key=value, e.g. data.rollout_batch_size=64.")
+    key, text = override.split("=", 1)
+    key = key.strip().lstrip("+")
+    if not key:
+        raise ConfigError(f"override {override!r} has an empty key.")
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    node = raw
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {part!r} is a value, not a section.")
+        node = child
+    node[parts[-1]] = value
+
+
+def build(cls: type, raw: Any, prefix: str) -> Any:
+    """Build dataclass `cls` from mapping `raw`, checking keys and types; `prefix` is the dotted path."""
+    section = prefix.rstrip(".") or "the top level"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{section}: expected a mapping of keys, got {raw!r}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls) if f.init]
+    for key in raw:
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" Did you mean {prefix}{close[0]}?" if close else f" Known keys: {', '.join(names)}."
+            raise ConfigError(f"unknown key {prefix}{key}: {section} has no such setting.{hint}")
+    kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in raw.items()}
+    return cls(**kwargs)
+
+
+def _convert(hint: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return build(hint, value if value is not None else {}, key + ".")
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            value = [value] if isinstance(value, str) else _type_error(key, value, "a list")
+        return [_convert(args[0], item, f"{key}[{i}]") for i, item in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            _type_error(key, value, "a mapping")
+        return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+    return _convert_scalar(hint, value, key)
+
+
+def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        _type_error(key, value, "true or false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        _type_error(key, value, "an integer")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        _type_error(key, value, "a number")
+    if hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        _type_error(key, value, "a string")
+    return value
+
+
+def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
+    raise ConfigError(f"{key}={value!r}: wrong type, expected {expected} (got {type(value).__name__}). "
+                      f"Fix the value of {key} in the YAML file or the override.")
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """The user-facing keys as nested dicts (internal fields such as `derived` left out)."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+    if isinstance(config, list):
+        return [to_dict(item) for item in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config

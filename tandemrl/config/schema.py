@@ -1,0 +1,276 @@
+"""The typed configuration: one small dataclass per component, all keys of SPEC §3 with their defaults.
+
+Invariant: every user-facing key lives here exactly once, with its default and its check in
+`__post_init__` (user errors raise `ConfigError` naming the key). Cross-section rules and derived
+values live in `derive.py`. This module is pure Python: no torch, no ray.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PAUSE_MODES = ("retract", "in_place", "drain")
+ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
+SGLANG_BACKEND_TYPES = ("server", "engine")
+
+
+class ConfigError(ValueError):
+    """A user error in the configuration; the message names the key, the value, why and how to fix it."""
+
+
+def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {why}. {fix}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(choices)}", f"Set {key} to one of them.")
+
+
+def _check_positive(key: str, value: int | float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    _check(value is not None and value > 0, key, value, "must be > 0", f"Set {key} to a positive number.")
+
+
+@dataclass
+class RunnerConfig:
+    name: str = "searchr1"
+    async_mode: bool = False
+    max_steps: int = 10
+    save_interval: int = 0  # 0: save only at the end
+    val_interval: int = 0  # 0: no validation during training
+    output_dir: str | None = None  # derived: runs/<name>-<time>
+    resume_from: str | None = None
+    seed: int = 1
+    engine_health_interval_s: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("runner.max_steps", self.max_steps)
+        _check(self.save_interval >= 0, "runner.save_interval", self.save_interval, "must be >= 0",
+               "Use 0 to save only at the end of the run.")
+        _check(self.val_interval >= 0, "runner.val_interval", self.val_interval, "must be >= 0",
+               "Use 0 to disable validation during training.")
+
+
+@dataclass
+class AgentLoopConfig:
+    task_name: str | None = None
+    max_turns: int = 4
+    max_actor_accept_staleness: int | None = None  # None: unlimited
+    max_response_tokens: int = 512  # model + tool tokens after the prompt
+    max_new_tokens_per_turn: int = 256
+    max_info_tokens: int = 256  # per information block; documents are truncated to fit
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    format_reward: bool = False  # Search-R1's structure score on top of exact match
+
+    def __post_init__(self):
+        _check(self.max_turns >= 0, "agentloop.max_turns", self.max_turns, "must be >= 0",
+               "Use 0 for answer-only trajectories.")
+        if self.max_actor_accept_staleness is not None:
+            _check(self.max_actor_accept_staleness >= 0, "agentloop.max_actor_accept_staleness",
+                   self.max_actor_accept_staleness, "must be >= 0", "Use null for unlimited staleness.")
+        for key in ("max_response_tokens", "max_new_tokens_per_turn", "max_info_tokens"):
+            _check_positive(f"agentloop.{key}", getattr(self, key))
+        _check(self.temperature >= 0, "agentloop.temperature", self.temperature, "must be >= 0",
+               "Use 0 for greedy decoding.")
+        _check(0 < self.top_p <= 1, "agentloop.top_p", self.top_p, "must be in (0, 1]", "Use 1.0 to disable.")
+
+
+@dataclass
+class ModelConfig:
+    model_path: str | None = None  # None: the embedded SmolLM2 directory under $TANDEM_HOME
+
+
+@dataclass
+class SglangConfig:
+    backend_type: str = "server"
+
+    def __post_init__(self):
+        _check_choice("rollout.sglang.backend_type", self.backend_type, SGLANG_BACKEND_TYPES)
+
+
+@dataclass
+class RolloutConfig:
+    pause_mode: str = "retract"
+    backend: str = "embedded"
+    sglang: SglangConfig = field(default_factory=SglangConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    max_running_requests: int = 64
+    instances: int | None = None  # None: 1, or derived from cluster.component_placement
+    tensor_parallel_size: int = 1
+    server_addrs: list[str] = field(default_factory=list)  # external engines (sglang/vllm backends)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_context_len: int = 4096
+    weight_sync: str = "auto"  # auto | gloo | nccl | cuda_ipc
+    sync_bucket_mb: int = 256
+    startup_timeout_s: float = 300.0
+
+    def __post_init__(self):
+        _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc"))
+        _check_positive("rollout.max_running_requests", self.max_running_requests)
+        _check_positive("rollout.instances", self.instances, allow_none=True)
+        _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("rollout.max_context_len", self.max_context_len)
+        _check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+
+
+@dataclass
+class RolloutBufferConfig:
+    max_inflight_groups: int | None = None  # derived when unset
+    max_buffered_groups: int | None = None  # derived: 2 x rollout_batch_size
+    max_dropped_groups_per_step: int | None = None  # derived: 10 x rollout_batch_size
+
+    def __post_init__(self):
+        for key in ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step"):
+            _check_positive(f"rollout_buffer.{key}", getattr(self, key), allow_none=True)
+
+
+@dataclass
+class DownSamplingRulesConfig:
+    reject_equal_reward: bool = False
+
+
+@dataclass
+class DownSamplingConfig:
+    down_sampling_config: DownSamplingRulesConfig = field(default_factory=DownSamplingRulesConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 4
+    n_minibatches: int = 4
+    recompute_logprobs: bool = False
+    ratio_clip_eps: float = 0.2
+    ratio_clip_eps_high: float | None = None  # None: same as ratio_clip_eps
+    dual_clip_c: float | None = None  # e.g. 3.0; None disables the dual clip
+    norm_adv_by_std: bool = True
+    kl_coef: float = 0.0  # low-variance KL to the reference model; 0 disables it
+
+    def __post_init__(self):
+        _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.n_minibatches", self.n_minibatches)
+        _check_positive("algorithm.ratio_clip_eps", self.ratio_clip_eps)
+        _check_positive("algorithm.ratio_clip_eps_high", self.ratio_clip_eps_high, allow_none=True)
+        if self.dual_clip_c is not None:
+            _check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "must be > 1",
+                   "Use e.g. 3.0, or null to disable the dual clip.")
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0  # in parameter updates
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        _check(self.lr >= 0, "actor.optim.lr", self.lr, "must be >= 0", "Set a non-negative learning rate.")
+        _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check(len(self.betas) == 2, "actor.optim.betas", self.betas, "must hold two numbers",
+               "Use e.g. [0.9, 0.999].")
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    micro_batch_tokens: int = 8192
+    gradient_checkpointing: bool = False
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    num_ranks: int = 1
+
+    def __post_init__(self):
+        _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens)
+        _check_positive("actor.num_ranks", self.num_ranks)
+        _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+
+
+@dataclass
+class DataConfig:
+    train_data_paths: list[str] = field(default_factory=list)
+    val_data_paths: list[str] = field(default_factory=list)
+    rollout_batch_size: int = 8
+    seed: int = 1
+    shuffle: bool = True
+    val_limit: int | None = None
+
+    def __post_init__(self):
+        _check_positive("data.rollout_batch_size", self.rollout_batch_size)
+        _check_positive("data.val_limit", self.val_limit, allow_none=True)
+
+
+@dataclass
+class SearchToolConfig:
+    server_addr: str = "127.0.0.1:8000"
+    topk: int = 3
+    timeout_s: float = 10.0
+    max_retries: int = 3
+    backoff_s: float = 0.5
+
+    def __post_init__(self):
+        _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
+        _check(":" in self.server_addr, "tools.search.server_addr", self.server_addr, "must be host:port",
+               "Use e.g. 127.0.0.1:8000.")
+        _check(self.max_retries >= 0, "tools.search.max_retries", self.max_retries, "must be >= 0",
+               "Use 0 to disable retries.")
+
+
+@dataclass
+class ToolsConfig:
+    search: SearchToolConfig = field(default_factory=SearchToolConfig)
+
+
+@dataclass
+class RetrievalConfig:
+    launch: bool = True  # start the retrieval server for the run (False: use tools.search.server_addr)
+    index_dir: str | None = None  # None: the default KB's index under $TANDEM_HOME
+    corpus_path: str | None = None  # None: the default KB's corpus
+    encoder: str = "minilm"  # minilm | e5 | a sentence-transformers directory
+    mode: str = "dense"  # dense | bm25 | hybrid
+
+    def __post_init__(self):
+        _check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
+
+
+@dataclass
+class ClusterConfig:
+    num_nodes: int = 1
+    num_gpus_per_node: int = 0
+    component_placement: dict[str, str] = field(default_factory=dict)  # e.g. {actor: "0-7", rollout: "8-15"}
+
+    def __post_init__(self):
+        _check_positive("cluster.num_nodes", self.num_nodes)
+        for component in self.component_placement:
+            _check(component in ("actor", "rollout", "actor,rollout"), "cluster.component_placement",
+                   component, "names an unknown component", "Use the components actor and rollout.")
+
+
+@dataclass
+class TandemConfig:
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    agentloop: AgentLoopConfig = field(default_factory=AgentLoopConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rollout_buffer: RolloutBufferConfig = field(default_factory=RolloutBufferConfig)
+    down_sampling: DownSamplingConfig = field(default_factory=DownSamplingConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # key -> how its value was derived; filled by derive.derive_and_validate, never read from YAML
+    derived: dict[str, str] = field(default_factory=dict, init=False, repr=False)

@@ -1,0 +1,32 @@
+"""`tandem config show`: the resolved configuration as YAML, derived values marked with a comment."""
+
+from __future__ import annotations
+
+import argparse
+
+import yaml
+
+from tandemrl.config.loader import load_config, to_dict
+
+
+def render(config) -> str:
+    """YAML of every key; a derived key carries `# derived: <how>` on its line."""
+    lines = yaml.safe_dump(to_dict(config), sort_keys=False, default_flow_style=False).splitlines()
+    out, path = [], []
+    for line in lines:
+        stripped = line.lstrip()
+        depth = (len(line) - len(stripped)) // 2
+        key = stripped.split(":", 1)[0]
+        if stripped.startswith("- ") or ":" not in stripped:
+            out.append(line)
+            continue
+        path = path[:depth] + [key]
+        how = config.derived.get(".".join(path))
+        out.append(f"{line}  # derived: {how}" if how else line)
+    return "\n".join(out)
+
+
+def run_show(args: argparse.Namespace) -> int:
+    config = load_config(args.config, args.overrides)
+    print(render(config))
+    return 0

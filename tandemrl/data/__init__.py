@@ -1,0 +1,1 @@
+"""Datasets, the resumable prompt loader, the knowledge-base generator and converters."""

@@ -1,0 +1,1 @@
+"""Metric logging (TensorBoard, console) and plots."""

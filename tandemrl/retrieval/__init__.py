@@ -1,0 +1,1 @@
+"""Encoders, the Qdrant store, the index builder and the Search-R1 /retrieve HTTP server."""

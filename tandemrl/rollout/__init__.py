@@ -1,0 +1,1 @@
+"""Engine clients (SGLang and vLLM protocols), the engine pool, pause protocol and weight sync."""

@@ -1,0 +1,1 @@
+"""The sync and async runners: the top-level loops."""

@@ -1,0 +1,1 @@
+"""The actor: advantages, loss, micro-batching, FSDP2, checkpoints, SFT."""

@@ -1,0 +1,52 @@
+"""Shared fixtures: the prepared SmolLM2 directory and tiny random models built from a config.
+
+Area-specific fixtures live next to their tests; this file only holds what several areas share.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct HF directory, prepared once under $TANDEM_HOME."""
+    from tandemrl.data.prepare_model import prepare_model
+
+    return prepare_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory, smollm2_dir):
+    from tests.tiny_models import make_tiny_model_dir
+
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    def make(arch: str = "llama", seed: int = 0) -> Path:
+        return make_tiny_model_dir(root / f"{arch}-{seed}", smollm2_dir, arch=arch, seed=seed)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tiny_model_factory) -> Path:
+    return tiny_model_factory("qwen2")

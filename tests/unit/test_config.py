@@ -1,0 +1,194 @@
+"""Every validation rule and every derivation of the configuration (SPEC §3, issue Foundation)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandemrl.config.derive import derive_and_validate, parse_gpu_range
+from tandemrl.config.loader import apply_override, load_config
+from tandemrl.config.schema import ConfigError, TandemConfig
+from tandemrl.config.show import render
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "searchr1" / "config"
+GLM = CONFIGS / "train_glm4.7_flash_2node_async.yaml"
+ASYNC = CONFIGS / "embedded_cpu_async.yaml"
+SYNC = CONFIGS / "embedded_cpu_sync.yaml"
+
+
+def test_defaults_match_spec():
+    config = load_config(None)
+    assert config.runner.async_mode is False
+    assert config.agentloop.max_turns == 4
+    assert config.agentloop.max_actor_accept_staleness is None
+    assert config.rollout.pause_mode == "retract"
+    assert config.rollout.backend == "embedded"
+    assert config.rollout.sglang.backend_type == "server"
+    assert config.rollout.instances == 1 and config.rollout.tensor_parallel_size == 1
+    assert config.down_sampling.down_sampling_config.reject_equal_reward is False
+    assert (config.algorithm.group_size, config.algorithm.n_minibatches) == (4, 4)
+    assert config.algorithm.recompute_logprobs is False
+    assert config.tools.search.server_addr == "127.0.0.1:8000" and config.tools.search.topk == 3
+    assert config.runner.output_dir.startswith("runs/searchr1-")
+
+
+@pytest.mark.parametrize("path", [GLM, ASYNC, SYNC])
+def test_example_configs_load(path):
+    config = load_config(path)
+    assert isinstance(config, TandemConfig)
+
+
+def test_reference_recipe_derives_77_and_256():
+    config = load_config(GLM)
+    assert config.rollout.instances == 2
+    assert config.rollout_buffer.max_inflight_groups == 77
+    assert config.rollout_buffer.max_buffered_groups == 256
+    assert config.rollout_buffer.max_dropped_groups_per_step == 1280
+    for key in ("rollout_buffer.max_inflight_groups", "rollout_buffer.max_buffered_groups",
+                "rollout_buffer.max_dropped_groups_per_step", "rollout.instances"):
+        assert key in config.derived
+    shown = render(config)
+    assert "max_inflight_groups: 77  # derived" in shown
+    assert "max_buffered_groups: 256  # derived" in shown
+
+
+def test_inflight_derivation_rounds_up():
+    config = load_config(None, ["rollout.max_running_requests=10", "rollout.instances=3",
+                                "algorithm.group_size=8"])
+    assert config.rollout_buffer.max_inflight_groups == 5  # ceil(10*3*1.2/8) = ceil(4.5)
+
+
+def test_explicit_values_are_not_derived():
+    config = load_config(None, ["rollout_buffer.max_inflight_groups=3", "rollout_buffer.max_buffered_groups=20",
+                                "rollout_buffer.max_dropped_groups_per_step=7", "runner.output_dir=/tmp/x"])
+    assert config.rollout_buffer.max_inflight_groups == 3
+    assert config.rollout_buffer.max_buffered_groups == 20
+    assert config.rollout_buffer.max_dropped_groups_per_step == 7
+    assert not {"rollout_buffer.max_inflight_groups", "runner.output_dir"} & set(config.derived)
+    assert "max_inflight_groups: 3\n" in render(config) + "\n"
+
+
+def test_buffered_and_dropped_follow_batch_size():
+    config = load_config(None, ["data.rollout_batch_size=12"])
+    assert config.rollout_buffer.max_buffered_groups == 24
+    assert config.rollout_buffer.max_dropped_groups_per_step == 120
+
+
+def test_instances_from_placement_must_divide_by_tp():
+    with pytest.raises(ConfigError, match="tensor_parallel_size"):
+        load_config(None, ["cluster.component_placement={rollout: '0-6'}", "rollout.tensor_parallel_size=2"])
+    assert parse_gpu_range("0,2,4-5", "k") == [0, 2, 4, 5]
+    with pytest.raises(ConfigError, match="not a GPU range"):
+        parse_gpu_range("a-b", "cluster.component_placement.rollout")
+
+
+def test_buffer_smaller_than_batch_is_one_clear_error():
+    with pytest.raises(ConfigError) as info:
+        load_config(ASYNC, ["data.rollout_batch_size=64", "rollout_buffer.max_buffered_groups=10"])
+    message = str(info.value)
+    assert "rollout_buffer.max_buffered_groups" in message and "10" in message and "64" in message
+    assert "Set rollout_buffer.max_buffered_groups >= 64" in message
+
+
+def test_unknown_key_suggests_the_close_one():
+    with pytest.raises(ConfigError, match=r"unknown key rollout\.pause_mod\b.*Did you mean rollout\.pause_mode"):
+        load_config(ASYNC, ["rollout.pause_mod=drain"])
+    with pytest.raises(ConfigError, match="unknown key nonsense"):
+        load_config(None, ["nonsense.key=1"])
+
+
+def test_unknown_key_in_yaml_is_rejected(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("algorithm:\n  group_sise: 4\n")
+    with pytest.raises(ConfigError, match="algorithm.group_sise.*Did you mean algorithm.group_size"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("override, key", [
+    ("agentloop.max_turns=abc", "agentloop.max_turns"),
+    ("runner.async_mode=3", "runner.async_mode"),
+    ("algorithm.ratio_clip_eps=high", "algorithm.ratio_clip_eps"),
+    ("data.train_data_paths={a: 1}", "data.train_data_paths"),
+    ("rollout=3", "rollout"),
+])
+def test_wrong_types_name_the_key(override, key):
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_async_requires_task_name():
+    with pytest.raises(ConfigError, match="agentloop.task_name"):
+        load_config(ASYNC, ["agentloop.task_name=null"])
+    assert load_config(SYNC, ["agentloop.task_name=null"]).agentloop.task_name is None
+
+
+def test_async_requires_server_backend():
+    with pytest.raises(ConfigError, match="rollout.sglang.backend_type"):
+        load_config(ASYNC, ["rollout.sglang.backend_type=engine"])
+    load_config(SYNC, ["rollout.sglang.backend_type=engine"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("rollout.pause_mode=abort", "rollout.pause_mode"),
+    ("rollout.backend=tgi", "rollout.backend"),
+    ("rollout.sglang.backend_type=grpc", "rollout.sglang.backend_type"),
+    ("algorithm.group_size=0", "algorithm.group_size"),
+    ("data.rollout_batch_size=-1", "data.rollout_batch_size"),
+    ("tools.search.topk=51", "tools.search.topk"),
+    ("tools.search.server_addr=localhost", "tools.search.server_addr"),
+    ("agentloop.max_actor_accept_staleness=-1", "agentloop.max_actor_accept_staleness"),
+    ("algorithm.dual_clip_c=0.5", "algorithm.dual_clip_c"),
+    ("actor.optim.lr_schedule=linear", "actor.optim.lr_schedule"),
+    ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
+    ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
+])
+def test_bad_values_name_key_and_fix(override, key):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert key in str(info.value)
+
+
+def test_staleness_warning(caplog):
+    config = load_config(None, ["data.rollout_batch_size=4", "rollout_buffer.max_buffered_groups=12"])
+    config.agentloop.max_actor_accept_staleness = 2  # < ceil(12 / 4) = 3
+    with caplog.at_level(logging.WARNING):
+        warnings = derive_and_validate(config)
+    assert len(warnings) == 1 and "max_actor_accept_staleness=2" in warnings[0]
+    assert "max_actor_accept_staleness=2" in caplog.text
+    config.agentloop.max_actor_accept_staleness = 3
+    assert derive_and_validate(config) == []
+
+
+def test_overrides_parse_yaml_values():
+    raw: dict = {}
+    apply_override(raw, "data.train_data_paths=[a.jsonl, b.parquet]")
+    apply_override(raw, "agentloop.max_actor_accept_staleness=null")
+    apply_override(raw, "+runner.name=x")
+    assert raw == {"data": {"train_data_paths": ["a.jsonl", "b.parquet"]},
+                   "agentloop": {"max_actor_accept_staleness": None}, "runner": {"name": "x"}}
+    with pytest.raises(ConfigError, match="key=value"):
+        apply_override(raw, "data.rollout_batch_size")
+
+
+def test_missing_file_names_the_path(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def _tandem(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tandemrl.cli", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_cli_config_show_marks_derived_and_fails_cleanly():
+    ok = _tandem("config", "show", str(GLM))
+    assert ok.returncode == 0, ok.stderr
+    assert "max_inflight_groups: 77  # derived" in ok.stdout
+    bad = _tandem("config", "show", str(ASYNC), "data.rollout_batch_size=64", "rollout_buffer.max_buffered_groups=10")
+    assert bad.returncode != 0
+    assert "rollout_buffer.max_buffered_groups" in bad.stderr and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1

@@ -183,9 +183,30 @@ class OptimConfig:
 
 
 @dataclass
+class SftConfig:
+    """`tandem sft`: the supervised cold start on knowledge-base demonstrations."""
+
+    demos_path: str | None = None  # None: demos.jsonl of the default KB under $TANDEM_HOME
+    rendered_path: str | None = None  # jsonl of {"input_ids", "loss_mask"}: skip rendering (no retriever)
+    num_demos: int | None = None  # seeded subset of the demos (the cold-start size knob); None: all
+    num_epochs: int = 1
+    batch_size: int = 16  # demonstrations per parameter update
+    lr: float = 1e-5
+    skip_on_miss: bool = True  # drop demos whose searches miss the fact they rely on
+    out_dir: str | None = None  # None: <runner.output_dir>/sft_model (an HF directory)
+
+    def __post_init__(self):
+        _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
+        _check_positive("actor.sft.num_epochs", self.num_epochs)
+        _check_positive("actor.sft.batch_size", self.batch_size)
+        _check(self.lr >= 0, "actor.sft.lr", self.lr, "must be >= 0", "Use e.g. 1e-5.")
+
+
+@dataclass
 class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
     micro_batch_tokens: int = 8192
     gradient_checkpointing: bool = False
     device: str = "auto"
@@ -251,6 +272,8 @@ class ClusterConfig:
     num_nodes: int = 1
     num_gpus_per_node: int = 0
     component_placement: dict[str, str] = field(default_factory=dict)  # e.g. {actor: "0-7", rollout: "8-15"}
+    use_ray: bool = True  # the actor runs as a Ray actor; false: in the runner's process
+    ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Train with one of the example configs, like RLinf's recipe scripts:
+#   examples/searchr1/run_train.sh CONFIG_NAME [key=value ...]
+# CONFIG_NAME names examples/searchr1/config/CONFIG_NAME.yaml (e.g. embedded_cpu_async); the overrides
+# are Hydra-style dotted keys (e.g. runner.max_steps=10 data.rollout_batch_size=8).
+# On a Ray cluster, run `ray start` on every node first and pass cluster.ray_address=auto.
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+    echo "usage: $0 CONFIG_NAME [key=value ...]" >&2
+    echo "configs:" >&2
+    ls "$(dirname "$0")/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
+    exit 2
+fi
+
+CONFIG_NAME="$1"
+shift
+CONFIG_PATH="$(cd "$(dirname "$0")" && pwd)/config/${CONFIG_NAME%.yaml}.yaml"
+if [ ! -f "$CONFIG_PATH" ]; then
+    echo "$0: no config $CONFIG_PATH; choose one of:" >&2
+    ls "$(dirname "$0")/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
+    exit 2
+fi
+
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
+export TOKENIZERS_PARALLELISM="${TOKENIZERS_PARALLELISM:-false}"
+TANDEM="${TANDEM:-tandem}"
+if ! command -v "$TANDEM" >/dev/null 2>&1; then
+    TANDEM="python -m tandemrl.cli"
+fi
+exec $TANDEM train "$CONFIG_PATH" "$@"

@@ -1,0 +1,184 @@
+"""`tandem eval CONFIG [--split test] [--limit N] [--out PATH]`: greedy Search-R1 evaluation.
+
+Starts what the config names (an embedded engine, unless external engines are given, and the
+retrieval server over the index, unless `retrieval.launch` is false), runs one greedy trajectory
+per question, and reports exact match per data source and overall, with mean searches and turns.
+Invariant: every question of the selected split (up to `--limit`, in file order) is evaluated
+exactly once, and every trajectory is written in full to the jsonl.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections import defaultdict
+from pathlib import Path
+
+from tandemrl.agent.loop import Trajectory, run_trajectory
+from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
+
+log = logging.getLogger(__name__)
+
+OVERALL = "overall"
+
+
+async def evaluate_prompts(prompts: list, engine, search, tokenizer, cfg: AgentLoopConfig,
+                           max_concurrency: int = 64) -> list[Trajectory]:
+    """One greedy trajectory per prompt, at most `max_concurrency` at a time; results in prompt order."""
+    semaphore = asyncio.Semaphore(max_concurrency)
+
+    async def one(prompt) -> Trajectory:
+        async with semaphore:
+            return await run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=True)
+
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(one(prompt)) for prompt in prompts]
+    return [task.result() for task in tasks]
+
+
+def summarize(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
+    """Per data source and overall: count, EM, mean searches, turns, response length, search errors."""
+    by_source: dict[str, list[Trajectory]] = defaultdict(list)
+    for traj in trajectories:
+        by_source[traj.data_source].append(traj)
+        by_source[OVERALL].append(traj)
+    summary = {}
+    for source in sorted(by_source, key=lambda s: (s == OVERALL, s)):
+        trajs = by_source[source]
+        num = len(trajs)
+        summary[source] = {
+            "num": num,
+            "em": sum(t.em for t in trajs) / num,
+            "reward": sum(t.reward for t in trajs) / num,
+            "searches": sum(t.num_searches for t in trajs) / num,
+            "turns": sum(t.num_turns for t in trajs) / num,
+            "response_length": sum(t.response_length for t in trajs) / num,
+            "answered": sum(t.answer is not None for t in trajs) / num,
+            "search_errors": sum(t.num_search_errors for t in trajs),
+        }
+    return summary
+
+
+def format_summary(summary: dict[str, dict[str, float]]) -> str:
+    columns = ["num", "em", "searches", "turns", "response_length", "answered", "search_errors"]
+    width = max(len(OVERALL), *(len(source) for source in summary)) + 2
+    lines = ["source".ljust(width) + "".join(c.rjust(16) for c in columns)]
+    for source, row in summary.items():
+        cells = [f"{row[c]:.0f}" if c in ("num", "search_errors") else f"{row[c]:.3f}" for c in columns]
+        lines.append(source.ljust(width) + "".join(cell.rjust(16) for cell in cells))
+    return "\n".join(lines)
+
+
+def split_paths(config: TandemConfig, split: str) -> list[str]:
+    """The question files of `split`: the config's data paths for train/val, else the KB's split file."""
+    configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
+    if configured:
+        return list(configured)
+    from tandemrl.data.home import default_kb_dir
+
+    kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
+    path = kb_dir / f"{split}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
+                                "default knowledge base, or set retrieval.corpus_path next to your split files.")
+    return [str(path)]
+
+
+@contextlib.contextmanager
+def engine_url(config: TandemConfig):
+    """The URL of an engine serving the policy: the first external one, or an embedded one we start."""
+    rollout = config.rollout
+    if rollout.backend != "embedded":
+        if not rollout.server_addrs:
+            raise ConfigError(f"rollout.backend={rollout.backend!r} but rollout.server_addrs is empty: evaluation "
+                              "needs a running engine. Set rollout.server_addrs=[host:port].")
+        addr = rollout.server_addrs[0]
+        yield addr if addr.startswith("http") else f"http://{addr}"
+        return
+    from tandemrl.data.prepare_model import prepare_model
+    from tandemrl.rollout.engine_process import EngineProcess
+
+    model_path = rollout.model.model_path or str(prepare_model())
+    device, dtype = resolve_device_dtype(rollout.device, rollout.dtype)
+    with EngineProcess(model_path, device=device, dtype=dtype, max_running_requests=rollout.max_running_requests,
+                       max_context_len=rollout.max_context_len, seed=config.runner.seed) as engine:
+        yield engine.url
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
+
+
+@contextlib.contextmanager
+def retrieval_addr(config: TandemConfig):
+    """The retrieval server's host:port: ours over the index when `retrieval.launch`, else the configured one."""
+    if not config.retrieval.launch:
+        yield config.tools.search.server_addr
+        return
+    from tandemrl.data.home import default_index_dir
+    from tandemrl.retrieval.server_process import RetrievalServerProcess
+
+    index_dir = Path(config.retrieval.index_dir or default_index_dir())
+    if not index_dir.exists():
+        raise FileNotFoundError(f"retrieval index {index_dir} does not exist. Run `tandem prepare all` (default KB) "
+                                "or `tandem index build`, or set retrieval.index_dir.")
+    with RetrievalServerProcess(index_dir, mode=config.retrieval.mode) as server:
+        yield server.addr
+
+
+def run_eval(args) -> int:
+    from transformers import AutoTokenizer
+
+    from tandemrl.config.loader import load_config
+
+    config = load_config(args.config, args.overrides)
+    from tandemrl.data.loader import load_prompts
+
+    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
+    out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
+    start_s = time.monotonic()
+    with engine_url(config) as url, retrieval_addr(config) as addr:
+        model_path = config.rollout.model.model_path or _default_model_path()
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        log.info("evaluating %d %s questions (engine %s, retrieval %s)", len(prompts), args.split, url, addr)
+        trajectories = asyncio.run(_evaluate(config, prompts, url, addr, tokenizer))
+    elapsed_s = time.monotonic() - start_s
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w") as stream:
+        for traj in trajectories:
+            stream.write(json.dumps(traj.to_dict()) + "\n")
+    summary = summarize(trajectories)
+    print(format_summary(summary))
+    print(f"{len(trajectories)} questions in {elapsed_s:.1f} s; trajectories written to {out}")
+    return 0
+
+
+def _default_model_path() -> str:
+    from tandemrl.data.prepare_model import prepare_model
+
+    return str(prepare_model())
+
+
+async def _evaluate(config: TandemConfig, prompts: list, url: str, addr: str, tokenizer) -> list[Trajectory]:
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.rollout.client import EngineClient
+
+    search_cfg = config.tools.search
+    engine = EngineClient(url)
+    search = SearchTool(addr, topk=search_cfg.topk, timeout_s=search_cfg.timeout_s,
+                        max_retries=search_cfg.max_retries, backoff_s=search_cfg.backoff_s)
+    try:
+        return await evaluate_prompts(prompts, engine, search, tokenizer, config.agentloop,
+                                      max_concurrency=config.rollout.max_running_requests)
+    finally:
+        await engine.close()
+        await search.close()

@@ -1,0 +1,233 @@
+"""The Search-R1 agent loop: one trajectory = generate, parse, search, insert the results, repeat.
+
+    prompt ids ─► engine.generate (stop at </search>, </answer>, EOS) ─► parse the turn's action
+        answer  ─► done
+        search  ─► search tool ─► information block (masked) ─► next turn
+        invalid ─► Search-R1's correction message (masked)    ─► next turn
+
+Invariants:
+- token in, token out: the ids the engine sampled are appended exactly as returned, with their
+  logprobs and weight versions and loss mask 1; only tool text (information blocks, correction
+  messages) is tokenized here, and it gets mask 0, logprob 0.0 and weight version -1.
+- budgets: the response (model + tool tokens after the prompt) never exceeds
+  `max_response_tokens`; one information block never exceeds `max_info_tokens`.
+- turns: at most `max_turns + 1` generation turns, so at most `max_turns` searches, and the
+  last turn must answer (as in Search-R1). A search in that last turn is not run: the model gets
+  the masked "answer now" message and one grace turn; anything but an answer then ends the
+  trajectory with finish_reason "max_turns". An invalid last turn ends it at once.
+- a retrieval failure (SearchError after the tool's retries) becomes an error text inside the
+  information block, is counted in `num_search_errors`, and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from tandemrl.agent.parser import ANSWER, SEARCH, extract_answer, parse_action
+from tandemrl.agent.prompt import (
+    ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, STOP_STRINGS, build_prompt_ids, encode_text,
+    format_information, format_message)
+from tandemrl.agent.reward import compute_reward, em_check
+from tandemrl.agent.search_tool import SearchError
+
+if TYPE_CHECKING:
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.config.schema import AgentLoopConfig
+    from tandemrl.data.loader import Prompt
+    from tandemrl.rollout.client import EngineClient, GenerateResult
+
+# finish reasons of a trajectory
+FINISH_ANSWER = "answer"  # the model answered
+FINISH_LENGTH = "length"  # max_response_tokens reached
+FINISH_MAX_TURNS = "max_turns"  # the last (or grace) turn did not answer
+FINISH_ABORT = "abort"  # the engine aborted the request (e.g. pause_generation(mode="abort"))
+
+
+@dataclass
+class Trajectory:
+    """One rollout; every per-token list is aligned with `response_ids`."""
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)  # 1 on model-sampled tokens, 0 on tool text
+    rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
+    weight_versions: list[int] = field(default_factory=list)  # -1 where mask is 0 (or unknown)
+    searches: list[str] = field(default_factory=list)  # the queries sent to the retriever
+    num_turns: int = 0  # generation requests made
+    finish_reason: str = ""
+    reward: float = 0.0
+    em: float = 0.0  # exact match of the answer alone (the reward without any format score)
+    prompt_id: str = ""
+    data_source: str = ""
+    task_name: str | None = None
+    sample_index: int = 0  # position in its group
+    question: str = ""
+    golden_answers: list[str] = field(default_factory=list)
+    answer: str | None = None  # the last <answer> of the response
+    response_text: str = ""  # the transcript after the prompt: decoded model turns + tool text
+    num_search_errors: int = 0
+    num_invalid_actions: int = 0
+
+    @property
+    def response_length(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def num_searches(self) -> int:
+        return len(self.searches)
+
+    @property
+    def min_weight_version(self) -> int | None:
+        """The earliest policy version among the model's tokens (None without any)."""
+        versions = [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m and v >= 0]
+        return min(versions) if versions else None
+
+    @property
+    def max_weight_version(self) -> int | None:
+        versions = [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m and v >= 0]
+        return max(versions) if versions else None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+async def run_group(prompt: Prompt, group_size: int, engine: EngineClient, search: SearchTool, tokenizer,
+                    cfg: AgentLoopConfig, greedy: bool = False) -> list[Trajectory]:
+    """The `group_size` trajectories of one prompt, run concurrently; returns when all are done.
+
+    If one trajectory fails, the others are cancelled and the error propagates.
+    """
+    prompt_ids = build_prompt_ids(tokenizer, prompt.question)
+    async with asyncio.TaskGroup() as group:
+        tasks = [group.create_task(run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=greedy,
+                                                  sample_index=i, prompt_ids=prompt_ids))
+                 for i in range(group_size)]
+    return [task.result() for task in tasks]
+
+
+async def run_trajectory(prompt: Prompt, engine: EngineClient, search: SearchTool, tokenizer,
+                         cfg: AgentLoopConfig, greedy: bool = False, sample_index: int = 0,
+                         prompt_ids: list[int] | None = None) -> Trajectory:
+    """Run one Search-R1 trajectory to its end and score it."""
+    traj = Trajectory(
+        prompt_ids=list(prompt_ids) if prompt_ids is not None else build_prompt_ids(tokenizer, prompt.question),
+        prompt_id=prompt.prompt_id, data_source=prompt.data_source, task_name=cfg.task_name,
+        sample_index=sample_index, question=prompt.question, golden_answers=list(prompt.golden_answers))
+    rid_prefix = f"{cfg.task_name or 'agent'}-{prompt.prompt_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
+    is_grace_turn = False
+    while True:
+        max_new_tokens = min(cfg.max_new_tokens_per_turn, _remaining(traj, cfg))
+        if max_new_tokens <= 0:
+            traj.finish_reason = FINISH_LENGTH
+            break
+        result = await engine.generate(
+            traj.prompt_ids + traj.response_ids, sampling_params(cfg, tokenizer, max_new_tokens, greedy),
+            rid=f"{rid_prefix}-t{traj.num_turns}", extra={"task_name": cfg.task_name})
+        traj.num_turns += 1
+        turn_text = _append_model_tokens(traj, result, tokenizer)
+        if result.finish_reason == "abort":
+            traj.finish_reason = FINISH_ABORT
+            break
+        action = parse_action(turn_text)
+        if action.kind == ANSWER:
+            traj.finish_reason = FINISH_ANSWER
+            break
+        is_last_turn = is_grace_turn or traj.num_turns > cfg.max_turns
+        if is_last_turn and (is_grace_turn or action.kind != SEARCH):
+            traj.finish_reason = FINISH_MAX_TURNS
+            break
+        if action.kind == SEARCH and is_last_turn:
+            is_grace_turn = True
+            message = ANSWER_NOW_TEXT
+        elif action.kind == SEARCH:
+            message = await _search(traj, action.content, search, tokenizer, cfg)
+        else:
+            traj.num_invalid_actions += 1
+            message = INVALID_ACTION_TEXT
+        if message is None or not _append_tool_text(traj, message, tokenizer, cfg):
+            traj.finish_reason = FINISH_LENGTH
+            break
+    _score(traj, tokenizer, cfg)
+    return traj
+
+
+def sampling_params(cfg: AgentLoopConfig, tokenizer, max_new_tokens: int, greedy: bool) -> dict:
+    """SGLang sampling params of one turn: stop at the closing tags or at end of sequence."""
+    params = {"max_new_tokens": max_new_tokens, "stop": list(STOP_STRINGS)}
+    if tokenizer.eos_token_id is not None:
+        params["stop_token_ids"] = [tokenizer.eos_token_id]
+    if greedy:
+        params.update(temperature=0.0, top_p=1.0, top_k=-1)
+    else:
+        params.update(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    return params
+
+
+def _remaining(traj: Trajectory, cfg: AgentLoopConfig) -> int:
+    return cfg.max_response_tokens - len(traj.response_ids)
+
+
+def _append_model_tokens(traj: Trajectory, result: GenerateResult, tokenizer) -> str:
+    """Append the engine's ids untouched; returns the turn's text (for parsing and the transcript)."""
+    num_tokens = len(result.output_ids)
+    if len(result.output_logprobs) != num_tokens:
+        raise ValueError(f"engine returned {num_tokens} output ids but {len(result.output_logprobs)} logprobs; "
+                         "the agent loop needs the logprob of every sampled token (check the engine's "
+                         "return_logprob support).")
+    versions = result.weight_versions
+    if versions is None:  # a real SGLang reports one version per request, not per token
+        versions = [_parse_version(result.weight_version)] * num_tokens
+    assert len(versions) == num_tokens, "engine returned a weight version per token of another length"
+    traj.response_ids.extend(result.output_ids)
+    traj.loss_mask.extend([1] * num_tokens)
+    traj.rollout_logprobs.extend(float(lp) for lp in result.output_logprobs)
+    traj.weight_versions.extend(int(v) for v in versions)
+    turn_text = tokenizer.decode(result.output_ids)
+    traj.response_text += turn_text
+    return turn_text
+
+
+def _append_tool_text(traj: Trajectory, text: str, tokenizer, cfg: AgentLoopConfig) -> bool:
+    """Append masked tool text; False (nothing appended) when it would leave no token for the model."""
+    ids = encode_text(tokenizer, text)
+    if len(ids) >= _remaining(traj, cfg):
+        return False
+    traj.response_ids.extend(ids)
+    traj.loss_mask.extend([0] * len(ids))
+    traj.rollout_logprobs.extend([0.0] * len(ids))
+    traj.weight_versions.extend([-1] * len(ids))
+    traj.response_text += text
+    return True
+
+
+async def _search(traj: Trajectory, query: str, search: SearchTool, tokenizer,
+                  cfg: AgentLoopConfig) -> str | None:
+    """The information block for `query` (or an error text in one); None when no block fits."""
+    budget = min(cfg.max_info_tokens, _remaining(traj, cfg) - 1)
+    if budget < len(encode_text(tokenizer, INFO_OPEN + INFO_CLOSE)):
+        return None
+    traj.searches.append(query)
+    try:
+        docs = (await search.search([query]))[0]
+    except SearchError as error:
+        traj.num_search_errors += 1
+        return format_message(f"{INFO_OPEN}{error}{INFO_CLOSE}", tokenizer, budget)  # "search failed: ..."
+    return format_information(docs, tokenizer, budget)
+
+
+def _score(traj: Trajectory, tokenizer, cfg: AgentLoopConfig) -> None:
+    """Reward from the response alone, special tokens (EOS) left out, as Search-R1 decodes it."""
+    text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+    traj.answer = extract_answer(text)
+    traj.em = 1.0 if em_check(traj.answer, traj.golden_answers) else 0.0
+    traj.reward = compute_reward(text, traj.golden_answers, format_reward=cfg.format_reward)
+
+
+def _parse_version(weight_version: str | None) -> int:
+    try:
+        return int(weight_version)
+    except (TypeError, ValueError):
+        return -1

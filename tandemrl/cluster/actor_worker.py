@@ -1,0 +1,69 @@
+"""The actor worker: the trainer's `Actor` plus the weight sender, as one plain class.
+
+It lives where the weights live (a Ray actor process, or the runner's own process), so the weight
+push never copies tensors through the driver. Its asyncio calls (the sender's HTTP + collective
+work) run on a private event loop, one call at a time: the worker is used by one runner, serially.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class ActorWorker:
+    def __init__(self, config: Any):
+        from tandemrl.trainer.actor import Actor
+
+        self.actor = Actor(config)
+        self._loop = asyncio.new_event_loop()
+        self._sender: Any = None
+        self._clients: list[Any] = []
+
+    def get_weight_version(self) -> int:
+        return int(self.actor.weight_version)
+
+    def train_step(self, samples: list[Any]) -> dict[str, float]:
+        return self.actor.train_step(samples)
+
+    def connect_weight_sync(self, engine_urls: list[str], backend: str, bucket_mb: int) -> None:
+        """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU)."""
+        from tandemrl.rollout.client import EngineClient
+        from tandemrl.rollout.weight_sync import WeightSender
+
+        async def connect():
+            self._clients = [EngineClient(url) for url in engine_urls]
+            self._sender = WeightSender(self._clients, backend=backend, bucket_mb=bucket_mb)
+            await self._sender.connect()
+
+        self._loop.run_until_complete(connect())
+
+    def push_weights(self, weight_version: int) -> dict:
+        """Send the full weights to every engine, tagged `weight_version` (the engines are paused or
+        drained by the runner around this call)."""
+        assert self._sender is not None or self.actor.rank != 0, "connect_weight_sync first"
+        assert weight_version == self.actor.weight_version, (weight_version, self.actor.weight_version)
+        return self._loop.run_until_complete(self.actor.sync_weights(self._sender))
+
+    def save_checkpoint(self, directory: str, extra: dict[str, object] | None = None) -> None:
+        """The actor's checkpoint with `extra` (relative path -> object, e.g. data/data.pt) inside it,
+        written by the actor's atomic save so a crash mid-save leaves the previous checkpoint whole."""
+        self.actor.save_checkpoint(directory, extra)
+
+    def load_checkpoint(self, directory: str) -> int:
+        self.actor.load_checkpoint(directory)
+        return self.get_weight_version()
+
+    def close(self) -> None:
+        async def close_all():
+            closer = getattr(self._sender, "close", None)
+            if closer is not None:
+                await closer()
+            for client in self._clients:
+                await client.close()
+
+        self._loop.run_until_complete(close_all())
+        self._loop.close()

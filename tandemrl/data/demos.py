@@ -1,0 +1,116 @@
+"""Cold-start demonstrations: a correct Search-R1 trajectory plan per training question, rendered to
+token ids with the real retriever's results at SFT time.
+
+A plan (one line of demos.jsonl) is
+  {"id", "question", "golden_answers", "data_source",
+   "steps": [{"think": str, "query": str, "expect": str}, ...],   # one search per hop
+   "final_think": str, "answer": str}
+and renders, exactly as the agent loop builds a trajectory, to
+  prompt (mask 0) | <think> t1 </think>\n<search> q1 </search> (mask 1) | information block (mask 0)
+  | ... | <think> final </think>\n<answer> a </answer><eos> (mask 1)
+Invariant: model turns and tool text are tokenized separately and concatenated, as in the loop, and
+the prompt and information blocks come from `tandemrl.agent.prompt`, so SFT sees the RL format.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tandemrl.data.kb_templates import FOUND, NEEDS, fact_key
+
+if TYPE_CHECKING:
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.data.kb_entities import Entity
+    from tandemrl.data.kb_questions import Hop
+
+FIRST_THINKS = ["I need to find {need}.", "To answer this, I must look up {need}.",
+                "I do not know {need}, so I will search for it.", "The question asks for {need}. Let me search."]
+BRIDGE_THINKS = ["First I need to find {need}.", "This takes two steps. First, I must find {need}.",
+                 "I should start by finding {need}."]
+NEXT_THINKS = ["{found} Now I need to find {need}.", "{found} Next, I will look up {need}.",
+               "{found} So I still need {need}."]
+FINAL_THINKS = ["{found}", "{found} That answers the question.", "The information says: {found}"]
+
+
+def plan_demo(world: dict[str, Entity], record: dict, hops: tuple[Hop, ...], rng: random.Random) -> dict:
+    """The trajectory plan of one question: a think and a search per hop, then the answer."""
+    from tandemrl.data.kb_questions import hop_words
+
+    steps, found = [], ""
+    for index, hop in enumerate(hops):
+        words = hop_words(world, hop)
+        key = fact_key(world[hop.entity_id].kind, hop.relation)
+        need = NEEDS[key].format(**words)
+        if index == 0:
+            think = rng.choice(FIRST_THINKS if len(hops) == 1 else BRIDGE_THINKS).format(need=need)
+        else:
+            think = rng.choice(NEXT_THINKS).format(found=found, need=need)
+        # half the queries are keyword style, half a plain phrase; both name entity and attribute
+        query = record["gold_queries"][index] if rng.random() < 0.5 else need
+        steps.append({"think": think, "query": query, "expect": words["value"]})
+        found = FOUND[key].format(**words)
+    return {"id": record["id"], "question": record["question"], "golden_answers": record["golden_answers"],
+            "data_source": record["data_source"], "steps": steps,
+            "final_think": rng.choice(FINAL_THINKS).format(found=found), "answer": record["golden_answers"][0]}
+
+
+def load_demos(path: str | Path, num_demos: int | None = None, seed: int = 0) -> list[dict]:
+    """Demo plans from a demos.jsonl; `num_demos` picks a seeded random subset (the cold-start size knob,
+    kept small so that RL still has room to improve)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
+    with open(path, encoding="utf-8") as f:
+        demos = [json.loads(line) for line in f if line.strip()]
+    if num_demos is not None:
+        if num_demos < 0:
+            raise ValueError(f"num_demos={num_demos} must be >= 0 (or None for all demonstrations).")
+        demos = random.Random(seed).sample(demos, min(num_demos, len(demos)))
+    return demos
+
+
+def model_turn_texts(demo: dict) -> list[str]:
+    """The model's text per turn: one per search, then the answer turn (without EOS)."""
+    turns = [f"<think> {step['think']} </think>\n<search> {step['query']} </search>" for step in demo["steps"]]
+    turns.append(f"<think> {demo['final_think']} </think>\n<answer> {demo['answer']} </answer>")
+    return turns
+
+
+def info_hits(demo: dict, results: list[list[dict]]) -> list[bool]:
+    """Per search, whether the retrieved documents contain the fact the step expects."""
+    return [any(step["expect"].lower() in doc["document"]["contents"].lower() for doc in docs)
+            for step, docs in zip(demo["steps"], results)]
+
+
+async def render_demo(demo: dict, search: SearchTool, tokenizer, topk: int, max_info_tokens: int | None = None,
+                      skip_on_miss: bool = False) -> tuple[list[int], list[int]]:
+    """input_ids (prompt + response) and loss_mask (1 on model turns and the final EOS, 0 elsewhere).
+
+    The information blocks hold what the retriever returns now for the plan's queries. With
+    `skip_on_miss`, a demo whose searches miss the fact they expect renders as ([], []), so that SFT
+    never teaches answering from documents that do not say the answer.
+    """
+    from tandemrl.agent.prompt import build_prompt_ids, encode_text, format_information
+
+    search.topk = topk
+    queries = [step["query"] for step in demo["steps"]]
+    results = await search.search(queries) if queries else []
+    if skip_on_miss and not all(info_hits(demo, results)):
+        return [], []
+    input_ids = build_prompt_ids(tokenizer, demo["question"])
+    loss_mask = [0] * len(input_ids)
+    turns = model_turn_texts(demo)
+    for index, text in enumerate(turns):
+        turn_ids = encode_text(tokenizer, text)
+        if index == len(turns) - 1 and tokenizer.eos_token_id is not None:
+            turn_ids.append(tokenizer.eos_token_id)
+        input_ids += turn_ids
+        loss_mask += [1] * len(turn_ids)
+        if index < len(results):
+            info_ids = encode_text(tokenizer, format_information(results[index], tokenizer, max_info_tokens))
+            input_ids += info_ids
+            loss_mask += [0] * len(info_ids)
+    return input_ids, loss_mask

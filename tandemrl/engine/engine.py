@@ -1,0 +1,197 @@
+"""The engine: `step()` = schedule -> run -> postprocess, plus aborts, retraction and weight loading.
+
+Single-threaded by design: the HTTP server drives it from one loop thread (`loop.py`), so weight updates
+and pauses always fall between two steps. Invariant: every added request is returned by `step()` or
+`abort*()` exactly once, with its finish reason; the weight version stamped on a token is the version of
+the weights that produced its logits.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
+from tandemrl.engine.model import load_model
+from tandemrl.engine.model_runner import ModelRunner
+from tandemrl.engine.scheduler import Scheduler
+from tandemrl.engine.sequence import SamplingParams, Sequence, Status
+from tandemrl.engine.stops import StopChecker
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_KV_GB = 1.0
+_CUDA_DEFAULT_KV_FRACTION = 0.4  # of free memory: the actor may share the GPU
+
+
+@dataclass
+class EngineConfig:
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running_requests: int = 64
+    max_context_len: int = 4096
+    seed: int = 0
+    kv_cache_gb: float | None = None  # None: sized from max_running_requests x max_context_len, capped
+    block_size: int = 16
+    max_prefill_tokens: int = 8192
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return torch.device(device), getattr(torch, dtype)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        self.model, self.hf_config = load_model(config.model_path, self.device, self.dtype)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.stops = StopChecker(self.tokenizer, _eos_ids(config.model_path, self.hf_config, self.tokenizer))
+        num_blocks = self._num_blocks()
+        self.blocks = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype, config.seed)
+        self.weight_version = 0
+        self.num_prefill_tokens = 0
+        self.num_decode_tokens = 0
+        self.num_steps = 0
+        self.num_requests_added = 0
+        self.num_requests_finished = 0
+        self.requests: dict[str, Sequence] = {}
+        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens", config.model_path, self.device,
+                    self.dtype, num_blocks, config.block_size)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        per_block = kv_bytes_per_token(self.model.cfg, self.dtype) * cfg.block_size
+        min_blocks = -(-cfg.max_context_len // cfg.block_size) + 1  # one full-context request must fit
+        want = -(-cfg.max_running_requests * cfg.max_context_len // cfg.block_size)
+        if cfg.kv_cache_gb is not None:
+            budget = cfg.kv_cache_gb * 2**30
+        elif self.device.type == "cuda":
+            budget = torch.cuda.mem_get_info(self.device)[0] * _CUDA_DEFAULT_KV_FRACTION
+        else:
+            budget = _CPU_DEFAULT_KV_GB * 2**30
+        return max(min_blocks, min(want, int(budget // per_block)))
+
+    # ---- requests -------------------------------------------------------------------------------------
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError for a request the engine cannot serve (the server answers 400)."""
+        vocab = self.model.cfg["vocab_size"]
+        if not prompt_ids:
+            raise ValueError("input_ids is empty; send at least one token")
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if len(prompt_ids) >= self.config.max_context_len:
+            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the context is "
+                             f"{self.config.max_context_len} (max_context_len); shorten the prompt or raise "
+                             "rollout.max_context_len")
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, extra: dict | None = None
+                    ) -> Sequence:
+        self.validate(prompt_ids, params)
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in flight; request ids must be unique")
+        seq = Sequence(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                       max_total_len=self.config.max_context_len, extra=dict(extra or {}))
+        self.requests[rid] = seq
+        self.scheduler.add(seq)
+        self.num_requests_added += 1
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Sequence]:
+        """One scheduling step; returns the requests that finished in it."""
+        finished = self._finish_empty_requests()
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return finished
+        num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        token_ids, logprobs = self.runner.run(seqs)
+        if is_prefill:
+            self.num_prefill_tokens += num_new
+        else:
+            self.num_decode_tokens += num_new
+        self.num_steps += 1
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+            seq.append(token_id, logprob, self.weight_version)
+            reason = self.stops.check(seq)
+            if reason is not None:
+                finished.append(self._finish(seq, reason))
+        return finished
+
+    def _finish_empty_requests(self) -> list[Sequence]:
+        """max_new_tokens = 0: answer with no output and no forward pass, as SGLang does."""
+        empty = [s for s in self.scheduler.waiting if s.params.max_new_tokens == 0 and not s.output_ids]
+        return [self._finish(s, {"type": "length", "length": 0}) for s in empty]
+
+    def _finish(self, seq: Sequence, reason: dict) -> Sequence:
+        self.scheduler.finish(seq, reason)
+        del self.requests[seq.rid]
+        self.num_requests_finished += 1
+        return seq
+
+    def abort(self, rid: str, message: str = "aborted by request") -> Sequence | None:
+        seq = self.requests.get(rid)
+        if seq is None or seq.status is Status.FINISHED:
+            return None
+        return self._finish(seq, {"type": "abort", "message": message})
+
+    def abort_all(self, message: str) -> list[Sequence]:
+        return [self._finish(s, {"type": "abort", "message": message}) for s in list(self.requests.values())]
+
+    def retract_all(self) -> int:
+        return self.scheduler.retract_all()
+
+    # ---- weights --------------------------------------------------------------------------------------
+
+    def load_weights(self, named_tensors, weight_version: int | None = None) -> int:
+        """Copy HF-named tensors into the model; bumps (or sets) the weight version. Between steps only."""
+        names = self.model.load_weights(named_tensors)
+        self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        logger.info("loaded %d tensors, weight_version=%d", len(names), self.weight_version)
+        return self.weight_version
+
+    def flush_cache(self) -> bool:
+        """Drop cached KV; refused (False) while requests hold blocks, as SGLang refuses it then."""
+        if self.scheduler.running:
+            return False
+        self.blocks.reset()
+        return True
+
+    def stats(self) -> dict:
+        return dict(num_prefill_tokens=self.num_prefill_tokens, num_decode_tokens=self.num_decode_tokens,
+                    num_steps=self.num_steps, num_requests_added=self.num_requests_added,
+                    num_requests_finished=self.num_requests_finished, num_running=len(self.scheduler.running),
+                    num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
+                    num_free_blocks=self.blocks.num_free_blocks, num_blocks=self.blocks.num_blocks,
+                    weight_version=self.weight_version)
+
+
+def _eos_ids(model_path: str, hf_config, tokenizer) -> set[int]:
+    """End-of-sequence ids from generation_config.json, config.json and the tokenizer, as HF/SGLang stop."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    gen_config = Path(model_path) / "generation_config.json"
+    if gen_config.exists():
+        sources.append(json.loads(gen_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

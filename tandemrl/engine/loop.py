@@ -1,0 +1,132 @@
+"""The engine's loop thread: runs `Engine.step()` and, between steps, the commands the HTTP side queues.
+
+Everything that touches the engine (new requests, aborts, pauses, weight loads) is a command run on
+this thread, so a weight update can never land inside a step. Invariant: every submitted request's
+`on_finish` callback runs exactly once, on this thread, with the finished sequence.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from tandemrl.engine.engine import Engine
+from tandemrl.engine.sequence import SamplingParams, Sequence
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.is_paused = False
+        self._commands: queue.Queue = queue.Queue()
+        self._callbacks: dict[str, Callable[[Sequence], None]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[Engine], object]) -> Future:
+        """Run `fn(engine)` on the loop thread between two steps; the future holds its result."""
+        future: Future = Future()
+        if self.error is not None:
+            future.set_exception(RuntimeError(f"engine loop died: {self.error!r}"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, extra: dict | None,
+               on_finish: Callable[[Sequence], None]) -> Future:
+        """Queue a request; the future resolves once it is admitted (or raises ValueError if refused)."""
+        def add(engine: Engine) -> None:
+            engine.add_request(rid, prompt_ids, params, extra)
+            self._callbacks[rid] = on_finish
+
+        return self.call(add)
+
+    def pause(self, mode: str) -> Future:
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+
+        def do_pause(engine: Engine) -> dict:
+            self.is_paused = True
+            if mode == "abort":
+                aborted = engine.abort_all("aborted by pause_generation(mode=abort)")
+                self._deliver(aborted)
+                return {"num_aborted": len(aborted)}
+            if mode == "retract":
+                return {"num_retracted": engine.retract_all()}
+            return {"num_running": len(engine.scheduler.running)}
+
+        return self.call(do_pause)
+
+    def resume(self) -> Future:
+        def do_resume(engine: Engine) -> None:
+            self.is_paused = False
+
+        return self.call(do_resume)
+
+    def abort(self, rid: str | None) -> Future:
+        """Abort one request, or all when `rid` is None; does not pause the engine."""
+        def do_abort(engine: Engine) -> int:
+            if rid is None:
+                finished = engine.abort_all("aborted by abort_request(abort_all)")
+            else:
+                seq = engine.abort(rid)
+                finished = [seq] if seq is not None else []
+            self._deliver(finished)
+            return len(finished)
+
+        return self.call(do_abort)
+
+    def _deliver(self, finished: list[Sequence]) -> None:
+        for seq in finished:
+            callback = self._callbacks.pop(seq.rid, None)
+            assert callback is not None, f"request {seq.rid} finished twice or was never submitted"
+            try:
+                callback(seq)
+            except Exception:  # a broken client must not stop the engine
+                logger.exception("on_finish callback failed for %s", seq.rid)
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.05) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except BaseException as error:  # reported to the caller, the loop carries on
+                    future.set_exception(error)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                is_idle = self.is_paused or not self.engine.has_work()
+                self._run_commands(block=is_idle)
+                if not self.is_paused and self.engine.has_work():
+                    self._deliver(self.engine.step())
+        except BaseException as error:
+            logger.exception("engine loop crashed")
+            self.error = error
+            self._deliver(self.engine.abort_all(f"engine loop crashed: {error!r}"))
+            raise

@@ -1,0 +1,55 @@
+"""Runs one scheduled step on the model: builds the flat inputs and attention metadata, forwards, samples.
+
+Owns the model, the KV cache tensors and the sampling generator. Invariant: after `run`, every sequence
+in the batch has all its tokens but the newly sampled one in the cache (`num_cached_tokens` updated);
+the caller appends the sampled token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tandemrl.engine.attention import build_metadata
+from tandemrl.engine.kv_cache import allocate_kv_caches
+from tandemrl.engine.model import CausalLM
+from tandemrl.engine.sampler import sample
+from tandemrl.engine.sequence import Sequence
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, seed: int):
+        self.model, self.block_size, self.device = model, block_size, device
+        self.kv_caches = allocate_kv_caches(model.cfg, num_blocks, block_size, dtype, device)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed)
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Forward the uncached tokens of each sequence; returns the last-token logits `[B, V]` (fp32)."""
+        input_ids, positions, query_lens, context_lens = [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            assert end > start, "a scheduled sequence must have an uncached token"
+            input_ids.extend(seq.all_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
+                              self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.long, device=self.device)
+        logits = self.model(ids, pos, self.kv_caches, meta)
+        for seq in seqs:
+            seq.num_cached_tokens = seq.num_tokens
+        return logits
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        logits = self.forward_logits(seqs)
+        params = [s.params for s in seqs]
+        temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device)
+        top_ps = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+        top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device)
+        token_ids, logprobs = sample(logits, temps, top_ps, top_ks, self.generator)
+        return token_ids.tolist(), logprobs.tolist()

@@ -1,0 +1,104 @@
+"""A request inside the engine: its sampling parameters, tokens so far and per-token bookkeeping.
+
+Invariant: `output_ids`, `output_logprobs` and `output_weight_versions` always have the same length;
+tokens are only appended, so a retracted request keeps everything it generated and is re-prefilled
+over `prompt_ids + output_ids`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
+                 "min_p", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
+                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}
+# Accepted for SGLang compatibility only at their neutral value; anything else is refused, not ignored.
+_NEUTRAL = {"min_p": 0.0, "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+            "repetition_penalty": 1.0, "min_new_tokens": 0}
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 or 0: no top-k
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+
+    @classmethod
+    def from_dict(cls, raw: dict | None) -> SamplingParams:
+        """Validate SGLang-style sampling params; raises ValueError with the reason."""
+        raw = dict(raw or {})
+        unknown = set(raw) - SAMPLING_KEYS
+        if unknown:
+            raise ValueError(f"unknown sampling_params {sorted(unknown)}; supported: {sorted(SAMPLING_KEYS)}")
+        for key, neutral in _NEUTRAL.items():
+            if key in raw and raw.pop(key) not in (neutral, None):
+                raise ValueError(f"sampling_params.{key} is not supported by the embedded engine "
+                                 f"(only {neutral!r}); remove it or use an SGLang server")
+        raw.pop("spaces_between_special_tokens", None)
+        stop = raw.pop("stop", None) or []
+        raw["stop"] = [stop] if isinstance(stop, str) else list(stop)
+        raw["stop_token_ids"] = list(raw.get("stop_token_ids") or [])
+        params = cls(**{k: v for k, v in raw.items() if v is not None})
+        params.check()
+        return params
+
+    def check(self) -> None:
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (-1 disables it), got {self.top_k!r}")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_total_len: int  # prompt + output may not exceed the context
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_weight_versions: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # tokens whose K/V sit in the cache
+    status: Status = Status.WAITING
+    finish_reason: dict | None = None
+    num_retractions: int = 0
+    extra: dict = field(default_factory=dict)  # request metadata echoed back (e.g. task_name)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def append(self, token_id: int, logprob: float, weight_version: int) -> None:
+        self.output_ids.append(token_id)
+        self.output_logprobs.append(logprob)
+        self.output_weight_versions.append(weight_version)

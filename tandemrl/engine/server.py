@@ -1,0 +1,172 @@
+"""The engine's HTTP server (SGLang protocol), `tandem serve-engine`.
+
+aiohttp on the main thread, the engine on its loop thread (`loop.py`); handlers only queue commands
+and await their futures. Request and response shapes follow SGLang's `/generate`; our extension is
+`meta_info.output_token_weight_versions` (the weight version of every output token). Invariant: every
+accepted `/generate` is answered exactly once, with the whole output (also across retract pauses);
+a client that disconnects has its request aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from aiohttp import web
+
+from tandemrl.engine.engine import Engine, EngineConfig
+from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
+from tandemrl.engine.sequence import SamplingParams, Sequence
+from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
+
+logger = logging.getLogger(__name__)
+
+# SGLang's documented /generate fields we honour, plus our request metadata (`task_name`, `metadata`).
+GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_text_in_logprobs", "stream", "task_name", "metadata"}
+
+
+def response_body(seq: Sequence, text: str, weight_version: int, return_logprob: bool) -> dict:
+    meta = {"id": seq.rid, "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
+            "completion_tokens": len(seq.output_ids), "cached_tokens": 0,
+            "weight_version": str(weight_version),
+            "output_token_weight_versions": list(seq.output_weight_versions),
+            "num_retractions": seq.num_retractions}
+    if return_logprob:
+        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
+    meta.update({k: v for k, v in seq.extra.items()})
+    return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+
+class EngineServer:
+    def __init__(self, loop: EngineLoop, model_path: str):
+        self.loop, self.model_path = loop, model_path
+        self.started_s = time.time()
+
+    def build_app(self) -> web.Application:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/generate", self.generate)
+        app.router.add_post("/pause_generation", self.pause)
+        app.router.add_post("/continue_generation", self.resume)
+        app.router.add_post("/abort_request", self.abort_request)
+        app.router.add_post("/flush_cache", self.flush_cache)
+        app.router.add_get("/flush_cache", self.flush_cache)
+        app.router.add_get("/get_weight_version", self.weight_version)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/metrics", self.server_info)
+        app.router.add_get("/get_model_info", self.model_info)
+        WeightUpdateRoutes(self.loop).add_to(app)
+        return app
+
+    def _parse_generate(self, body: dict) -> tuple[list[int], SamplingParams]:
+        if body.get("stream"):
+            raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
+        if body.get("top_logprobs_num"):
+            raise ValueError("top_logprobs_num is not supported by the embedded engine; omit it or send 0")
+        input_ids = body.get("input_ids")
+        if input_ids is None and isinstance(body.get("text"), str):
+            input_ids = self.loop.engine.tokenizer.encode(body["text"])
+        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+            raise ValueError("input_ids must be one list of token ids (batched requests are not supported)")
+        params = SamplingParams.from_dict(body.get("sampling_params"))
+        self.loop.engine.validate(input_ids, params)
+        return input_ids, params
+
+    async def generate(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, GENERATE_FIELDS)
+            input_ids, params = self._parse_generate(body)
+        except (ValueError, TypeError) as error:
+            return bad_request(str(error))
+        rid = str(body.get("rid") or uuid.uuid4().hex)
+        extra = {k: body[k] for k in ("task_name", "metadata") if k in body}
+        return_logprob = bool(body.get("return_logprob", False))
+        aio_loop = asyncio.get_running_loop()
+        done: asyncio.Future = aio_loop.create_future()
+        engine = self.loop.engine
+
+        def on_finish(seq: Sequence) -> None:  # loop thread: build the answer there, hand it over
+            result = response_body(seq, engine.stops.output_text(seq), engine.weight_version, return_logprob)
+            aio_loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+        try:
+            await asyncio.wrap_future(self.loop.submit(rid, input_ids, params, extra, on_finish))
+        except ValueError as error:
+            return bad_request(str(error))
+        try:
+            return web.json_response(await done)
+        except asyncio.CancelledError:
+            self.loop.abort(rid)  # the client went away; free the engine's slot
+            raise
+
+    async def pause(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, {"mode"})
+            mode = body.get("mode", "abort")
+            if mode not in PAUSE_MODES:
+                raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        except ValueError as error:
+            return bad_request(str(error))
+        info = await asyncio.wrap_future(self.loop.pause(mode))
+        return web.json_response({"success": True, "mode": mode, **info})
+
+    async def resume(self, request: web.Request) -> web.Response:
+        await asyncio.wrap_future(self.loop.resume())
+        return web.json_response({"success": True})
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, {"rid", "abort_all", "finished_reason", "abort_message"})
+        except ValueError as error:
+            return bad_request(str(error))
+        rid = None if body.get("abort_all") else body.get("rid")
+        if rid is None and not body.get("abort_all"):
+            return bad_request("abort_request needs a rid or abort_all=true")
+        num_aborted = await asyncio.wrap_future(self.loop.abort(None if rid is None else str(rid)))
+        return web.json_response({"success": True, "num_aborted": num_aborted})
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        is_flushed = await asyncio.wrap_future(self.loop.call(lambda engine: engine.flush_cache()))
+        if not is_flushed:
+            return web.Response(status=400, text="Cache not flushed: requests are running; retry when idle.")
+        return web.Response(text="Cache flushed.")
+
+    async def weight_version(self, request: web.Request) -> web.Response:
+        return web.json_response({"weight_version": str(self.loop.engine.weight_version)})
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.loop.error is not None:
+            return web.Response(status=503, text=f"engine loop died: {self.loop.error!r}")
+        return web.Response(text="ok")
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        stats = await asyncio.wrap_future(self.loop.call(lambda engine: engine.stats()))
+        return web.json_response({**stats, "is_paused": self.loop.is_paused, "model_path": self.model_path,
+                                  "uptime_s": time.time() - self.started_s})
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        engine = self.loop.engine
+        return web.json_response({"model_path": self.model_path, "is_generation": True,
+                                  "model_type": engine.model.cfg["model_type"],
+                                  "max_context_len": engine.config.max_context_len})
+
+
+def run_serve(args) -> int:
+    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    config = EngineConfig(model_path=str(args.model), device=args.device, dtype=args.dtype,
+                          max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
+                          seed=args.seed, kv_cache_gb=getattr(args, "kv_cache_gb", None))
+    engine = Engine(config)
+    loop = EngineLoop(engine)
+    loop.start()
+    app = EngineServer(loop, str(args.model)).build_app()
+    try:
+        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None,
+                    access_log=None)
+    finally:
+        loop.stop()
+    return 0

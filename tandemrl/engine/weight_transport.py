@@ -1,0 +1,105 @@
+"""Weight transport shared by the trainer side (`rollout/weight_sync.py`) and the engine side.
+
+Two transports: a torch.distributed group (gloo on CPU, NCCL between GPUs) built directly on a
+TCPStore, so it never touches either process's default group; and CUDA IPC handles for one GPU,
+described in JSON. Invariant: nothing is unpickled from the network; an IPC handle is rebuilt only by
+torch's own `rebuild_cuda_tensor`, from values checked here (types, dtypes, sizes, base64 bytes).
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64",
+                                                   "int32", "int8", "uint8", "bool")}
+BACKENDS = ("gloo", "nccl")
+
+
+def parse_dtype(value: str) -> torch.dtype:
+    name = str(value).removeprefix("torch.")
+    if name not in DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported for weight updates; use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def new_process_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                      backend: str, timeout_s: float = 600.0):
+    """A process group of its own (not the default one): rank 0 hosts the store, the others connect."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), int(world_size), rank == 0, timeout=timeout)
+    store = dist.PrefixStore(f"tandemrl/{group_name}", store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    return dist.ProcessGroupNCCL(store, rank, world_size)
+
+
+def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = root, 0
+    group.broadcast([tensor], opts).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+# ---- CUDA IPC -------------------------------------------------------------------------------------------
+
+_STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+
+
+def _b64(value: bytes | None) -> str | None:
+    return None if value is None else base64.b64encode(value).decode()
+
+
+def describe_cuda_tensor(tensor: torch.Tensor) -> dict:
+    """JSON-safe description of a CUDA tensor's IPC handle (the sender keeps the tensor alive)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    rebuild, args = reduce_tensor(tensor.detach())
+    assert rebuild.__name__ == "rebuild_cuda_tensor", "only CUDA tensors travel by IPC"
+    (_, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset, _,
+     ref_handle, ref_offset, event_handle, event_sync) = args
+    return dict(size=list(size), stride=list(stride), offset=int(offset), storage_cls=storage_cls.__name__,
+                dtype=dtype_name(dtype), device=int(device), handle=_b64(handle),
+                storage_size_bytes=int(storage_size), storage_offset_bytes=int(storage_offset),
+                ref_counter_handle=_b64(ref_handle), ref_counter_offset=int(ref_offset),
+                event_handle=_b64(event_handle), event_sync_required=bool(event_sync))
+
+
+def _int_list(value, what: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
+        raise ValueError(f"IPC handle field {what!r} must be a list of non-negative ints")
+    return value
+
+
+def rebuild_cuda_tensor(desc: dict) -> torch.Tensor:
+    """Open a CUDA IPC handle described by `describe_cuda_tensor`, after checking every field."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor as torch_rebuild
+
+    if desc.get("storage_cls") not in _STORAGE_CLASSES:
+        raise ValueError(f"IPC storage_cls must be one of {sorted(_STORAGE_CLASSES)}")
+    ints = ("offset", "device", "storage_size_bytes", "storage_offset_bytes", "ref_counter_offset")
+    for key in ints:
+        if not isinstance(desc.get(key), int) or desc[key] < 0:
+            raise ValueError(f"IPC handle field {key!r} must be a non-negative int")
+    handles = {}
+    for key in ("handle", "ref_counter_handle", "event_handle"):
+        value = desc.get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"IPC handle field {key!r} must be base64 text or null")
+        handles[key] = None if value is None else base64.b64decode(value, validate=True)
+    return torch_rebuild(
+        torch.Tensor, torch.Size(_int_list(desc.get("size"), "size")),
+        tuple(_int_list(desc.get("stride"), "stride")), desc["offset"], _STORAGE_CLASSES[desc["storage_cls"]],
+        parse_dtype(desc.get("dtype")), desc["device"], handles["handle"], desc["storage_size_bytes"],
+        desc["storage_offset_bytes"], False, handles["ref_counter_handle"], desc["ref_counter_offset"],
+        handles["event_handle"], bool(desc.get("event_sync_required", False)))

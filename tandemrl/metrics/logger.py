@@ -1,0 +1,96 @@
+"""Per-step metrics: TensorBoard scalars, a `metrics.jsonl` history, one console line and a progress bar.
+
+Invariant: the TensorBoard step of every scalar is the rollout step (hand-off); plots convert it to
+"parameter updates" (step x algorithm.n_minibatches, SPEC §7) from `metrics.jsonl`, which holds the
+same numbers as the event files.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+CONSOLE_FIELDS = (  # (metric, label, format)
+    ("rollout/reward/mean", "reward", "{:.3f}"),
+    ("rollout/data_staleness/mean", "staleness", "{:.2f}"),
+    ("time/step", "step_s", "{:.1f}"),
+    ("throughput", "tok/s", "{:.0f}"),
+    ("rollout/buffer/dropped_groups", "dropped", "{:.0f}"),
+)
+
+
+class MetricsLogger:
+    """Writes each step's metrics to `<output_dir>/tensorboard` and `<output_dir>/metrics.jsonl`."""
+
+    def __init__(
+        self, output_dir: str | Path, max_steps: int, start_step: int = 0, show_progress: bool = True
+    ):
+        from torch.utils.tensorboard import SummaryWriter  # torch's writer: tensorboard event files
+        from tqdm import tqdm
+
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.tensorboard_dir = self.output_dir / "tensorboard"
+        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        self.jsonl_path = self.output_dir / "metrics.jsonl"
+        self._bar = tqdm(
+            total=max_steps,
+            initial=start_step,
+            desc="steps",
+            unit="step",
+            disable=not show_progress,
+            dynamic_ncols=True,
+        )
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        for key, value in sorted(clean.items()):
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+        with self.jsonl_path.open("a") as f:
+            f.write(json.dumps({"step": step, **clean}) + "\n")
+        self._bar.write(console_line(step, self._bar.total, clean))
+        self._bar.update(1)
+
+    def close(self) -> None:
+        self._bar.close()
+        self._writer.close()
+
+
+def console_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
+    parts = [f"step {step}/{max_steps}"]
+    for key, label, fmt in CONSOLE_FIELDS:
+        if key in metrics:
+            parts.append(f"{label} {fmt.format(metrics[key])}")
+    val = [
+        f"{k.removeprefix('val/em/')} {v:.3f}" for k, v in sorted(metrics.items()) if k.startswith("val/em/")
+    ]
+    if val:
+        parts.append("val_em " + " ".join(val))
+    return " | ".join(parts)
+
+
+def read_history(jsonl_path: str | Path) -> list[dict[str, float]]:
+    """The rows of `metrics.jsonl`; a resumed run appends, so a later row for a step replaces an earlier."""
+    rows: dict[int, dict[str, float]] = {}
+    path = Path(jsonl_path)
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rows[int(row["step"])] = row
+    return [rows[step] for step in sorted(rows)]
+
+
+def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar tag in the event files under `logdir`: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for events_file in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return scalars

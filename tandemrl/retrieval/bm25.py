@@ -1,0 +1,86 @@
+"""BM25 as Qdrant sparse vectors: our tokenizer and the term-frequency half of BM25 on the passage side.
+
+Qdrant's `Modifier.IDF` multiplies each query term by the collection's inverse document frequency at
+search time, so a passage vector carries only the saturated, length-normalised term frequency
+`tf·(k1+1) / (tf + k1·(1 − b + b·len/avgdl))` and a query vector carries 1.0 per distinct term; the dot
+product is then exactly BM25. Invariant: term ids are a stable hash of the term (no vocabulary file),
+so the builder and the server agree without sharing state beyond `avgdl`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+TOKEN_RE = re.compile(r"\w+", re.UNICODE)
+# A crude suffix stripper, so that "founded", "founder" and "founding" (or "published" and "publisher")
+# share a term. Stop words are kept: IDF already makes them nearly free, and on the generated KB dropping
+# them lowered recall (measured with benchmarks/retrieval.py's questions).
+SUFFIXES = ("ing", "ed", "er", "s")
+MIN_STEM_LENGTH = 4
+
+
+def stem(token: str) -> str:
+    for suffix in SUFFIXES:
+        if token.endswith(suffix) and len(token) - len(suffix) >= MIN_STEM_LENGTH:
+            return token[: -len(suffix)]
+    return token
+
+
+def tokenize(text: str) -> list[str]:
+    """Case-folded word tokens, stemmed."""
+    return [stem(token) for token in TOKEN_RE.findall(text.casefold())]
+
+
+def term_id(term: str) -> int:
+    """A stable 32-bit id (Qdrant sparse indices are u32); collisions are negligible at corpus scale."""
+    return int.from_bytes(hashlib.blake2b(term.encode("utf-8"), digest_size=4).digest(), "little")
+
+
+@dataclass(frozen=True)
+class SparseVector:
+    indices: list[int]
+    values: list[float]
+
+
+@dataclass(frozen=True)
+class BM25Params:
+    k1: float = 1.2
+    b: float = 0.75
+    avgdl: float = 1.0  # mean passage length in tokens, measured by the builder
+
+    def __post_init__(self):
+        if self.k1 < 0 or not 0 <= self.b <= 1 or self.avgdl <= 0:
+            raise ValueError(f"BM25 parameters k1={self.k1}, b={self.b}, avgdl={self.avgdl}: need k1 >= 0, "
+                             f"0 <= b <= 1 and avgdl > 0.")
+
+
+def mean_length(texts: Iterable[str]) -> float:
+    total, count = 0, 0
+    for text in texts:
+        total += len(tokenize(text))
+        count += 1
+    return max(total / max(count, 1), 1.0)
+
+
+def _merge(ids_and_weights: Iterable[tuple[int, float]]) -> SparseVector:
+    merged: dict[int, float] = {}
+    for index, weight in ids_and_weights:
+        merged[index] = merged.get(index, 0.0) + weight  # hash collisions add up instead of clashing
+    ordered = sorted(merged.items())
+    return SparseVector([index for index, _ in ordered], [weight for _, weight in ordered])
+
+
+def passage_vector(text: str, params: BM25Params) -> SparseVector:
+    counts = Counter(tokenize(text))
+    length = sum(counts.values())
+    norm = params.k1 * (1.0 - params.b + params.b * length / params.avgdl)
+    return _merge((term_id(term), tf * (params.k1 + 1.0) / (tf + norm)) for term, tf in counts.items())
+
+
+def query_vector(text: str) -> SparseVector:
+    """Each distinct term once: repeating a word in a query should not outweigh the other words."""
+    return _merge((term_id(term), 1.0) for term in set(tokenize(text)))

@@ -1,0 +1,34 @@
+"""The asynchronous runner: generation never stops for training.
+
+    admission (buffer limits) ─► agent loops ─► engines ─────────── generate without pause ──┐
+         ▲                                                                                   │
+         │   rollout buffer ◄── finished groups (tokens stamped with their weight_version) ◄─┘
+         │        │ hand-off: rollout_batch_size groups, stale / equal-reward ones dropped
+         │        ▼
+         │   actor.train_step (runs while the engines keep generating with version v)
+         │        │
+         └── sync weights: pause (retract | in_place) or drain ─► push v+1 ─► continue
+
+A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
+version, SPEC §4); how far behind it may be is bounded by max_buffered_groups and
+agentloop.max_actor_accept_staleness.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandemrl.runner.context import RunContext, end_of_step, sync_weights, train_on
+
+log = logging.getLogger(__name__)
+
+
+async def run_async(ctx: RunContext) -> None:
+    driver, runner = ctx.driver, ctx.config.runner
+    driver.quota = None  # only the buffer's limits bound admission
+    driver.resume_admission()
+    for step in range(ctx.start_step + 1, runner.max_steps + 1):
+        handoff = await driver.next_handoff(ctx.weight_version)
+        train_metrics = await train_on(ctx, handoff)  # the engines keep generating meanwhile
+        sync_metrics = await sync_weights(ctx, ctx.weight_version + 1)
+        await end_of_step(ctx, step, handoff, {**train_metrics, **sync_metrics})

@@ -1,0 +1,141 @@
+"""What a runner works with, and the pieces of a step both runners share: train on a hand-off,
+sync weights under `rollout.pause_mode`, validate, record the prompt ledger, checkpoint.
+
+Invariant: `ctx.weight_version` is the version in the engines and the one the next hand-off is
+measured against (SPEC §4); it moves only in `sync_weights`, after the engines hold the new weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tandemrl.buffer.rollout_buffer import HandOff
+from tandemrl.runner.rollout_driver import RolloutDriver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunContext:
+    config: Any
+    driver: RolloutDriver
+    actor: Any  # tandemrl.cluster.actor_group.ActorGroup
+    engines: list[Any]  # EngineClient per engine
+    logger: Any  # tandemrl.metrics.logger.MetricsLogger
+    output_dir: Path
+    weight_version: int
+    start_step: int = 0
+    val_prompts: list[Any] = field(default_factory=list)
+    last_step_end_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def ledger_path(self) -> Path:
+        return self.output_dir / "prompts.jsonl"
+
+
+async def train_on(ctx: RunContext, handoff: HandOff) -> dict[str, float]:
+    from tandemrl.trainer.advantages import samples_from_trajectories
+
+    samples = samples_from_trajectories(
+        [g.trajectories for g in handoff.groups], norm_by_std=ctx.config.algorithm.norm_adv_by_std
+    )
+    start_s = time.monotonic()
+    metrics = dict(await ctx.actor.call("train_step", samples))
+    metrics["time/train"] = time.monotonic() - start_s
+    return metrics
+
+
+async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]:
+    """Push the actor's weights to every engine as `weight_version`; returns time/sync_weights and bytes.
+
+    retract / in_place: the engines pause (in-flight requests are retracted to the queue, or keep
+    their KV cache in place), take the weights, and continue. drain: admission stops and every
+    in-flight group finishes first (SGLang has no such mode, so the client realises it).
+    """
+    mode = ctx.config.rollout.pause_mode
+    start_s = time.monotonic()
+    was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
+    if mode == "drain":
+        ctx.driver.pause_admission()
+        await ctx.driver.wait_idle()
+    else:
+        await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+    try:
+        pushed = await ctx.actor.call("push_weights", weight_version)
+    finally:
+        if mode != "drain":
+            await asyncio.gather(*(engine.continue_generation() for engine in ctx.engines))
+    ctx.weight_version = weight_version
+    ctx.driver.set_weight_version(weight_version)
+    if mode == "drain" and not was_paused:
+        ctx.driver.resume_admission()
+    return {"time/sync_weights": time.monotonic() - start_s,
+            "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0))}
+
+
+def rollout_metrics(handoff: HandOff, step_s: float) -> dict[str, float]:
+    trajectories = [t for g in handoff.groups for t in g.trajectories]
+    num = len(trajectories)
+    response_length = sum(len(t.response_ids) for t in trajectories) / num
+    metrics = dict(handoff.metrics)
+    metrics.update(
+        {
+            "rollout/reward/mean": sum(float(t.reward) for t in trajectories) / num,
+            "rollout/total_num_sequence": float(num),
+            "rollout/response_length": response_length,
+            "rollout/num_searches/mean": sum(len(getattr(t, "searches", [])) for t in trajectories) / num,
+            "rollout/search_errors": float(sum(getattr(t, "num_search_errors", 0) for t in trajectories)),
+            "time/step": step_s,
+            "throughput": num * response_length / step_s if step_s > 0 else 0.0,
+        }
+    )
+    return metrics
+
+
+def write_ledger(ctx: RunContext, step: int) -> None:
+    """Append the buffer's transitions (issued, finished, dropped, trained) of this step to prompts.jsonl."""
+    with ctx.ledger_path.open("a") as f:
+        for event in ctx.driver.buffer.events():
+            f.write(json.dumps({"step": step, **event}) + "\n")
+
+
+async def validate(ctx: RunContext) -> dict[str, float]:
+    """Greedy EM on the validation prompts, per data source and overall (`val/em/<source>`, `val/em/all`)."""
+    from tandemrl.agent.evaluate import OVERALL, evaluate_prompts, summarize
+
+    if not ctx.val_prompts:
+        return {}
+    driver, num_engines = ctx.driver, len(ctx.engines)
+    shards = [ctx.val_prompts[i::num_engines] for i in range(num_engines)]
+    results = await asyncio.gather(
+        *(
+            evaluate_prompts(shard, engine, driver.search, driver.tokenizer, driver.agent_cfg)
+            for shard, engine in zip(shards, ctx.engines, strict=True)
+            if shard
+        )
+    )
+    summary = summarize([traj for shard in results for traj in shard])
+    return {f"val/em/{'all' if source == OVERALL else source}": row["em"] for source, row in summary.items()}
+
+
+async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
+    """Everything after the weight sync: step metrics, validation, ledger, checkpoint, logging."""
+    from tandemrl.runner.checkpoint import save_checkpoint
+
+    runner = ctx.config.runner
+    now_s = time.monotonic()
+    metrics = {**rollout_metrics(handoff, now_s - ctx.last_step_end_s), **metrics}
+    metrics["rollout/weight_version"] = float(ctx.weight_version)
+    if runner.val_interval and step % runner.val_interval == 0:
+        metrics.update(await validate(ctx))
+    write_ledger(ctx, step)
+    if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
+        await save_checkpoint(ctx, step)
+    ctx.logger.log(step, metrics)
+    ctx.last_step_end_s = time.monotonic()

@@ -1,0 +1,45 @@
+"""Prompts for the runners: a small prefetch queue in front of the resumable `PromptLoader`.
+
+Invariant: every prompt drawn from the loader is, at any moment, exactly one of prefetched here,
+issued (in flight or buffered), trained or dropped. The loader's state is its position after the
+last drawn prompt, so a checkpoint skips on resume exactly the prefetched + in-flight + buffered
+prompts of save time (SPEC §8), and `num_prefetched` is the first term of that count. A dropped
+prompt is not re-queued: the loader's next epoch brings it again, as it brings every prompt.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any
+
+
+class PromptFeed:
+    def __init__(self, loader: Any, prefetch: int):
+        assert prefetch >= 1
+        self.loader = loader
+        self.prefetch = prefetch
+        self._queue: deque = deque()
+        self.num_drawn = 0
+
+    @property
+    def num_prefetched(self) -> int:
+        return len(self._queue)
+
+    def next(self) -> Any:
+        """The next prompt; refills the prefetch queue from the loader (epochs wrap inside it)."""
+        if not self._queue:
+            prompts = self.loader.next_prompts(self.prefetch)
+            if not prompts:
+                raise ValueError(
+                    "the training data is empty: data.train_data_paths holds no prompt. "
+                    "Point it at a non-empty jsonl/parquet file (e.g. `tandem prepare all`)."
+                )
+            self.num_drawn += len(prompts)
+            self._queue.extend(prompts)
+        return self._queue.popleft()
+
+    def loader_state(self) -> dict:
+        return self.loader.state_dict()
+
+    def position(self) -> tuple[int, int]:
+        return tuple(self.loader.position)

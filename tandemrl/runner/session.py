@@ -1,0 +1,153 @@
+"""One training run: build the parts around running services, resume if asked, run the sync or async
+runner beside the engine watchdog, and take everything down again.
+
+Invariant: whatever ends the run (the last step, an error, a dead engine), the driver's tasks are
+cancelled, the clients closed and the actor worker shut down before the services stop; a dead
+engine ends the run with `EngineDiedError` within about one health interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
+from tandemrl.runner.context import RunContext, write_ledger
+from tandemrl.runner.prompt_feed import PromptFeed
+from tandemrl.runner.rollout_driver import RolloutDriver
+from tandemrl.runner.services import Services, model_path, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+def weight_sync_backend(config: Any) -> str:
+    """rollout.weight_sync=auto: gloo on CPU; CUDA IPC when actor and rollout share one GPU; else NCCL."""
+    if config.rollout.weight_sync != "auto":
+        return config.rollout.weight_sync
+    if resolve_device(config.rollout.device) == "cpu" or resolve_device(config.actor.device) == "cpu":
+        return "gloo"
+    placement = config.cluster.component_placement
+    shares_gpu = (
+        not placement or "actor,rollout" in placement or placement.get("actor") == placement.get("rollout")
+    )
+    return "cuda_ipc" if shares_gpu and config.rollout.instances == 1 else "nccl"
+
+
+def train_paths(config: Any, split: str) -> list[str]:
+    from tandemrl.agent.evaluate import split_paths
+
+    return split_paths(config, split)
+
+
+def build_driver(
+    config: Any,
+    engines: list[Any],
+    search: Any,
+    tokenizer: Any,
+    weight_version: int,
+    loader_state: dict | None,
+) -> RolloutDriver:
+    from tandemrl.data.loader import PromptLoader
+
+    loader = PromptLoader(train_paths(config, "train"), seed=config.data.seed, shuffle=config.data.shuffle)
+    if loader_state is not None:
+        loader.load_state_dict(loader_state)
+    feed = PromptFeed(loader, prefetch=config.data.rollout_batch_size)
+    buffer = RolloutBuffer(BufferLimits.from_config(config)).task(config.agentloop.task_name or "default")
+    return RolloutDriver(
+        buffer,
+        feed,
+        engines,
+        search,
+        tokenizer,
+        config.agentloop,
+        config.algorithm.group_size,
+        weight_version,
+    )
+
+
+async def run_session(config: Any, services: Services, actor: Any) -> RunContext:
+    """Run the configured runner to `runner.max_steps`; returns its context (for tests and the demo)."""
+    from transformers import AutoTokenizer
+
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.data.loader import load_prompts
+    from tandemrl.metrics.logger import MetricsLogger
+    from tandemrl.rollout.client import EngineClient
+    from tandemrl.runner.checkpoint import load_resume_state
+
+    runner, search_cfg = config.runner, config.tools.search
+    output_dir = Path(runner.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(model_path(config))
+    engines = [EngineClient(url) for url in services.engine_urls]
+    search = SearchTool(
+        services.search_addr,
+        topk=search_cfg.topk,
+        timeout_s=search_cfg.timeout_s,
+        max_retries=search_cfg.max_retries,
+        backoff_s=search_cfg.backoff_s,
+    )
+    await actor.call(
+        "connect_weight_sync",
+        services.engine_urls,
+        weight_sync_backend(config),
+        config.rollout.sync_bucket_mb,
+    )
+    start_step, loader_state = 0, None
+    if runner.resume_from:
+        state = load_resume_state(runner.resume_from)
+        await actor.call("load_checkpoint", runner.resume_from)
+        start_step, loader_state = int(state["step"]), state["loader"]
+        log.info(
+            "resuming from %s at step %d: skipping the %d prompts issued before that save (in-flight %d + "
+            "buffered %d + prefetched %d)",
+            runner.resume_from,
+            start_step,
+            state["num_skipped_on_resume"],
+            state["num_inflight"],
+            state["num_buffered"],
+            state["num_prefetched"],
+        )
+    weight_version = int(await actor.call("get_weight_version"))
+    if weight_version > 0:  # the engines started from the base model: give them the resumed weights
+        await actor.call("push_weights", weight_version)
+    driver = build_driver(config, engines, search, tokenizer, weight_version, loader_state)
+    val_prompts = (
+        load_prompts(train_paths(config, "val"), config.data.val_limit) if runner.val_interval else []
+    )
+    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step)
+    ctx = RunContext(
+        config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
+    )
+    try:
+        await _run_with_watchdog(ctx, services)
+    finally:
+        await driver.stop()
+        write_ledger(ctx, runner.max_steps)
+        logger.close()
+        await search.close()
+        for engine in engines:
+            await engine.close()
+    return ctx
+
+
+async def _run_with_watchdog(ctx: RunContext, services: Services) -> None:
+    from tandemrl.runner.async_runner import run_async
+    from tandemrl.runner.sync_runner import run_sync
+
+    ctx.driver.start()
+    runner_fn = run_async if ctx.config.runner.async_mode else run_sync
+    run_task = asyncio.create_task(runner_fn(ctx), name="runner")
+    watchdog_task = asyncio.create_task(services.watchdog(ctx.engines), name="engine-watchdog")
+    try:
+        await asyncio.wait([run_task, watchdog_task], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (run_task, watchdog_task):
+            task.cancel()
+        await asyncio.gather(run_task, watchdog_task, return_exceptions=True)
+    if watchdog_task.done() and not watchdog_task.cancelled() and watchdog_task.exception() is not None:
+        raise watchdog_task.exception()
+    run_task.result()

@@ -1,0 +1,265 @@
+"""The actor: PPO/GRPO updates (and SFT steps) of the policy under FSDP2, and the full weights for sync.
+
+One `train_step` = one rollout step's data = `algorithm.n_minibatches` parameter updates, then
+`weight_version += 1`. Every rank is given the *whole* sample list and derives its share itself
+(`batching.plan_rank_micro_batches`), so the token counts that normalise the loss are known everywhere
+without communication and all ranks run the same number of forwards.
+Invariant: the gradient of an update is that of the token-mean loss over all model tokens of the
+minibatch, however the tokens are split over micro-batches and ranks (FSDP averages over ranks, so each
+rank's summed loss is scaled by world_size / minibatch tokens).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from tandemrl.config.schema import TandemConfig
+from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
+from tandemrl.trainer.loss import PolicyLossConfig, masked_sums, ppo_token_losses
+from tandemrl.trainer.optim import build_optimizer
+from tandemrl.trainer.policy import (PolicyModel, init_distributed, resolve_compute_dtype, resolve_device,
+                                     shard_policy)
+
+log = logging.getLogger(__name__)
+
+PPO_SUM_KEYS = ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy", "tokens", "gap", "gap_tokens",
+                "kl_ref")
+
+
+def load_hf_model(model_path: str | Path):
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"actor model directory {str(path)!r} has no config.json. Set "
+                                "actor.model.model_path to a Hugging Face model directory, or run "
+                                "`tandem prepare model` for the embedded default.")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+
+
+class Actor:
+    """FSDP2-sharded policy with AdamW; see the module docstring for the step contract."""
+
+    def __init__(self, config: TandemConfig, hf_model: torch.nn.Module | None = None,
+                 total_updates: int | None = None):
+        from tandemrl.data.home import default_model_dir
+
+        self.config = config
+        self.device = resolve_device(config.actor.device)
+        self.rank, self.world_size = init_distributed(self.device)
+        self.compute_dtype = resolve_compute_dtype(config.actor.dtype, self.device)
+        self.model_path = config.actor.model.model_path or (None if hf_model is not None else str(default_model_dir()))
+        hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path)
+        temperature = config.agentloop.temperature or 1.0
+        ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
+        if config.actor.gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        hf_model.config.use_cache = False
+        self.policy = self._place(PolicyModel(hf_model, temperature))
+        self.ref_policy = None
+        if ref_hf is not None:
+            self.ref_policy = self._place(PolicyModel(ref_hf.requires_grad_(False).eval(), temperature))
+        total = total_updates or config.runner.max_steps * config.algorithm.n_minibatches
+        self.optimizer, self.scheduler = build_optimizer(self.policy.parameters(), config.actor.optim, total)
+        self.loss_cfg = PolicyLossConfig.from_algorithm(config.algorithm)
+        self.weight_version = 0
+        self.num_updates = 0
+        self.num_skipped_updates = 0
+
+    def _place(self, policy: PolicyModel) -> PolicyModel:
+        policy.hf.train()
+        shard_policy(policy, self.device, self.compute_dtype)
+        return policy
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        return self.policy.hf
+
+    # ----------------------------------------------------------------- forward helpers
+    def _forward(self, policy: PolicyModel, micro: MicroBatch, with_entropy: bool = False):
+        """Logprobs (and entropies) at the loss positions; a micro-batch without loss tokens (rank
+        padding) still runs one position, weighted 0, so FSDP's collectives stay in step."""
+        select_K = micro.mask_T.nonzero()[:, 0]
+        if select_K.numel() == 0:
+            select_K = torch.zeros(1, dtype=torch.long, device=micro.mask_T.device)
+        logprobs_K, entropy_K = policy(micro.input_ids_1T, micro.position_ids_1T, micro.labels_T, select_K,
+                                       with_entropy)
+        return logprobs_K, entropy_K, select_K, micro.mask_T.index_select(0, select_K)
+
+    @torch.no_grad()
+    def compute_logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
+        """Current-policy logprob of every loss token, aligned with input_ids (0.0 where loss_mask is 0)."""
+        mine: dict[int, list[float]] = {}
+        for micro in plan_rank_micro_batches(samples, self.rank, self.world_size, self._budget):
+            micro = micro.to(self.device)
+            logprobs_K, _, select_K, mask_K = self._forward(self.policy, micro)
+            full_T = torch.zeros_like(micro.mask_T).index_put_((select_K,), logprobs_K.float() * mask_K)
+            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_T)))
+        if self.world_size > 1:
+            gathered: list[dict] = [{} for _ in range(self.world_size)]
+            dist.all_gather_object(gathered, mine)
+            mine = {k: v for part in gathered for k, v in part.items()}
+        return [mine[i] for i in range(len(samples))]
+
+    @property
+    def _budget(self) -> int:
+        return self.config.actor.micro_batch_tokens
+
+    # ----------------------------------------------------------------- PPO
+    def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """`algorithm.n_minibatches` PPO updates on `samples` (the same list on every rank)."""
+        if not samples:
+            raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
+        start = time.perf_counter()
+        sums: dict[str, float] = defaultdict(float)
+        recompute = self.config.algorithm.recompute_logprobs
+        if recompute:
+            samples = self._recompute_old_logprobs(samples, sums)
+        grad_norms = []
+        for k, minibatch in enumerate(split_minibatches(samples, self.config.algorithm.n_minibatches)):
+            num_tokens = sum(s.num_loss_tokens for s in minibatch)
+            for micro in plan_rank_micro_batches(minibatch, self.rank, self.world_size, self._budget):
+                self._ppo_micro_step(micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not recompute)
+            grad_norms.append(self._optimizer_step())
+        self.weight_version += 1
+        return self._ppo_metrics(sums, grad_norms, time.perf_counter() - start)
+
+    def _ppo_micro_step(self, micro: MicroBatch, num_tokens: int, sums: dict[str, float],
+                        measure_gap: bool) -> None:
+        logprobs_K, entropy_K, select_K, mask_K = self._forward(self.policy, micro, with_entropy=True)
+        old_K, adv_K = micro.old_logprobs_T[select_K], micro.advantages_T[select_K]
+        ref_K = None
+        if self.ref_policy is not None:
+            with torch.no_grad():
+                ref_K = self._forward(self.ref_policy, micro)[0]
+        losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K)
+        loss_sum = (losses_K * mask_K).sum()
+        (loss_sum * (self.world_size / max(num_tokens, 1))).backward()
+        stats.update(loss=losses_K.detach(), entropy=entropy_K, tokens=torch.ones_like(mask_K))
+        if measure_gap:
+            stats.update(gap=(logprobs_K.detach() - old_K).abs(), gap_tokens=torch.ones_like(mask_K))
+        for name, value in masked_sums(stats, mask_K).items():
+            sums[name] += value
+
+    def _recompute_old_logprobs(self, samples: list[TrainSample], sums: dict[str, float]) -> list[TrainSample]:
+        """Old logprobs := current policy's, before any update; the gap to the rollout's is measured on all."""
+        recomputed = self.compute_logprobs(samples)
+        out = []
+        for sample, logprobs in zip(samples, recomputed):
+            for t in range(1, sample.num_tokens):
+                if sample.loss_mask[t]:
+                    sums["gap"] += abs(logprobs[t] - sample.old_logprobs[t])
+                    sums["gap_tokens"] += 1
+            out.append(TrainSample(sample.input_ids, sample.loss_mask, logprobs, sample.advantage))
+        if self.world_size > 1:  # every rank computed the same sums from the gathered logprobs
+            sums["gap"] /= self.world_size
+            sums["gap_tokens"] /= self.world_size
+        return out
+
+    def _optimizer_step(self) -> float:
+        max_norm = self.config.actor.optim.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm if max_norm > 0 else math.inf)
+        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        self.last_lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(norm):
+            self.optimizer.step()
+        else:  # one bad batch must not poison the weights; the schedule still advances
+            self.num_skipped_updates += 1
+            log.warning("non-finite grad norm at update %d: update skipped", self.num_updates)
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.num_updates += 1
+        return norm
+
+    def _reduce(self, sums: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
+        values = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+        if self.world_size > 1:
+            values = values.to(self.device)
+            dist.all_reduce(values)
+        return dict(zip(keys, values.cpu().tolist()))
+
+    def _ppo_metrics(self, sums: dict[str, float], grad_norms: list[float], elapsed_s: float) -> dict[str, float]:
+        total = self._reduce(sums, PPO_SUM_KEYS)
+        tokens = max(total["tokens"], 1.0)
+        metrics = {f"train/actor/{k}": total[k] / tokens
+                   for k in ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy")}
+        metrics["train/actor/rollout_train_logprob_gap"] = total["gap"] / max(total["gap_tokens"], 1.0)
+        if self.ref_policy is not None:
+            metrics["train/actor/kl_ref"] = total["kl_ref"] / tokens
+        metrics.update({
+            "train/actor/grad_norm": sum(grad_norms) / len(grad_norms),
+            "train/actor/lr": self.last_lr,
+            "train/actor/num_tokens": total["tokens"] / max(1, len(grad_norms)),
+            "train/actor/num_updates": float(self.num_updates),
+            "time/train_step": elapsed_s,
+        })
+        return metrics
+
+    # ----------------------------------------------------------------- SFT
+    def sft_step(self, samples: list[TrainSample]) -> dict[str, float]:
+        """One parameter update of token-mean cross-entropy over the loss tokens of `samples`."""
+        if not samples:
+            raise ValueError("Actor.sft_step got no samples.")
+        num_tokens = sum(s.num_loss_tokens for s in samples)
+        sums: dict[str, float] = defaultdict(float)
+        for micro in plan_rank_micro_batches(samples, self.rank, self.world_size, self._budget):
+            logprobs_K, _, _, mask_K = self._forward(self.policy, micro.to(self.device))
+            nll_sum = -(logprobs_K * mask_K).sum()
+            (nll_sum * (self.world_size / max(num_tokens, 1))).backward()
+            sums["loss"] += float(nll_sum.detach())
+            sums["tokens"] += float(mask_K.sum())
+        grad_norm = self._optimizer_step()
+        total = self._reduce(sums, ("loss", "tokens"))
+        return {"train/sft/loss": total["loss"] / max(total["tokens"], 1.0), "train/sft/grad_norm": grad_norm,
+                "train/sft/lr": self.last_lr, "train/sft/num_tokens": total["tokens"]}
+
+    # ----------------------------------------------------------------- weights, checkpoints
+    def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) in state-dict order, tied weights once; each parameter is all-gathered
+        from its shards, so every rank must consume the iterator (only one needs to send)."""
+        self.policy.reshard()
+        persistent = set(self.policy.hf.state_dict().keys())
+        named = list(self.policy.hf.named_parameters()) + [
+            (n, b) for n, b in self.policy.hf.named_buffers() if n in persistent]
+        for name, tensor in named:
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield name, full.detach().to(dtype or self.compute_dtype)
+
+    async def sync_weights(self, sender) -> dict[str, float]:
+        """Push the full weights through a `rollout.weight_sync.WeightSender` (rank 0 sends)."""
+        start = time.perf_counter()
+        if self.rank == 0:
+            result = await sender.push(self.iter_full_weights(), self.weight_version)
+        else:
+            result = {"bytes": sum(t.numel() * t.element_size() for _, t in self.iter_full_weights())}
+        return {"time/sync_weights": time.perf_counter() - start, "sync_weights/bytes": float(result["bytes"])}
+
+    def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, object] | None = None) -> Path:
+        from tandemrl.trainer.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, ckpt_dir, extra)
+
+    def load_checkpoint(self, ckpt_dir: str | Path) -> None:
+        from tandemrl.trainer.checkpoint import load_checkpoint
+
+        load_checkpoint(self, ckpt_dir)
+
+    def export_hf(self, out_dir: str | Path) -> Path:
+        from tandemrl.trainer.export import save_hf_dir
+
+        state = dict(self.iter_full_weights(dtype=torch.float32))
+        if self.rank == 0:
+            save_hf_dir(state, self.policy.hf.config, self.model_path, out_dir)
+        if self.world_size > 1:
+            dist.barrier()
+        return Path(out_dir)

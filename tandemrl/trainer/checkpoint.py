@@ -1,0 +1,132 @@
+"""Actor checkpoints with torch.distributed.checkpoint (DCP), written atomically.
+
+Layout of `global_step_N/` (written as `.tmp-global_step_N/`, then renamed, so a crash mid-save leaves
+the previous checkpoint untouched and no half-written `global_step_*`):
+    actor/           DCP shards of {"model", "optim"} (sharded FQN state dicts, reshardable on load)
+    actor/meta.pt    scheduler state, num_updates, weight_version, world_size (rank 0)
+    actor/rng_rank{r}.pt   torch (CPU + CUDA) and Python RNG state of rank r
+    actor/hf/        config.json, generation config and tokenizer files, for `tandem export`
+    <extra files>    e.g. data/data.pt from the runner, written by torch.save before the rename
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / "checkpoints" / f"global_step_{step}"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step under `output_dir/checkpoints`, or None."""
+    root = Path(output_dir) / "checkpoints"
+    steps = [(int(m.group(1)), p) for p in root.glob("global_step_*") if (m := STEP_DIR_RE.match(p.name))]
+    return max(steps)[1] if steps else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(actor, ckpt_dir: str | Path, extra: dict[str, object] | None = None) -> Path:
+    """Write the actor (and `extra`: relative path -> object for torch.save) to `ckpt_dir` atomically."""
+    final = Path(ckpt_dir)
+    tmp = final.parent / f".tmp-{final.name}"
+    if actor.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
+        (tmp / "actor").mkdir(parents=True)
+    _barrier()
+    actor.policy.reshard()
+    model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "actor"))
+    torch.save(_rng_state(), tmp / "actor" / f"rng_rank{actor.rank}.pt")
+    if actor.rank == 0:
+        torch.save({"scheduler": actor.scheduler.state_dict(), "num_updates": actor.num_updates,
+                    "weight_version": actor.weight_version, "world_size": actor.world_size},
+                   tmp / "actor" / "meta.pt")
+        _save_hf_files(actor, tmp / "actor" / "hf")
+        for rel_path, obj in (extra or {}).items():
+            (tmp / rel_path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(obj, tmp / rel_path)
+    _barrier()
+    if actor.rank == 0:
+        _commit(tmp, final)
+    _barrier()
+    return final
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Rename into place; an existing checkpoint of the same step is replaced only once the new one is whole."""
+    old = final.parent / f".old-{final.name}"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        final.rename(old)
+    tmp.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _save_hf_files(actor, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    actor.policy.hf.config.save_pretrained(out)
+    generation_config = getattr(actor.policy.hf, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(out)
+    if actor.model_path is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(actor.model_path) / name).is_file():
+                shutil.copy2(Path(actor.model_path) / name, out / name)
+
+
+def load_checkpoint(actor, ckpt_dir: str | Path) -> None:
+    """Restore model, optimizer, scheduler, counters and this rank's RNG from `ckpt_dir`."""
+    actor_dir = Path(ckpt_dir) / "actor"
+    if not (actor_dir / "meta.pt").is_file():
+        raise FileNotFoundError(f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/meta.pt). Pass a "
+                                "global_step_N directory written by the actor, e.g. runs/<name>/checkpoints/"
+                                "global_step_10.")
+    actor.policy.reshard()
+    model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(actor_dir))
+    set_state_dict(actor.policy, actor.optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    meta = torch.load(actor_dir / "meta.pt", weights_only=True)
+    actor.scheduler.load_state_dict(meta["scheduler"])
+    actor.num_updates = meta["num_updates"]
+    actor.weight_version = meta["weight_version"]
+    rng_file = actor_dir / f"rng_rank{actor.rank}.pt"
+    if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh RNG for the new ones
+        _set_rng_state(torch.load(rng_file, weights_only=True))
+
+
+def load_extra(ckpt_dir: str | Path, rel_path: str) -> object:
+    """An object written through `save_checkpoint(..., extra={rel_path: obj})` (plain data only)."""
+    return torch.load(Path(ckpt_dir) / rel_path, weights_only=True)
+
+
+def _rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

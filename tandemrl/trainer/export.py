@@ -1,0 +1,72 @@
+"""`tandem export CHECKPOINT --out DIR`: a checkpoint's policy as a Hugging Face model directory.
+
+Weights are written in float32 (the actor's master precision): a bf16 export would round away updates
+smaller than bf16's resolution, which at RL learning rates are most of them.
+Invariant: the exported directory loads with `AutoModelForCausalLM.from_pretrained` and its weights
+equal the actor's full (unsharded) weights at the checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def save_hf_dir(state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None,
+                out_dir: str | Path) -> Path:
+    """Build the HF model of `hf_config`, load `state` (HF names), save it with the tokenizer files."""
+    from transformers import AutoModelForCausalLM
+
+    from tandemrl.trainer.checkpoint import TOKENIZER_FILES
+
+    out = Path(out_dir)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
+    if unexpected or set(missing) - tied:
+        raise ValueError(f"export: the weights do not match the model config (missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}); the checkpoint and its actor/hf/config.json "
+                         "disagree.")
+    if tied:
+        model.tie_weights()
+    model.config.dtype = torch.float32
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).is_file():
+                shutil.copy2(Path(tokenizer_dir) / name, out / name)
+    return out
+
+
+def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], object]:
+    """Full HF-named weights and the HF config of an actor checkpoint, in this process (no ranks needed)."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandemrl.trainer.policy import PolicyModel
+
+    actor_dir = Path(ckpt_dir) / "actor"
+    if not (actor_dir / "hf" / "config.json").is_file():
+        raise FileNotFoundError(f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
+                                "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10.")
+    hf_config = AutoConfig.from_pretrained(actor_dir / "hf")
+    policy = PolicyModel(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
+    state = {"model": policy.state_dict()}
+    dcp.load(state, checkpoint_id=str(actor_dir))
+    policy.load_state_dict(state["model"])
+    weights = {name: p.detach() for name, p in policy.hf.named_parameters()}
+    return weights, hf_config
+
+
+def run_export(args) -> int:
+    ckpt = Path(args.checkpoint)
+    weights, hf_config = load_checkpoint_weights(ckpt)
+    out = save_hf_dir(weights, hf_config, ckpt / "actor" / "hf", args.out)
+    log.info("exported %s -> %s (%d tensors, float32)", ckpt, out, len(weights))
+    print(f"exported {ckpt} -> {out}")
+    return 0

@@ -1,0 +1,118 @@
+"""The policy module the actor trains: an HF causal LM wrapped so one forward returns the logprobs
+(and entropies) of the next tokens at the loss positions only, plus its placement (device, dtype,
+process group, FSDP2 sharding).
+
+Why a wrapper: logits over a 50k-150k vocabulary for every packed token would dominate memory, yet
+only model-sampled tokens need them. The wrapper runs the HF decoder, selects the hidden states of the
+loss positions and computes logprobs in chunks, each chunk recomputed in backward instead of kept.
+The wrapper is the FSDP root, so the root's parameters (embeddings, final norm, lm_head, tied or not)
+are gathered around this forward; each decoder layer is its own FSDP unit.
+Invariant: `PolicyModel.hf` is a plain HF model, so its parameter names are the HF names.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+LOGIT_CHUNK_TOKENS = 1024
+
+
+def _chunk_logprobs(hidden_KH, weight_VH, bias_V, labels_K, inv_temperature: float, with_entropy: bool):
+    logits_KV = F.linear(hidden_KH, weight_VH, bias_V).float() * inv_temperature
+    lse_K = logits_KV.logsumexp(-1)
+    logprobs_K = logits_KV.gather(-1, labels_K[:, None])[:, 0] - lse_K
+    if not with_entropy:
+        return logprobs_K, torch.zeros_like(lse_K)
+    with torch.no_grad():  # entropy is a metric only
+        entropy_K = lse_K - (logits_KV.softmax(-1) * logits_KV).sum(-1)
+    return logprobs_K, entropy_K
+
+
+def chunked_logprobs(hidden_KH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
+                     labels_K: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                     chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(h W^T / T)[label] per row, in chunks; in training each chunk's logits are recomputed
+    in backward rather than stored (peak memory: one chunk of logits)."""
+    logprobs, entropies = [], []
+    needs_grad = torch.is_grad_enabled() and (hidden_KH.requires_grad or weight_VH.requires_grad)
+    for start in range(0, hidden_KH.shape[0], chunk_tokens):
+        args = (hidden_KH[start:start + chunk_tokens], weight_VH, bias_V, labels_K[start:start + chunk_tokens],
+                1.0 / temperature, with_entropy)
+        out = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if needs_grad else _chunk_logprobs(*args)
+        logprobs.append(out[0])
+        entropies.append(out[1])
+    return torch.cat(logprobs), torch.cat(entropies)
+
+
+class PolicyModel(nn.Module):
+    """HF causal LM -> next-token logprobs at selected positions of a packed row."""
+
+    def __init__(self, hf_model: nn.Module, temperature: float = 1.0):
+        super().__init__()
+        self.hf = hf_model
+        self.temperature = temperature
+
+    def forward(self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor, labels_T: torch.Tensor,
+                select_K: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.hf.base_model(input_ids=input_ids_1T, position_ids=position_ids_1T, use_cache=False)
+        hidden_KH = out.last_hidden_state[0].index_select(0, select_K)
+        head = self.hf.get_output_embeddings()
+        return chunked_logprobs(hidden_KH, head.weight, head.bias, labels_T.index_select(0, select_K),
+                                self.temperature, with_entropy)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("actor.device=cuda but CUDA is not available. Set actor.device=cpu or auto.")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bf16 compute on GPU (fp32 master weights), fp32 on CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """Join the launcher's process group (env:// with RANK/WORLD_SIZE > 1) or create a 1-rank one, so
+    one process runs the same FSDP code as many. Returns (rank, world_size)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch.dtype) -> None:
+    """FSDP2: one unit per decoder layer, the wrapper as root; fp32 master weights, `compute_dtype`
+    for forward/backward, fp32 gradient reduction."""
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
+                              reduce_dtype=torch.float32)
+    layers = getattr(policy.hf.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(f"{type(policy.hf).__name__}: no `.layers` on its base model; the actor shards "
+                         "decoder layers of Llama/Qwen/GLM-style HF models.")
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

@@ -1,0 +1,153 @@
+"""`tandem sft CONFIG`: the supervised cold start (SPEC §2) on the actor's own machinery.
+
+Demonstration plans (`tandemrl.data.demos`) are rendered with the *real* retriever's results, in the
+agent loop's exact token format, then trained on with token-mean cross-entropy over the model turns
+(loss_mask 1; prompt and information blocks 0). The result is an HF directory that RL starts from
+(`actor.model.model_path` / `rollout.model.model_path`).
+Invariant: SFT uses `Actor.sft_step`, so packing, FSDP, precision and export are those of RL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import math
+import random
+from contextlib import contextmanager
+from pathlib import Path
+
+from tandemrl.trainer.batching import TrainSample
+
+log = logging.getLogger(__name__)
+
+RENDER_CONCURRENCY = 16
+
+
+def run_sft(args) -> int:
+    from tandemrl.config.loader import load_config
+
+    config = load_config(args.config, args.overrides)
+    samples = load_sft_samples(config)
+    out_dir, metrics = train_sft(config, samples)
+    print(f"sft: {len(samples)} demonstrations, final loss {metrics.get('train/sft/loss', float('nan')):.4f}; "
+          f"model written to {out_dir}")
+    return 0
+
+
+def load_sft_samples(config) -> list[TrainSample]:
+    """Pre-rendered samples (`actor.sft.rendered_path`) or demos rendered now against the retriever."""
+    sft = config.actor.sft
+    if sft.rendered_path is not None:
+        return read_rendered(sft.rendered_path)
+    from tandemrl.data.demos import load_demos
+    from tandemrl.data.home import default_kb_dir
+
+    demos = load_demos(sft.demos_path or default_kb_dir() / "demos.jsonl", sft.num_demos, seed=config.data.seed)
+    rendered = render_demos(config, demos)
+    kept = [TrainSample(ids, mask, [0.0] * len(ids)) for ids, mask in rendered if ids]
+    log.info("sft: rendered %d demonstrations, kept %d (dropped %d whose searches missed their fact)",
+             len(demos), len(kept), len(demos) - len(kept))
+    if not kept:
+        raise ValueError("sft: no demonstration survived rendering (every search missed its fact). Check that "
+                         "the retrieval index was built from the same knowledge base as the demos, or set "
+                         "actor.sft.skip_on_miss=false.")
+    write_rendered(Path(config.runner.output_dir) / "sft" / "rendered.jsonl", kept)
+    return kept
+
+
+def read_rendered(path: str | Path) -> list[TrainSample]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"actor.sft.rendered_path={str(path)!r} does not exist; write a jsonl of "
+                                '{"input_ids": [...], "loss_mask": [...]} or unset it to render the demos.')
+    samples = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            samples.append(TrainSample(row["input_ids"], row["loss_mask"], [0.0] * len(row["input_ids"])))
+    return samples
+
+
+def write_rendered(path: Path, samples: list[TrainSample]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for s in samples:
+            f.write(json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
+
+
+@contextmanager
+def _search_addr(config):
+    """The retrieval server for rendering: launched for the duration (retrieval.launch) or the configured one."""
+    if not config.retrieval.launch:
+        yield config.tools.search.server_addr
+        return
+    from tandemrl.data.home import default_index_dir
+    from tandemrl.retrieval.server_process import RetrievalServerProcess
+
+    index_dir = config.retrieval.index_dir or default_index_dir()
+    with RetrievalServerProcess(index_dir, mode=config.retrieval.mode) as server:
+        yield server.addr
+
+
+def render_demos(config, demos: list[dict]) -> list[tuple[list[int], list[int]]]:
+    from transformers import AutoTokenizer
+
+    from tandemrl.data.home import default_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(config.actor.model.model_path or default_model_dir())
+    with _search_addr(config) as addr:
+        return asyncio.run(_render_all(config, addr, demos, tokenizer))
+
+
+async def _render_all(config, addr: str, demos: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.data.demos import render_demo
+
+    tool = config.tools.search
+    search = SearchTool(addr, topk=tool.topk, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
+                        backoff_s=tool.backoff_s)
+    limit = asyncio.Semaphore(RENDER_CONCURRENCY)
+
+    async def one(demo: dict):
+        async with limit:
+            return await render_demo(demo, search, tokenizer, tool.topk, config.agentloop.max_info_tokens,
+                                     skip_on_miss=config.actor.sft.skip_on_miss)
+
+    try:
+        return list(await asyncio.gather(*(one(demo) for demo in demos)))
+    finally:
+        await search.close()
+
+
+def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float]]:
+    """`actor.sft.num_epochs` passes of shuffled batches of `actor.sft.batch_size`; exports the policy."""
+    from tandemrl.metrics.logger import MetricsLogger
+    from tandemrl.trainer.actor import Actor
+
+    sft = config.actor.sft
+    config = copy.deepcopy(config)
+    config.actor.optim.lr = sft.lr
+    num_batches = math.ceil(len(samples) / sft.batch_size)
+    actor = Actor(config, total_updates=sft.num_epochs * num_batches)
+    output_dir = Path(config.runner.output_dir)
+    logger = MetricsLogger(output_dir / "sft", max_steps=sft.num_epochs * num_batches) if actor.rank == 0 else None
+    rng, metrics = random.Random(config.data.seed), {}
+    try:
+        for epoch in range(sft.num_epochs):
+            order = list(range(len(samples)))
+            rng.shuffle(order)
+            for b in range(num_batches):
+                batch = [samples[i] for i in order[b * sft.batch_size:(b + 1) * sft.batch_size]]
+                metrics = actor.sft_step(batch)
+                if logger is not None:
+                    logger.log(actor.num_updates, {**metrics, "train/sft/epoch": float(epoch)})
+                    log.info("sft update %d/%d: loss %.4f", actor.num_updates, sft.num_epochs * num_batches,
+                             metrics["train/sft/loss"])
+    finally:
+        if logger is not None:
+            logger.close()
+    out_dir = Path(sft.out_dir) if sft.out_dir else output_dir / "sft_model"
+    actor.export_hf(out_dir)
+    return out_dir, metrics

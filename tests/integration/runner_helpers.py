@@ -1,0 +1,98 @@
+"""Shared pieces of the runner and resume integration tests: a small KB with its index, a tiny-model
+config, and the prompt ledger accounting."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPEC_METRICS = [
+    "rollout/buffer/inflight_groups",
+    "rollout/buffer/size",
+    "rollout/buffer/admission_wait_inflight_limit",
+    "rollout/buffer/admission_wait_buffer_full",
+    "rollout/buffer/dropped_groups",
+    "rollout/data_staleness/mean",
+    "rollout/version_span/mean",
+    "rollout/queue_steps/mean",
+    "rollout/reward/mean",
+    "rollout/total_num_sequence",
+    "rollout/response_length",
+    "throughput",
+    "time/step",
+    "time/sync_weights",
+    "train/actor/ratio_abs",
+    "train/actor/clip_fraction",
+    "train/actor/grad_norm",
+    "train/actor/lr",
+    "val/em/all",
+]
+
+
+def build_small_kb(root: Path) -> tuple[Path, Path]:
+    """A 40-entity KB and its MiniLM index: (kb_dir, index_dir)."""
+    from tandemrl.data.kb import generate_kb
+    from tandemrl.retrieval.build import build_index
+
+    kb_dir = generate_kb(root / "kb", seed=0, num_entities=40, num_train=60, num_val=6, num_test=4)
+    index_dir = root / "index"
+    build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", show_progress=False)
+    return kb_dir, index_dir
+
+
+def tiny_overrides(model_dir: Path, kb_dir: Path, index_dir: Path, output_dir: Path) -> list[str]:
+    """Tiny batches and short generations: rollout_batch_size 2, group_size 2, <= 40 response tokens."""
+    return [
+        f"rollout.model.model_path={model_dir}",
+        f"actor.model.model_path={model_dir}",
+        f"data.train_data_paths=[{kb_dir / 'train.jsonl'}]",
+        f"data.val_data_paths=[{kb_dir / 'val.jsonl'}]",
+        f"retrieval.index_dir={index_dir}",
+        f"retrieval.corpus_path={kb_dir / 'corpus.jsonl'}",
+        f"runner.output_dir={output_dir}",
+        "runner.max_steps=4",
+        "runner.save_interval=0",
+        "runner.val_interval=4",
+        "data.rollout_batch_size=2",
+        "data.val_limit=4",
+        "algorithm.group_size=2",
+        "algorithm.n_minibatches=2",
+        "agentloop.task_name=searchr1",
+        "agentloop.max_turns=1",
+        "agentloop.max_new_tokens_per_turn=12",
+        "agentloop.max_response_tokens=40",
+        "agentloop.max_info_tokens=24",
+        "rollout.device=cpu",
+        "rollout.dtype=float32",
+        "rollout.max_running_requests=8",
+        "rollout.max_context_len=1024",
+        "actor.device=cpu",
+        "actor.optim.lr=1.0e-4",
+        "cluster.use_ray=false",
+        "runner.engine_health_interval_s=0.5",
+    ]
+
+
+def read_ledger(output_dir: Path) -> list[dict]:
+    path = Path(output_dir) / "prompts.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def account(ledger: list[dict], unfinished_issue_ids: set[int]) -> dict[str, set]:
+    """Every issued group ends exactly once (trained or dropped) or is still unfinished; returns the sets."""
+    issued = [e["issue_id"] for e in ledger if e["event"] == "issued"]
+    trained = [e["issue_id"] for e in ledger if e["event"] == "trained"]
+    dropped = [e["issue_id"] for e in ledger if e["event"] == "dropped"]
+    assert len(issued) == len(set(issued)), "a group was issued twice"
+    ends = trained + dropped
+    assert len(ends) == len(set(ends)), "a group was trained or dropped twice"
+    assert not set(ends) & unfinished_issue_ids, "a finished group is still counted as unfinished"
+    assert set(issued) == set(ends) | unfinished_issue_ids, "a group was lost"
+    by_id = {e["issue_id"]: e["prompt_id"] for e in ledger if e["event"] == "issued"}
+    return {
+        "issued": set(issued),
+        "trained": set(trained),
+        "dropped": set(dropped),
+        "trained_prompts": [by_id[i] for i in trained],
+        "issued_prompts": [by_id[i] for i in issued],
+    }

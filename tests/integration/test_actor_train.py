@@ -1,0 +1,67 @@
+"""Actor train steps on CPU (1-rank gloo group, tiny Llama): the gradient is the token-mean over the
+minibatch whatever the micro-batch budget; gradient checkpointing changes nothing; the KL to the
+reference starts at 0; metrics are the documented ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandemrl.trainer.actor import Actor
+from tests.integration.trainer_helpers import actor_config, make_samples
+
+METRICS = ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy", "grad_norm", "lr",
+           "rollout_train_logprob_gap")
+
+
+def _run(model_dir, *overrides: str, num_steps: int = 1):
+    torch.set_num_threads(1)
+    actor = Actor(actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.recompute_logprobs=true",
+                               *overrides))
+    metrics = [actor.train_step(make_samples(seed=s, num_samples=6)) for s in range(num_steps)]
+    return actor, metrics, {n: t.clone() for n, t in actor.iter_full_weights()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def test_micro_batch_budget_does_not_change_the_update(tiny_llama_dir):
+    _, m_small, w_small = _run(tiny_llama_dir, "actor.micro_batch_tokens=40", "algorithm.n_minibatches=2")
+    _, m_big, w_big = _run(tiny_llama_dir, "actor.micro_batch_tokens=4096", "algorithm.n_minibatches=2")
+    assert _max_diff(w_small, w_big) < 1e-6
+    assert m_small[0]["train/actor/loss"] == pytest.approx(m_big[0]["train/actor/loss"], abs=1e-6)
+    assert m_small[0]["train/actor/grad_norm"] == pytest.approx(m_big[0]["train/actor/grad_norm"], rel=1e-5)
+    assert set(f"train/actor/{k}" for k in METRICS) <= set(m_small[0])
+    assert m_small[0]["train/actor/num_updates"] == 2.0
+
+
+def test_gradient_checkpointing_gives_the_same_step(tiny_llama_dir):
+    _, _, plain = _run(tiny_llama_dir, "algorithm.n_minibatches=1")
+    actor, _, checkpointed = _run(tiny_llama_dir, "algorithm.n_minibatches=1", "actor.gradient_checkpointing=true")
+    assert actor.hf_model.is_gradient_checkpointing
+    assert _max_diff(plain, checkpointed) < 1e-6
+
+
+def test_kl_to_reference_starts_at_zero_then_grows(tiny_llama_dir):
+    actor, metrics, _ = _run(tiny_llama_dir, "algorithm.kl_coef=0.1", "algorithm.n_minibatches=2",
+                             "actor.optim.lr=0.01", num_steps=2)
+    assert actor.ref_policy is not None
+    assert metrics[0]["train/actor/kl_ref"] >= 0.0
+    assert metrics[1]["train/actor/kl_ref"] > 10 * max(metrics[0]["train/actor/kl_ref"], 1e-9)
+    assert metrics[1]["train/actor/ratio_abs"] > 0.0  # recomputed old logprobs, then updates within the step
+
+
+def test_recomputed_logprobs_start_the_step_at_ratio_one(tiny_llama_dir):
+    _, metrics, _ = _run(tiny_llama_dir, "algorithm.n_minibatches=1")
+    # old logprobs = the current policy's, one minibatch: every ratio is exactly 1 before the update
+    assert metrics[0]["train/actor/ratio_abs"] < 1e-6
+    assert metrics[0]["train/actor/clip_fraction"] == 0.0
+    # the sample helpers' rollout logprobs are random, so the measured gap is large
+    assert metrics[0]["train/actor/rollout_train_logprob_gap"] > 0.1
+
+
+def test_empty_step_is_a_clear_error(tiny_llama_dir):
+    actor = Actor(actor_config(tiny_llama_dir))
+    with pytest.raises(ValueError, match="no samples"):
+        actor.train_step([])

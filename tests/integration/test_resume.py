@@ -1,0 +1,72 @@
+"""Resume (SPEC §8): stop after step 2, resume from its checkpoint to step 4. The logged skip count equals
+the in-flight + buffered groups + prefetched prompts at save time (checked against the loader position and
+the prompt ledger), the skipped prompts never come back in that epoch, and no prompt is trained twice."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from tandemrl.config.loader import load_config
+from tandemrl.metrics.logger import read_tensorboard_scalars
+from tandemrl.runner.checkpoint import checkpoint_dir, load_resume_state
+from tandemrl.runner.launch import train
+from tests.integration.runner_helpers import account, build_small_kb, read_ledger, tiny_overrides
+
+SAVE_LINE = re.compile(
+    r"checkpoint step (\d+) saved to .*skips (\d+) prompts issued before the save "
+    r"\(in-flight (\d+) \+ buffered (\d+) \+ prefetched (\d+)\)"
+)
+
+
+def test_resume_skips_exactly_the_prompts_issued_before_the_save(tmp_path, tiny_llama_dir, caplog):
+    kb_dir, index_dir = build_small_kb(tmp_path / "kb")
+    base = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run1") + [
+        "runner.async_mode=true",
+        "runner.val_interval=0",
+        "data.shuffle=false",
+    ]
+    caplog.set_level(logging.INFO, logger="tandemrl")
+    first = load_config(None, base + ["runner.max_steps=2", "runner.save_interval=2"])
+    ctx1 = train(first, write_plots=False)
+
+    saves = [m.groups() for m in map(SAVE_LINE.search, caplog.messages) if m]
+    assert len(saves) == 1
+    step, skipped, inflight, buffered, prefetched = map(int, saves[0])
+    assert step == 2 and skipped == inflight + buffered + prefetched
+
+    # independent count: prompts drawn from the loader at save time minus those trained or dropped by then
+    ckpt = checkpoint_dir(tmp_path / "run1", 2)
+    state = load_resume_state(str(ckpt))
+    num_drawn = state["loader"]["epoch"] * state["loader"]["num_prompts"] + state["loader"]["index"]
+    ledger1 = read_ledger(tmp_path / "run1")
+    cut = next(i for i, e in enumerate(ledger1) if e["event"] == "checkpoint")
+    before = ledger1[:cut]
+    num_ended = sum(e["event"] in ("trained", "dropped") for e in before)
+    num_open = sum(e["event"] == "issued" for e in before) - num_ended
+    print(
+        f"save at step 2: logged skip {skipped} = in-flight {inflight} + buffered {buffered} + prefetched "
+        f"{prefetched}; loader drew {num_drawn}, trained/dropped {num_ended}, open groups {num_open}"
+    )
+    assert skipped == num_drawn - num_ended
+    assert inflight + buffered == num_open
+    run1 = account(ledger1, {g.issue_id for g in ctx1.driver.buffer.unfinished_groups()})
+
+    second = load_config(
+        None,
+        base + ["runner.max_steps=4", f"runner.resume_from={ckpt}", f"runner.output_dir={tmp_path / 'run2'}"],
+    )
+    ctx2 = train(second, write_plots=False)
+    assert ctx2.weight_version == 4
+    assert any(f"skipping the {skipped} prompts issued before that save" in m for m in caplog.messages)
+    run2 = account(
+        read_ledger(tmp_path / "run2"), {g.issue_id for g in ctx2.driver.buffer.unfinished_groups()}
+    )
+    assert len(run1["trained_prompts"]) == 4 and len(run2["trained_prompts"]) == 4
+    trained = run1["trained_prompts"] + run2["trained_prompts"]
+    assert len(trained) == len(set(trained)), "a prompt was trained twice across the resume"
+    # the prompts issued before the save (including the unfinished ones) are never issued again
+    issued_before_save = {e["prompt_id"] for e in before if e["event"] == "issued"}
+    assert not issued_before_save & set(run2["issued_prompts"])
+    scalars = read_tensorboard_scalars(tmp_path / "run2" / "tensorboard")
+    assert [s for s, _ in scalars["time/step"]] == [3, 4]

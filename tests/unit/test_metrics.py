@@ -1,0 +1,82 @@
+"""Metrics logger (TensorBoard + jsonl + console line) and plots on the parameter-updates axis."""
+
+from __future__ import annotations
+
+import json
+
+from tandemrl.metrics.logger import MetricsLogger, console_line, read_history, read_tensorboard_scalars
+from tandemrl.metrics.plots import write_plots
+
+
+def test_logger_writes_tensorboard_jsonl_and_console(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, max_steps=2, show_progress=False)
+    logger.log(1, {"rollout/reward/mean": 0.25, "time/step": 2.0, "throughput": 100.0, "val/em/kb_1hop": 0.5})
+    logger.log(2, {"rollout/reward/mean": 0.5, "time/step": 1.0, "bad": float("nan")})
+    logger.close()
+    scalars = read_tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["rollout/reward/mean"] == [(1, 0.25), (2, 0.5)]
+    assert "bad" not in scalars and scalars["val/em/kb_1hop"] == [(1, 0.5)]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["step"] == 1 and rows[1]["time/step"] == 1.0
+    out = capsys.readouterr()
+    assert "step 1/2 | reward 0.250" in out.out + out.err
+
+
+def test_console_line_fields():
+    line = console_line(
+        3,
+        10,
+        {
+            "rollout/reward/mean": 0.125,
+            "rollout/data_staleness/mean": 1.0,
+            "time/step": 12.34,
+            "throughput": 456.7,
+            "val/em/all": 0.3,
+        },
+    )
+    assert line == "step 3/10 | reward 0.125 | staleness 1.00 | step_s 12.3 | tok/s 457 | val_em all 0.300"
+
+
+def test_history_keeps_the_latest_row_of_a_step(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 2, "a": 3}\n')
+    assert [r["a"] for r in read_history(tmp_path / "metrics.jsonl")] == [1, 3]
+
+
+def test_plots_use_parameter_updates_axis(tmp_path):
+    import matplotlib.image
+
+    rows = [
+        {
+            "step": s,
+            "rollout/reward/mean": 0.1 * s,
+            "time/step": 1.0,
+            "rollout/data_staleness/mean": 1.0,
+            "rollout/buffer/size": 2.0,
+        }
+        for s in (1, 2, 3)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    paths = write_plots(tmp_path, n_minibatches=4)
+    assert sorted(p.name for p in paths) == ["buffer.png", "reward.png", "staleness.png", "step_time.png"]
+    image = matplotlib.image.imread(paths[0])
+    assert image.shape[0] > 100 and image.shape[1] > 100
+
+    import matplotlib.pyplot as plt
+
+    from tandemrl.metrics import plots
+
+    captured = {}
+    original = plt.Figure.savefig
+
+    def capture(fig, path, **kw):
+        captured[path.name] = fig.axes[0]
+        return original(fig, path, **kw)
+
+    plt.Figure.savefig = capture
+    try:
+        plots.write_plots(tmp_path, n_minibatches=4)
+    finally:
+        plt.Figure.savefig = original
+    ax = captured["reward.png"]
+    assert list(ax.lines[0].get_xdata()) == [4, 8, 12]
+    assert "parameter updates" in ax.get_xlabel()

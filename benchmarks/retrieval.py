@@ -66,8 +66,11 @@ def measure_recall(index_dir: Path, questions: list[dict]) -> dict:
             out.setdefault("search_s", {})[mode] = round(time.perf_counter() - start, 2)
             out["recall_at_1"][mode] = recall_at_k(retriever, mode, gold_queries, gold, 1)
             out["question_recall_at_3"][mode] = recall_at_k(retriever, mode, raw_questions, gold, TOPK)
-            print(f"  {mode:6s} recall@3 {out['recall_at_3'][mode]:.3f}  recall@1 {out['recall_at_1'][mode]:.3f}  "
-                  f"question recall@3 {out['question_recall_at_3'][mode]:.3f}", flush=True)
+            print(
+                f"  {mode:6s} recall@3 {out['recall_at_3'][mode]:.3f}  recall@1 {out['recall_at_1'][mode]:.3f}  "
+                f"question recall@3 {out['question_recall_at_3'][mode]:.3f}",
+                flush=True,
+            )
     finally:
         retriever.close()
     return out
@@ -76,7 +79,9 @@ def measure_recall(index_dir: Path, questions: list[dict]) -> dict:
 async def _client(url: str, queries: list[str], latencies_s: list[float], session) -> None:
     for query in queries:
         start = time.perf_counter()
-        async with session.post(url, json={"queries": [query], "topk": TOPK, "return_scores": True}) as response:
+        async with session.post(
+            url, json={"queries": [query], "topk": TOPK, "return_scores": True}
+        ) as response:
             body = await response.json()
             if response.status != 200 or len(body["result"]) != 1:
                 raise RuntimeError(f"bad answer from {url}: HTTP {response.status} {body}")
@@ -89,14 +94,20 @@ async def _latency(url: str, queries: list[str], num_clients: int, requests_per_
     latencies_s: list[float] = []
     async with aiohttp.ClientSession() as session:
         await _client(url, queries[:4], [], session)  # warm the connection pool and the server
-        chunks = [queries[i * requests_per_client : (i + 1) * requests_per_client] for i in range(num_clients)]
+        chunks = [
+            queries[i * requests_per_client : (i + 1) * requests_per_client] for i in range(num_clients)
+        ]
         start = time.perf_counter()
         await asyncio.gather(*(_client(url, chunk, latencies_s, session) for chunk in chunks))
         wall_s = time.perf_counter() - start
     quantiles = statistics.quantiles(latencies_s, n=100)
-    return {"num_clients": num_clients, "num_requests": len(latencies_s),
-            "p50_ms": round(quantiles[49] * 1000, 2), "p95_ms": round(quantiles[94] * 1000, 2),
-            "requests_per_s": round(len(latencies_s) / wall_s, 1)}
+    return {
+        "num_clients": num_clients,
+        "num_requests": len(latencies_s),
+        "p50_ms": round(quantiles[49] * 1000, 2),
+        "p95_ms": round(quantiles[94] * 1000, 2),
+        "requests_per_s": round(len(latencies_s) / wall_s, 1),
+    }
 
 
 def measure_latency(index_dir: Path, mode: str, queries: list[str], num_requests: int) -> dict:
@@ -106,28 +117,41 @@ def measure_latency(index_dir: Path, mode: str, queries: list[str], num_requests
             per_client = max(num_requests // num_clients, 4) if num_clients > 1 else num_requests
             needed = per_client * num_clients
             pool = (queries * (needed // max(len(queries), 1) + 1))[:needed]
-            out[str(num_clients)] = asyncio.run(_latency(f"{server.url}/retrieve", pool, num_clients, per_client))
-            print(f"  {mode:6s} {num_clients:2d} client(s): p50 {out[str(num_clients)]['p50_ms']:.1f} ms, "
-                  f"p95 {out[str(num_clients)]['p95_ms']:.1f} ms, "
-                  f"{out[str(num_clients)]['requests_per_s']:.0f} req/s", flush=True)
+            out[str(num_clients)] = asyncio.run(
+                _latency(f"{server.url}/retrieve", pool, num_clients, per_client)
+            )
+            print(
+                f"  {mode:6s} {num_clients:2d} client(s): p50 {out[str(num_clients)]['p50_ms']:.1f} ms, "
+                f"p95 {out[str(num_clients)]['p95_ms']:.1f} ms, "
+                f"{out[str(num_clients)]['requests_per_s']:.0f} req/s",
+                flush=True,
+            )
         out["server"] = server.health()
     return out
 
 
 def machine() -> dict:
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "num_cpus": os.cpu_count(), "python": platform.python_version(),
-            "loadavg_1m_at_start": round(os.getloadavg()[0], 2)}
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "num_cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kb", default=None, help="knowledge-base dir (default: $TANDEM_HOME's, else generated)")
+    parser.add_argument(
+        "--kb", default=None, help="knowledge-base dir (default: $TANDEM_HOME's, else generated)"
+    )
     parser.add_argument("--index", default=None, help="index dir to build into (default: a fresh temp dir)")
     parser.add_argument("--encoder", default="minilm")
     parser.add_argument("--max-questions", type=int, default=2000)
     parser.add_argument("--num-requests", type=int, default=200, help="requests per latency run")
-    parser.add_argument("--latency-modes", default="dense,hybrid", help="comma-separated server modes to time")
+    parser.add_argument(
+        "--latency-modes", default="dense,hybrid", help="comma-separated server modes to time"
+    )
     parser.add_argument("--out", default="benchmarks/results/retrieval.json")
     args = parser.parse_args(argv)
     info = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine()}
@@ -145,12 +169,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"recall on {len(questions)} single-hop questions", flush=True)
         recall = measure_recall(index_dir, questions)
         queries = [q["gold_queries"][0] for q in questions]
-        latency = {mode: measure_latency(index_dir, mode, queries, args.num_requests)
-                   for mode in args.latency_modes.split(",")}
+        latency = {
+            mode: measure_latency(index_dir, mode, queries, args.num_requests)
+            for mode in args.latency_modes.split(",")
+        }
     served = "hybrid" if "hybrid" in latency else next(iter(latency))
-    result = {**recall, "p50_ms": latency[served]["1"]["p50_ms"], "p95_ms": latency[served]["1"]["p95_ms"],
-              "latency_mode": served, "latency": latency, "passages_per_s": build["passages_per_s"],
-              "build": build, "num_questions": len(questions), "kb": str(kb_dir), **info}
+    result = {
+        **recall,
+        "p50_ms": latency[served]["1"]["p50_ms"],
+        "p95_ms": latency[served]["1"]["p95_ms"],
+        "latency_mode": served,
+        "latency": latency,
+        "passages_per_s": build["passages_per_s"],
+        "build": build,
+        "num_questions": len(questions),
+        "kb": str(kb_dir),
+        **info,
+    }
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")

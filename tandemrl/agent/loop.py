@@ -30,7 +30,7 @@ from tandemrl.agent.parser import ANSWER, SEARCH, extract_answer, parse_action
 from tandemrl.agent.prompt import (
     ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, STOP_STRINGS, build_prompt_ids, encode_text,
     format_information, format_message)
-from tandemrl.agent.reward import compute_reward, em_check
+from tandemrl.agent.reward import em_check, score_answer
 from tandemrl.agent.search_tool import SearchError
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class Trajectory:
     sample_index: int = 0  # position in its group
     question: str = ""
     golden_answers: list[str] = field(default_factory=list)
-    answer: str | None = None  # the last <answer> of the response
+    answer: str | None = None  # the last <answer> the model wrote (tool text never counts)
     response_text: str = ""  # the transcript after the prompt: decoded model turns + tool text
     num_search_errors: int = 0
     num_invalid_actions: int = 0
@@ -128,6 +128,9 @@ async def run_trajectory(prompt: Prompt, engine: EngineClient, search: SearchToo
             rid=f"{rid_prefix}-t{traj.num_turns}", extra={"task_name": cfg.task_name})
         traj.num_turns += 1
         turn_text = _append_model_tokens(traj, result, tokenizer)
+        # per turn, so an <answer> never spans a tool message; the last one the model wrote wins
+        answer = extract_answer(turn_text)
+        traj.answer = answer if answer is not None else traj.answer
         if result.finish_reason == "abort":
             traj.finish_reason = FINISH_ABORT
             break
@@ -219,11 +222,11 @@ async def _search(traj: Trajectory, query: str, search: SearchTool, tokenizer,
 
 
 def _score(traj: Trajectory, tokenizer, cfg: AgentLoopConfig) -> None:
-    """Reward from the response alone, special tokens (EOS) left out, as Search-R1 decodes it."""
-    text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
-    traj.answer = extract_answer(text)
+    """EM of the model's last answer; the format score reads the whole response without special
+    tokens (EOS), as Search-R1 decodes it."""
     traj.em = 1.0 if em_check(traj.answer, traj.golden_answers) else 0.0
-    traj.reward = compute_reward(text, traj.golden_answers, format_reward=cfg.format_reward)
+    text = tokenizer.decode(traj.response_ids, skip_special_tokens=True) if cfg.format_reward else ""
+    traj.reward = score_answer(traj.answer, traj.golden_answers, text, format_reward=cfg.format_reward)
 
 
 def _parse_version(weight_version: str | None) -> int:

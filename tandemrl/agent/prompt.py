@@ -61,20 +61,23 @@ def format_information(docs: list[dict], tokenizer=None, max_info_tokens: int | 
     """`\\n\\n<information>Doc 1(Title: ...) text\\nDoc 2...</information>\\n\\n` for retrieval results.
 
     `docs` are the retriever's results for one query (`{"document": {"id", "contents"}, "score"}`).
-    With a tokenizer and `max_info_tokens`, the documents' text is cut (longest first) until the
-    whole block fits; titles stay, and documents are only dropped when the titles alone do not fit.
+    With a tokenizer and `max_info_tokens`, every document's text is cut to one common token cap, the
+    largest that lets the whole block fit (short documents stay whole, the best-ranked is never
+    cut more than the others); titles stay, and the lowest-ranked documents are dropped only when
+    the titles alone do not fit.
     """
     block = _render(docs)
     if tokenizer is None or max_info_tokens is None:
         return block
-    docs = [_split_contents(doc) for doc in docs]
-    for _ in range(4 * len(docs) + 8):  # each round cuts a text or drops a document
-        excess = len(encode_text(tokenizer, block)) - max_info_tokens
-        if excess <= 0:
-            return block
-        docs = _shrink(docs, excess, tokenizer)
-        block = _render([_join_contents(title, text) for title, text in docs])
-    raise AssertionError(f"information block did not fit into {max_info_tokens} tokens")
+    if _num_tokens(tokenizer, block) <= max_info_tokens:
+        return block
+    parts = [_split_contents(doc) for doc in docs]
+    parts = [(title, encode_text(tokenizer, text)) for title, text in parts]
+    for num_docs in range(len(parts), -1, -1):
+        if _num_tokens(tokenizer, _render_capped(parts[:num_docs], 0, tokenizer)) <= max_info_tokens:
+            return _render_capped(parts[:num_docs], _largest_cap(parts[:num_docs], tokenizer, max_info_tokens),
+                                  tokenizer)
+    raise AssertionError(f"an empty information block does not fit into {max_info_tokens} tokens")
 
 
 def format_message(text: str, tokenizer, max_tokens: int) -> str:
@@ -91,25 +94,28 @@ def _render(docs: list[dict]) -> str:
     return INFO_OPEN + format_documents(docs).strip() + INFO_CLOSE
 
 
+def _num_tokens(tokenizer, text: str) -> int:
+    return len(encode_text(tokenizer, text))
+
+
 def _split_contents(doc: dict) -> tuple[str, str]:
     title, _, text = doc["document"]["contents"].partition("\n")
     return title, text
 
 
-def _join_contents(title: str, text: str) -> dict:
-    return {"document": {"id": "", "contents": f"{title}\n{text}"}, "score": 0.0}
+def _render_capped(parts: list[tuple[str, list[int]]], cap: int, tokenizer) -> str:
+    docs = [{"document": {"id": "", "contents": f"{title}\n{tokenizer.decode(ids[:cap]) if cap else ''}"}}
+            for title, ids in parts]
+    return _render(docs)
 
 
-def _shrink(docs: list[tuple[str, str]], excess: int, tokenizer) -> list[tuple[str, str]]:
-    """Cut `excess` tokens (plus one for re-tokenisation drift) from the longest text; drop the
-    last document when no text is left to cut."""
-    if not docs:
-        raise AssertionError("an empty information block does not fit its budget")
-    lengths = [len(encode_text(tokenizer, text)) for _, text in docs]
-    if max(lengths) == 0:
-        return docs[:-1]
-    index = max(range(len(docs)), key=lambda i: lengths[i])
-    title, text = docs[index]
-    keep = max(0, lengths[index] - excess - 1)
-    cut = tokenizer.decode(encode_text(tokenizer, text)[:keep]) if keep else ""
-    return docs[:index] + [(title, cut)] + docs[index + 1:]
+def _largest_cap(parts: list[tuple[str, list[int]]], tokenizer, max_info_tokens: int) -> int:
+    """Binary search for the largest per-document token cap whose block fits (cap 0 is known to fit)."""
+    fits, too_big = 0, max((len(ids) for _, ids in parts), default=0) + 1
+    while too_big - fits > 1:
+        cap = (fits + too_big) // 2
+        if _num_tokens(tokenizer, _render_capped(parts, cap, tokenizer)) <= max_info_tokens:
+            fits = cap
+        else:
+            too_big = cap
+    return fits

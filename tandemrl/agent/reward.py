@@ -74,9 +74,19 @@ def retrieval_contains_answer(response_text: str, golden_answers: list[str]) -> 
 
 
 def compute_reward(response_text: str, golden_answers: list[str], format_reward: bool = False) -> float:
-    """1.0 on exact match of the last `<answer>`, else 0.0; with `format_reward`, Search-R1's
-    qa_em_format score (0.2 structure, +0.1 retrieval hit, 0.1 malformed answer, 0.8 malformed hit)."""
-    answer = extract_answer(response_text)
+    """The reward of a response whose text is all the model's: its last `<answer>` is scored."""
+    return score_answer(extract_answer(response_text), golden_answers, response_text, format_reward)
+
+
+def score_answer(answer: str | None, golden_answers: list[str], response_text: str = "",
+                 format_reward: bool = False) -> float:
+    """1.0 when `answer` matches a gold answer, else 0.0; with `format_reward`, Search-R1's qa_em_format
+    score over the whole `response_text` (0.2 structure, +0.1 retrieval hit, 0.1 malformed answer,
+    0.8 malformed hit).
+
+    The agent loop passes the answer taken from the model's own turns: tool text never counts (the
+    correction message itself says "<answer> and </answer>", which would otherwise read as the answer "and").
+    """
     is_correct = em_check(answer, golden_answers)
     if not format_reward:
         return 1.0 if is_correct else 0.0

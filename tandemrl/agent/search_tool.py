@@ -34,7 +34,9 @@ def format_documents(docs: list[dict]) -> str:
     (wiki-18 writes it in quotes, so the model sees `(Title: "Name")`), the text is the rest."""
     lines = []
     for i, doc_item in enumerate(docs):
-        document = doc_item["document"] if "document" in doc_item else doc_item  # return_scores false: bare docs
+        document = (
+            doc_item["document"] if "document" in doc_item else doc_item
+        )  # return_scores false: bare docs
         content = document["contents"]
         title = content.split("\n")[0]
         text = "\n".join(content.split("\n")[1:])
@@ -43,13 +45,21 @@ def format_documents(docs: list[dict]) -> str:
 
 
 class SearchTool:
-    def __init__(self, server_addr: str, topk: int = 3, timeout_s: float = 10.0, max_retries: int = 3,
-                 backoff_s: float = 0.5):
+    def __init__(
+        self,
+        server_addr: str,
+        topk: int = 3,
+        timeout_s: float = 10.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+    ):
         if not 1 <= topk <= 50:
             raise ValueError(f"topk={topk}: must be in 1..50 (the retrieval server's limit).")
         if timeout_s <= 0 or max_retries < 0 or backoff_s < 0:
-            raise ValueError(f"timeout_s={timeout_s}, max_retries={max_retries}, backoff_s={backoff_s}: need "
-                             "timeout_s > 0, max_retries >= 0 and backoff_s >= 0.")
+            raise ValueError(
+                f"timeout_s={timeout_s}, max_retries={max_retries}, backoff_s={backoff_s}: need "
+                "timeout_s > 0, max_retries >= 0 and backoff_s >= 0."
+            )
         self.url = retrieve_url(server_addr)
         self.topk = topk
         self.timeout_s = timeout_s
@@ -67,8 +77,9 @@ class SearchTool:
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # A session is bound to the loop it was made in; a new loop (e.g. a new asyncio.run) needs its own.
             connector = aiohttp.TCPConnector(limit=256)
-            self._session = aiohttp.ClientSession(connector=connector,
-                                                  timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
             self._session_loop = loop
         return self._session
 
@@ -98,8 +109,10 @@ class SearchTool:
             except _Retryable as error:
                 last_error = str(error)
                 log.debug("search attempt %d/%d failed: %s", attempt + 1, self.max_retries + 1, last_error)
-        raise SearchError(f"search failed: retrieval server {self.url} did not answer after "
-                          f"{self.max_retries + 1} attempts ({last_error}).")
+        raise SearchError(
+            f"search failed: retrieval server {self.url} did not answer after "
+            f"{self.max_retries + 1} attempts ({last_error})."
+        )
 
     async def _post(self, body: dict) -> list[list[dict]]:
         try:
@@ -107,17 +120,23 @@ class SearchTool:
                 if response.status >= 500 or response.status == 429:
                     raise _Retryable(f"HTTP {response.status}: {(await response.text())[:200]}")
                 if response.status != 200:  # a 4xx will not improve with retries
-                    raise SearchError(f"search failed: retrieval server {self.url} rejected the request with "
-                                      f"HTTP {response.status}: {(await response.text())[:300]}")
+                    raise SearchError(
+                        f"search failed: retrieval server {self.url} rejected the request with "
+                        f"HTTP {response.status}: {(await response.text())[:300]}"
+                    )
                 payload = await response.json()
         except ValueError as error:  # a body that is not JSON: not a retrieval server, retrying won't help
             raise SearchError(f"search failed: {self.url} answered with invalid JSON ({error}).") from error
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as error:
-            raise _Retryable(f"{type(error).__name__}: {error}" if str(error) else type(error).__name__) from error
+            raise _Retryable(
+                f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+            ) from error
         result = payload.get("result") if isinstance(payload, dict) else None
         if not isinstance(result, list) or len(result) != len(body["queries"]):
-            raise SearchError(f"search failed: retrieval server {self.url} answered without a 'result' list of "
-                              f"{len(body['queries'])} entries.")
+            raise SearchError(
+                f"search failed: retrieval server {self.url} answered without a 'result' list of "
+                f"{len(body['queries'])} entries."
+            )
         return result
 
     async def close(self) -> None:

@@ -212,12 +212,17 @@ class ActorConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_ranks: int = 1
+    # auto: flash_attention_2 when flash_attn is installed (CUDA), else sdpa; flash packs micro-batches
+    # into one row (varlen), sdpa/eager use length-sorted padded rows
+    attn_implementation: str = "auto"
 
     def __post_init__(self):
         _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens)
         _check_positive("actor.num_ranks", self.num_ranks)
         _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check_choice("actor.attn_implementation", self.attn_implementation,
+                      ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"))
 
 
 @dataclass

@@ -78,7 +78,7 @@ def iter_corpus(path: str | Path) -> Iterator[dict]:
                 if "text" not in row:
                     raise ValueError(f"{path}:{line_number}: a passage needs `contents` (wiki-18 format) or "
                                      "`title` + `text`.")
-                row = {"id": row.get("id"), "contents": f'"{row.get("title", "")}"\n{row["text"]}'}
+                row = {**row, "contents": f'"{row.get("title", "")}"\n{row["text"]}'}
             yield {"id": str(row.get("id", line_number - 1)), "contents": row["contents"]}
 
 

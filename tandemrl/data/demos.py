@@ -3,7 +3,7 @@ token ids with the real retriever's results at SFT time.
 
 A plan (one line of demos.jsonl) is
   {"id", "question", "golden_answers", "data_source",
-   "steps": [{"think": str, "query": str, "expect": str}, ...],   # one search per hop
+   "steps": [{"think": str, "query": str, "entity": str, "expect": str}, ...],   # one search per hop
    "final_think": str, "answer": str}
 and renders, exactly as the agent loop builds a trajectory, to
   prompt (mask 0) | <think> t1 </think>\n<search> q1 </search> (mask 1) | information block (mask 0)
@@ -50,7 +50,7 @@ def plan_demo(world: dict[str, Entity], record: dict, hops: tuple[Hop, ...], rng
             think = rng.choice(NEXT_THINKS).format(found=found, need=need)
         # half the queries are keyword style, half a plain phrase; both name entity and attribute
         query = record["gold_queries"][index] if rng.random() < 0.5 else need
-        steps.append({"think": think, "query": query, "expect": words["value"]})
+        steps.append({"think": think, "query": query, "entity": words["name"], "expect": words["value"]})
         found = FOUND[key].format(**words)
     return {"id": record["id"], "question": record["question"], "golden_answers": record["golden_answers"],
             "data_source": record["data_source"], "steps": steps,
@@ -80,8 +80,11 @@ def model_turn_texts(demo: dict) -> list[str]:
 
 
 def info_hits(demo: dict, results: list[list[dict]]) -> list[bool]:
-    """Per search, whether the retrieved documents contain the fact the step expects."""
-    return [any(step["expect"].lower() in doc["document"]["contents"].lower() for doc in docs)
+    """Per search, whether a retrieved document states the step's fact (names its entity and value)."""
+    def states(step: dict, contents: str) -> bool:
+        return step["entity"] in contents and step["expect"] in contents
+
+    return [any(states(step, doc["document"]["contents"]) for doc in docs)
             for step, docs in zip(demo["steps"], results)]
 
 
@@ -95,9 +98,8 @@ async def render_demo(demo: dict, search: SearchTool, tokenizer, topk: int, max_
     """
     from tandemrl.agent.prompt import build_prompt_ids, encode_text, format_information
 
-    search.topk = topk
     queries = [step["query"] for step in demo["steps"]]
-    results = await search.search(queries) if queries else []
+    results = await search.search(queries, topk=topk) if queries else []
     if skip_on_miss and not all(info_hits(demo, results)):
         return [], []
     input_ids = build_prompt_ids(tokenizer, demo["question"])

@@ -59,6 +59,8 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
 def paged_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns `[T, heads, head_dim]`."""
+    if not isinstance(meta, AttentionMetadata):  # the CUDA fast path's metadata brings its kernel (issue 9)
+        return meta.attend(q_THD, k_TKD, v_TKD, kv_cache, scale)
     kv_cache[0, meta.slot_mapping_T] = k_TKD
     kv_cache[1, meta.slot_mapping_T] = v_TKD
     num_seqs, max_ctx = meta.gather_slots_BL.shape

@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
+from tandemrl.engine.cuda_graphs import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
-from tandemrl.engine.model_runner import ModelRunner
+from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.stops import StopChecker
@@ -39,6 +40,8 @@ class EngineConfig:
     kv_cache_gb: float | None = None  # None: sized from max_running_requests x max_context_len, capped
     block_size: int = 16
     max_prefill_tokens: int = 8192
+    enable_prefix_caching: bool = True  # reuse the KV of a resent context (issue 9)
+    enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -59,9 +62,14 @@ class Engine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
         self.stops = StopChecker(self.tokenizer, _eos_ids(config.model_path, self.hf_config, self.tokenizer))
         num_blocks = self._num_blocks()
-        self.blocks = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
-        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype, config.seed)
+        if config.enable_prefix_caching:
+            self.blocks = PrefixCachingBlockManager(num_blocks, config.block_size)
+            self.scheduler = PrefixCachingScheduler(self.blocks, config.max_running_requests,
+                                                    config.max_prefill_tokens)
+        else:
+            self.blocks = BlockManager(num_blocks, config.block_size)
+            self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+        self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
         self.weight_version = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -162,6 +170,8 @@ class Engine:
     def load_weights(self, named_tensors, weight_version: int | None = None) -> int:
         """Copy HF-named tensors into the model; bumps (or sets) the weight version. Between steps only."""
         names = self.model.load_weights(named_tensors)
+        if isinstance(self.scheduler, PrefixCachingScheduler):
+            self.scheduler.invalidate_prefix_cache()  # KV of the old weights must not serve new requests
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
         logger.info("loaded %d tensors, weight_version=%d", len(names), self.weight_version)
         return self.weight_version

@@ -31,7 +31,7 @@ class _Pending:
 
 
 class MicroBatcher:
-    def __init__(self, search: SearchFn, max_batch_queries: int = 256, max_wait_s: float = 0.005):
+    def __init__(self, search: SearchFn, max_batch_queries: int = 256, max_wait_s: float = 0.002):
         self._search = search
         self.max_batch_queries = max_batch_queries
         self.max_wait_s = max_wait_s
@@ -76,8 +76,11 @@ class MicroBatcher:
         while num_queries < self.max_batch_queries:
             remaining = deadline - time.monotonic()
             try:
-                pending = self._queue.get_nowait() if remaining <= 0 else await asyncio.wait_for(
-                    self._queue.get(), remaining)
+                pending = (
+                    self._queue.get_nowait()
+                    if remaining <= 0
+                    else await asyncio.wait_for(self._queue.get(), remaining)
+                )
             except (asyncio.QueueEmpty, asyncio.TimeoutError):
                 break
             batch.append(pending)

@@ -54,8 +54,10 @@ class BM25Params:
 
     def __post_init__(self):
         if self.k1 < 0 or not 0 <= self.b <= 1 or self.avgdl <= 0:
-            raise ValueError(f"BM25 parameters k1={self.k1}, b={self.b}, avgdl={self.avgdl}: need k1 >= 0, "
-                             f"0 <= b <= 1 and avgdl > 0.")
+            raise ValueError(
+                f"BM25 parameters k1={self.k1}, b={self.b}, avgdl={self.avgdl}: need k1 >= 0, "
+                f"0 <= b <= 1 and avgdl > 0."
+            )
 
 
 def mean_length(texts: Iterable[str]) -> float:

@@ -35,8 +35,10 @@ def read_corpus(path: Path) -> Iterator[dict]:
                 raise ValueError(f"{path}:{line_no + 1}: not valid JSON ({error.msg}).") from error
             if "contents" not in record:
                 if "title" not in record or "text" not in record:
-                    raise ValueError(f"{path}:{line_no + 1}: a corpus record needs 'contents' (or 'title' and "
-                                     "'text'), as in wiki-18's {\"id\", \"contents\"} jsonl.")
+                    raise ValueError(
+                        f"{path}:{line_no + 1}: a corpus record needs 'contents' (or 'title' and "
+                        '\'text\'), as in wiki-18\'s {"id", "contents"} jsonl.'
+                    )
                 record["contents"] = f'"{record["title"]}"\n{record["text"]}'
             record["id"] = str(record.get("id", line_no))
             yield record
@@ -53,8 +55,9 @@ def _batches(records: Iterator[dict], batch_size: int) -> Iterator[list[dict]]:
         yield batch
 
 
-def _open_meta(index_dir: Path, corpus: Path, encoder: str, dim: int, sparse: str | None,
-               qdrant_url: str | None) -> IndexMeta:
+def _open_meta(
+    index_dir: Path, corpus: Path, encoder: str, dim: int, sparse: str | None, qdrant_url: str | None
+) -> IndexMeta:
     """The existing metadata when settings match, new metadata (with BM25's avgdl measured) otherwise."""
     if (index_dir / "index.json").is_file():
         meta = IndexMeta.load(index_dir)
@@ -66,14 +69,24 @@ def _open_meta(index_dir: Path, corpus: Path, encoder: str, dim: int, sparse: st
         return meta
     params = {}
     if sparse == "bm25":
-        params = {"k1": 1.2, "b": 0.75,
-                  "avgdl": bm25.mean_length(record["contents"] for record in read_corpus(corpus))}
+        params = {
+            "k1": 1.2,
+            "b": 0.75,
+            "avgdl": bm25.mean_length(record["contents"] for record in read_corpus(corpus)),
+        }
     return IndexMeta(encoder=encoder, dim=dim, sparse=sparse, bm25=params, qdrant_url=qdrant_url)
 
 
-def build_index(corpus: Path, index_dir: Path, encoder: str = "minilm", sparse: str | None = None,
-                qdrant_url: str | None = None, batch_size: int = 256, device: str | None = None,
-                show_progress: bool = True) -> dict:
+def build_index(
+    corpus: Path,
+    index_dir: Path,
+    encoder: str = "minilm",
+    sparse: str | None = None,
+    qdrant_url: str | None = None,
+    batch_size: int = 256,
+    device: str | None = None,
+    show_progress: bool = True,
+) -> dict:
     """Index (or finish indexing) `corpus` into `index_dir`; returns the build statistics."""
     from tqdm import tqdm
 
@@ -81,7 +94,7 @@ def build_index(corpus: Path, index_dir: Path, encoder: str = "minilm", sparse: 
 
     corpus, index_dir = Path(corpus), Path(index_dir)
     if not corpus.is_file():
-        raise FileNotFoundError(f"corpus {corpus} not found (expected a jsonl of {{\"id\", \"contents\"}}).")
+        raise FileNotFoundError(f'corpus {corpus} not found (expected a jsonl of {{"id", "contents"}}).')
     if sparse not in (None, "bm25"):
         raise ValueError(f"sparse={sparse!r}: the only sparse vectors supported are 'bm25' (or None).")
     if batch_size <= 0:
@@ -95,20 +108,38 @@ def build_index(corpus: Path, index_dir: Path, encoder: str = "minilm", sparse: 
             store.create(meta.dim, has_sparse=sparse == "bm25")
         meta.save(index_dir)
         num_total = sum(1 for _ in read_corpus(corpus))
-        stats = _index_batches(corpus, store, model, meta, batch_size,
-                               tqdm(total=num_total, unit="passage", desc="indexing", disable=not show_progress))
+        stats = _index_batches(
+            corpus,
+            store,
+            model,
+            meta,
+            batch_size,
+            tqdm(total=num_total, unit="passage", desc="indexing", disable=not show_progress),
+        )
         meta.num_passages = store.count()
         meta.save(index_dir)
     finally:
         store.close()
-    stats.update(num_passages=num_total, num_in_index=meta.num_passages, index_dir=str(index_dir),
-                 encoder=encoder, sparse=sparse)
-    log.info("indexed %d new passages (%d already there) at %.1f passages/s; %d in the index",
-             stats["num_indexed"], stats["num_skipped"], stats["passages_per_s"], meta.num_passages)
+    stats.update(
+        num_passages=num_total,
+        num_in_index=meta.num_passages,
+        index_dir=str(index_dir),
+        encoder=encoder,
+        sparse=sparse,
+    )
+    log.info(
+        "indexed %d new passages (%d already there) at %.1f passages/s; %d in the index",
+        stats["num_indexed"],
+        stats["num_skipped"],
+        stats["passages_per_s"],
+        meta.num_passages,
+    )
     return stats
 
 
-def _index_batches(corpus: Path, store: QdrantStore, model, meta: IndexMeta, batch_size: int, progress) -> dict:
+def _index_batches(
+    corpus: Path, store: QdrantStore, model, meta: IndexMeta, batch_size: int, progress
+) -> dict:
     params = meta.bm25_params() if meta.sparse == "bm25" else None
     num_indexed = num_skipped = 0
     start = time.perf_counter()
@@ -121,20 +152,34 @@ def _index_batches(corpus: Path, store: QdrantStore, model, meta: IndexMeta, bat
             if new:
                 texts = [record["contents"] for _, record in new]
                 sparse = [bm25.passage_vector(text, params) for text in texts] if params else None
-                store.upsert([pid for pid, _ in new], [record for _, record in new],
-                             model.encode_passages(texts), sparse)
+                store.upsert(
+                    [pid for pid, _ in new],
+                    [record for _, record in new],
+                    model.encode_passages(texts),
+                    sparse,
+                )
                 num_indexed += len(new)
             progress.update(len(batch))
             progress.set_postfix(new=num_indexed, skipped=num_skipped, refresh=False)
     seconds = time.perf_counter() - start
-    return {"num_indexed": num_indexed, "num_skipped": num_skipped, "seconds": round(seconds, 3),
-            "passages_per_s": round(num_indexed / seconds, 1) if num_indexed else 0.0}
+    return {
+        "num_indexed": num_indexed,
+        "num_skipped": num_skipped,
+        "seconds": round(seconds, 3),
+        "passages_per_s": round(num_indexed / seconds, 1) if num_indexed else 0.0,
+    }
 
 
 def run_build(args) -> int:
     try:
-        stats = build_index(Path(args.corpus), Path(args.index), encoder=args.encoder, sparse=args.sparse,
-                            qdrant_url=args.qdrant_url, batch_size=args.batch_size)
+        stats = build_index(
+            Path(args.corpus),
+            Path(args.index),
+            encoder=args.encoder,
+            sparse=args.sparse,
+            qdrant_url=args.qdrant_url,
+            batch_size=args.batch_size,
+        )
     except ValueError as error:
         print(f"tandem index build: {error}", file=sys.stderr)
         return 2

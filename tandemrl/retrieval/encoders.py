@@ -75,10 +75,14 @@ class Encoder:
 
         self.spec = spec
         self.batch_size = batch_size
-        self.model = SentenceTransformer(str(spec.path), device=device or default_device(), local_files_only=True)
+        self.model = SentenceTransformer(
+            str(spec.path), device=device or default_device(), local_files_only=True
+        )
         self.max_seq_length: int = int(self.model.max_seq_length or 512)
         self.dim: int = int(self.model.get_embedding_dimension())
-        log.info("encoder %s (%s): dim %d, max %d tokens", spec.name, spec.path, self.dim, self.max_seq_length)
+        log.info(
+            "encoder %s (%s): dim %d, max %d tokens", spec.name, spec.path, self.dim, self.max_seq_length
+        )
 
     @classmethod
     def from_name(cls, name: str, device: str | None = None, batch_size: int = 64) -> Encoder:
@@ -97,7 +101,10 @@ class Encoder:
         limit = self.max_seq_length * CHARS_PER_TOKEN_BOUND
         texts = [text[:limit] for text in texts]
         vectors = self.model.encode(
-            texts, batch_size=self.batch_size, normalize_embeddings=True, convert_to_numpy=True,
+            texts,
+            batch_size=self.batch_size,
+            normalize_embeddings=True,
+            convert_to_numpy=True,
             show_progress_bar=False,
         )
         return np.asarray(vectors, dtype=np.float32)

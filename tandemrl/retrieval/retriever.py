@@ -37,11 +37,15 @@ class IndexMeta:
     def load(cls, index_dir: Path) -> IndexMeta:
         path = Path(index_dir) / META_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"{path} not found: {index_dir} is not a built index. "
-                                    f"Build it with `tandem index build --corpus CORPUS --index {index_dir}`.")
+            raise FileNotFoundError(
+                f"{path} not found: {index_dir} is not a built index. "
+                f"Build it with `tandem index build --corpus CORPUS --index {index_dir}`."
+            )
         data = json.loads(path.read_text())
         if data.get("format") != META_FORMAT:
-            raise ValueError(f"{path}: index format {data.get('format')} is not {META_FORMAT}; rebuild the index.")
+            raise ValueError(
+                f"{path}: index format {data.get('format')} is not {META_FORMAT}; rebuild the index."
+            )
         return cls(**data)
 
     def save(self, index_dir: Path) -> None:
@@ -61,8 +65,14 @@ def default_mode(meta: IndexMeta) -> str:
 class Retriever:
     """Batch search in one of `dense | bm25 | hybrid`; not thread-safe (call it from one thread)."""
 
-    def __init__(self, index_dir: Path, mode: str | None = None, qdrant_url: str | None = None,
-                 device: str | None = None, fusion: FusionParams = FusionParams()):
+    def __init__(
+        self,
+        index_dir: Path,
+        mode: str | None = None,
+        qdrant_url: str | None = None,
+        device: str | None = None,
+        fusion: FusionParams = FusionParams(),
+    ):
         self.index_dir = Path(index_dir)
         self.meta = IndexMeta.load(self.index_dir)
         self.mode = mode or default_mode(self.meta)
@@ -81,11 +91,15 @@ class Retriever:
         if mode not in MODES:
             raise ValueError(f"retrieval mode {mode!r} is not one of {', '.join(MODES)}.")
         if mode != "dense" and self.meta.sparse != "bm25":
-            raise ValueError(f"retrieval mode {mode!r} needs BM25 vectors, but the index at {self.index_dir} has "
-                             "none. Rebuild it with `--sparse bm25` or use mode dense.")
+            raise ValueError(
+                f"retrieval mode {mode!r} needs BM25 vectors, but the index at {self.index_dir} has "
+                "none. Rebuild it with `--sparse bm25` or use mode dense."
+            )
         if need_encoder and mode != "bm25" and self.encoder is None:
-            raise ValueError(f"retrieval mode {mode!r} needs the dense encoder; this retriever was opened in "
-                             "bm25 mode without one.")
+            raise ValueError(
+                f"retrieval mode {mode!r} needs the dense encoder; this retriever was opened in "
+                "bm25 mode without one."
+            )
 
     @property
     def max_query_chars(self) -> int:

@@ -49,7 +49,10 @@ async def _validation_error(_: Request, error: RequestValidationError) -> JSONRe
     """422 like FastAPI's, plus a one-line message that names each offending field."""
     errors = error.errors()
     message = "; ".join(f"{_field_name(item)}: {item.get('msg', 'invalid')}" for item in errors)
-    detail = [{"loc": list(item.get("loc", ())), "msg": item.get("msg"), "type": item.get("type")} for item in errors]
+    detail = [
+        {"loc": list(item.get("loc", ())), "msg": item.get("msg"), "type": item.get("type")}
+        for item in errors
+    ]
     return JSONResponse(status_code=422, content={"error": f"invalid request: {message}", "detail": detail})
 
 
@@ -75,7 +78,12 @@ def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", **info, "num_batches": batcher.num_batches, "num_queries": batcher.num_queries}
+        return {
+            "status": "ok",
+            **info,
+            "num_batches": batcher.num_batches,
+            "num_queries": batcher.num_queries,
+        }
 
     @app.post("/retrieve")
     async def retrieve(request: RetrieveRequest):
@@ -83,9 +91,13 @@ def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
         if not 1 <= topk <= MAX_TOPK:
             return JSONResponse(status_code=400, content={"error": f"topk={topk}: must be in 1..{MAX_TOPK}."})
         if len(request.queries) > MAX_QUERIES_PER_REQUEST:
-            return JSONResponse(status_code=400, content={
-                "error": f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; "
-                         "split the batch."})
+            return JSONResponse(
+                status_code=400,
+                content={
+                    "error": f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; "
+                    "split the batch."
+                },
+            )
         if not request.queries:
             return {"result": []}
         try:
@@ -105,11 +117,21 @@ def run_serve(args) -> int:
 
     retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url)
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
-    info = {"mode": retriever.mode, "encoder": retriever.meta.encoder, "num_passages": retriever.num_passages,
-            "index": str(retriever.index_dir)}
+    info = {
+        "mode": retriever.mode,
+        "encoder": retriever.meta.encoder,
+        "num_passages": retriever.num_passages,
+        "index": str(retriever.index_dir),
+    }
     app = create_app(MicroBatcher(retriever.search), info)
-    log.info("serving %s (%s, %d passages) on http://%s:%d/retrieve", args.index, retriever.mode,
-             retriever.num_passages, args.host, args.port)
+    log.info(
+        "serving %s (%s, %d passages) on http://%s:%d/retrieve",
+        args.index,
+        retriever.mode,
+        retriever.num_passages,
+        args.host,
+        args.port,
+    )
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
     finally:

@@ -26,16 +26,25 @@ def _free_port() -> int:
 
 
 class RetrievalServerProcess:
-    def __init__(self, index_dir: str | Path, port: int | None = None, mode: str | None = "dense",
-                 host: str = "127.0.0.1", qdrant_url: str | None = None, startup_timeout_s: float = 180.0,
-                 log_path: str | Path | None = None):
+    def __init__(
+        self,
+        index_dir: str | Path,
+        port: int | None = None,
+        mode: str | None = "dense",
+        host: str = "127.0.0.1",
+        qdrant_url: str | None = None,
+        startup_timeout_s: float = 180.0,
+        log_path: str | Path | None = None,
+    ):
         self.index_dir = Path(index_dir)
         self.port = port or _free_port()
         self.mode = mode
         self.host = host
         self.qdrant_url = qdrant_url
         self.startup_timeout_s = startup_timeout_s
-        self.log_path = Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="tandem-retrieval-")) / "log"
+        self.log_path = (
+            Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix="tandem-retrieval-")) / "log"
+        )
         self._process: subprocess.Popen | None = None
 
     @property
@@ -48,8 +57,18 @@ class RetrievalServerProcess:
         return f"http://{self.addr}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "tandemrl.cli", "serve-retrieval", "--index", str(self.index_dir),
-               "--host", self.host, "--port", str(self.port)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandemrl.cli",
+            "serve-retrieval",
+            "--index",
+            str(self.index_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+        ]
         if self.mode:
             cmd += ["--mode", self.mode]
         if self.qdrant_url:
@@ -60,21 +79,31 @@ class RetrievalServerProcess:
         if self.is_alive():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+        env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
         with open(self.log_path, "ab") as log_file:
-            self._process = subprocess.Popen(self.command(), stdout=log_file, stderr=subprocess.STDOUT, env=env,
-                                             stdin=subprocess.DEVNULL)
+            self._process = subprocess.Popen(
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+            )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(f"retrieval server exited with code {self._process.returncode} during startup; "
-                                   f"log {self.log_path}:\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"retrieval server exited with code {self._process.returncode} during startup; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
             if self.health() is not None:
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"retrieval server on {self.addr} not healthy after {self.startup_timeout_s:.0f}s; "
-                           f"log {self.log_path}:\n{self.log_tail()}")
+        raise TimeoutError(
+            f"retrieval server on {self.addr} not healthy after {self.startup_timeout_s:.0f}s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
 
     def health(self) -> dict | None:
         """The /health body, or None when the server does not answer."""

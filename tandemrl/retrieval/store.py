@@ -45,7 +45,9 @@ class FusionParams:
 
 
 class QdrantStore:
-    def __init__(self, index_dir: Path | None = None, qdrant_url: str | None = None, collection: str = COLLECTION):
+    def __init__(
+        self, index_dir: Path | None = None, qdrant_url: str | None = None, collection: str = COLLECTION
+    ):
         from qdrant_client import QdrantClient
 
         if qdrant_url is None and index_dir is None:
@@ -103,8 +105,13 @@ class QdrantStore:
         records = self.client.retrieve(self.collection, ids=point_ids, with_payload=False, with_vectors=False)
         return {str(record.id) for record in records}
 
-    def upsert(self, point_ids: list[str], documents: list[dict], dense: np.ndarray,
-               sparse: list[SparseVector] | None) -> None:
+    def upsert(
+        self,
+        point_ids: list[str],
+        documents: list[dict],
+        dense: np.ndarray,
+        sparse: list[SparseVector] | None,
+    ) -> None:
         from qdrant_client import models
 
         points = []
@@ -115,8 +122,14 @@ class QdrantStore:
             points.append(models.PointStruct(id=pid, vector=vector, payload={"document": document}))
         self.client.upsert(self.collection, points=points, wait=True)
 
-    def search(self, mode: str, topks: list[int], dense: np.ndarray | None = None,
-               sparse: list[SparseVector] | None = None, fusion: FusionParams = FusionParams()) -> list[list[Hit]]:
+    def search(
+        self,
+        mode: str,
+        topks: list[int],
+        dense: np.ndarray | None = None,
+        sparse: list[SparseVector] | None = None,
+        fusion: FusionParams = FusionParams(),
+    ) -> list[list[Hit]]:
         """One batched Qdrant call for all queries; `topks[i]` hits for query i, best first."""
         assert mode in MODES, mode
         requests = [self._request(mode, i, topk, dense, sparse, fusion) for i, topk in enumerate(topks)]
@@ -125,11 +138,20 @@ class QdrantStore:
         results: list[list[Hit]] = []
         for request in requests:
             points = next(responses).points if request is not None else []
-            results.append([Hit(document=point.payload["document"], score=float(point.score)) for point in points])
+            results.append(
+                [Hit(document=point.payload["document"], score=float(point.score)) for point in points]
+            )
         return results
 
-    def _request(self, mode: str, i: int, topk: int, dense: np.ndarray | None,
-                 sparse: list[SparseVector] | None, fusion: FusionParams):
+    def _request(
+        self,
+        mode: str,
+        i: int,
+        topk: int,
+        dense: np.ndarray | None,
+        sparse: list[SparseVector] | None,
+        fusion: FusionParams,
+    ):
         from qdrant_client import models
 
         dense_query = dense[i].tolist() if dense is not None else None
@@ -144,7 +166,11 @@ class QdrantStore:
             return models.QueryRequest(query=sparse_query, using=SPARSE, limit=topk, with_payload=True)
         depth = max(fusion.prefetch, topk)
         return models.QueryRequest(
-            prefetch=[models.Prefetch(query=dense_query, using=DENSE, limit=depth),
-                      models.Prefetch(query=sparse_query, using=SPARSE, limit=depth)],
-            query=models.RrfQuery(rrf=models.Rrf(k=fusion.rrf_k)), limit=topk, with_payload=True,
+            prefetch=[
+                models.Prefetch(query=dense_query, using=DENSE, limit=depth),
+                models.Prefetch(query=sparse_query, using=SPARSE, limit=depth),
+            ],
+            query=models.RrfQuery(rrf=models.Rrf(k=fusion.rrf_k)),
+            limit=topk,
+            with_payload=True,
         )

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 async def run_async(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = None  # only the buffer's limits bound admission
-    driver.resume_admission()
+    driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         handoff = await driver.next_handoff(ctx.weight_version)
         train_metrics = await train_on(ctx, handoff)  # the engines keep generating meanwhile

@@ -30,22 +30,16 @@ def demo_config_path() -> Path:
     return path
 
 
-def is_prepared() -> bool:
-    from tandemrl.data.home import default_index_dir, default_kb_dir, default_model_dir
-
-    return all(
-        p.exists() for p in (default_model_dir(), default_kb_dir() / "train.jsonl", default_index_dir())
-    )
-
-
 def ensure_prepared() -> None:
-    if is_prepared():
-        log.info("embedded defaults already prepared")
-        return
-    from tandemrl.data.prepare import prepare_all
+    """`tandem prepare all`: each step is idempotent (ready markers, a resumable index build), so a
+    prepared machine only pays the checks."""
+    from tandemrl.data.prepare import prepare_default_index, prepare_default_kb
+    from tandemrl.data.prepare_model import prepare_model, prepare_retriever
 
-    log.info("preparing the embedded defaults (model, retriever, knowledge base, index); this runs once")
-    prepare_all()
+    log.info("preparing the embedded defaults if needed (model, retriever, knowledge base, index)")
+    prepare_model()
+    prepare_retriever()
+    prepare_default_index(prepare_default_kb())
 
 
 def run_demo(args: Any) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
 from tandemrl.runner.context import RunContext, write_ledger
 from tandemrl.runner.prompt_feed import PromptFeed
 from tandemrl.runner.rollout_driver import RolloutDriver
-from tandemrl.runner.services import Services, model_path, resolve_device
+from tandemrl.runner.services import EngineDiedError, Services, model_path, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,6 @@ async def _run_with_watchdog(ctx: RunContext, services: Services) -> None:
     from tandemrl.runner.async_runner import run_async
     from tandemrl.runner.sync_runner import run_sync
 
-    ctx.driver.start()
     runner_fn = run_async if ctx.config.runner.async_mode else run_sync
     run_task = asyncio.create_task(runner_fn(ctx), name="runner")
     watchdog_task = asyncio.create_task(services.watchdog(ctx.engines), name="engine-watchdog")
@@ -150,4 +150,20 @@ async def _run_with_watchdog(ctx: RunContext, services: Services) -> None:
         await asyncio.gather(run_task, watchdog_task, return_exceptions=True)
     if watchdog_task.done() and not watchdog_task.cancelled() and watchdog_task.exception() is not None:
         raise watchdog_task.exception()
+    if not run_task.cancelled() and run_task.exception() is not None:
+        await _blame_dead_engine(services, run_task.exception(), ctx.config.runner.engine_health_interval_s)
     run_task.result()
+
+
+async def _blame_dead_engine(services: Services, error: BaseException, interval_s: float) -> None:
+    """A failed request is often the first sign of a dead engine: name the engine rather than the
+    request's connection error, giving the process up to one health interval to be seen as exited."""
+    deadline = time.monotonic() + interval_s
+    while True:
+        try:
+            services.check_engines()
+        except EngineDiedError as died:
+            raise died from error
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(0.1)

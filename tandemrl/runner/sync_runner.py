@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 async def run_sync(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = ctx.config.data.rollout_batch_size  # in flight + buffered: exactly one batch
+    driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         driver.resume_admission()
         handoff = await driver.next_handoff(ctx.weight_version, pause_admission=True)

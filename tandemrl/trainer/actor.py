@@ -25,10 +25,10 @@ from torch.distributed.tensor import DTensor
 
 from tandemrl.config.schema import TandemConfig
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
-from tandemrl.trainer.loss import PolicyLossConfig, masked_sums, ppo_token_losses
+from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
-from tandemrl.trainer.policy import (PolicyModel, init_distributed, resolve_compute_dtype, resolve_device,
-                                     shard_policy)
+from tandemrl.trainer.policy import (PolicyModel, init_distributed, resolve_attn_implementation,
+                                     resolve_compute_dtype, resolve_device, shard_policy, uses_packed_rows)
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ PPO_SUM_KEYS = ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy", "t
                 "kl_ref")
 
 
-def load_hf_model(model_path: str | Path):
+def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
     path = Path(model_path)
@@ -44,7 +44,17 @@ def load_hf_model(model_path: str | Path):
         raise FileNotFoundError(f"actor model directory {str(path)!r} has no config.json. Set "
                                 "actor.model.model_path to a Hugging Face model directory, or run "
                                 "`tandem prepare model` for the embedded default.")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def enable_activation_checkpointing(hf_model: torch.nn.Module) -> None:
+    """Non-reentrant checkpointing of every decoder layer (recomputed inside FSDP's unshard in backward).
+    transformers >= 5.2x names it activation_checkpointing_enable; older releases gradient_checkpointing_enable."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(hf_model, "activation_checkpointing_enable"):
+        hf_model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Actor:
@@ -59,11 +69,13 @@ class Actor:
         self.rank, self.world_size = init_distributed(self.device)
         self.compute_dtype = resolve_compute_dtype(config.actor.dtype, self.device)
         self.model_path = config.actor.model.model_path or (None if hf_model is not None else str(default_model_dir()))
-        hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path)
+        attn = resolve_attn_implementation(config.actor.attn_implementation, self.device)
+        hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
+        self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         temperature = config.agentloop.temperature or 1.0
         ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
         if config.actor.gradient_checkpointing:
-            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable_activation_checkpointing(hf_model)
         hf_model.config.use_cache = False
         self.policy = self._place(PolicyModel(hf_model, temperature))
         self.ref_policy = None
@@ -87,33 +99,31 @@ class Actor:
 
     # ----------------------------------------------------------------- forward helpers
     def _forward(self, policy: PolicyModel, micro: MicroBatch, with_entropy: bool = False):
-        """Logprobs (and entropies) at the loss positions; a micro-batch without loss tokens (rank
-        padding) still runs one position, weighted 0, so FSDP's collectives stay in step."""
-        select_K = micro.mask_T.nonzero()[:, 0]
-        if select_K.numel() == 0:
-            select_K = torch.zeros(1, dtype=torch.long, device=micro.mask_T.device)
-        logprobs_K, entropy_K = policy(micro.input_ids_1T, micro.position_ids_1T, micro.labels_T, select_K,
-                                       with_entropy)
-        return logprobs_K, entropy_K, select_K, micro.mask_T.index_select(0, select_K)
+        """Logprobs (and entropies) at the loss positions of `micro` (already on the device, its
+        `select_K` computed on the host, so no sync here)."""
+        select_K = micro.select_K
+        logprobs_K, entropy_K = policy(micro.input_ids_RL, micro.position_ids_RL, micro.attention_mask_RL,
+                                       micro.labels_N, select_K, with_entropy)
+        return logprobs_K, entropy_K, select_K, micro.mask_N.index_select(0, select_K)
 
     @torch.no_grad()
     def compute_logprobs(self, samples: list[TrainSample]) -> list[list[float]]:
         """Current-policy logprob of every loss token, aligned with input_ids (0.0 where loss_mask is 0)."""
         mine: dict[int, list[float]] = {}
-        for micro in plan_rank_micro_batches(samples, self.rank, self.world_size, self._budget):
+        for micro in self._plan(samples):
             micro = micro.to(self.device)
             logprobs_K, _, select_K, mask_K = self._forward(self.policy, micro)
-            full_T = torch.zeros_like(micro.mask_T).index_put_((select_K,), logprobs_K.float() * mask_K)
-            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_T)))
+            full_N = torch.zeros_like(micro.mask_N).index_put_((select_K,), logprobs_K.float() * mask_K)
+            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_N)))
         if self.world_size > 1:
             gathered: list[dict] = [{} for _ in range(self.world_size)]
             dist.all_gather_object(gathered, mine)
             mine = {k: v for part in gathered for k, v in part.items()}
         return [mine[i] for i in range(len(samples))]
 
-    @property
-    def _budget(self) -> int:
-        return self.config.actor.micro_batch_tokens
+    def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
+        return plan_rank_micro_batches(samples, self.rank, self.world_size, self.config.actor.micro_batch_tokens,
+                                       padded=self.is_padded)
 
     # ----------------------------------------------------------------- PPO
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
@@ -128,7 +138,7 @@ class Actor:
         grad_norms = []
         for k, minibatch in enumerate(split_minibatches(samples, self.config.algorithm.n_minibatches)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
-            for micro in plan_rank_micro_batches(minibatch, self.rank, self.world_size, self._budget):
+            for micro in self._plan(minibatch):
                 self._ppo_micro_step(micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not recompute)
             grad_norms.append(self._optimizer_step())
         self.weight_version += 1
@@ -137,7 +147,7 @@ class Actor:
     def _ppo_micro_step(self, micro: MicroBatch, num_tokens: int, sums: dict[str, float],
                         measure_gap: bool) -> None:
         logprobs_K, entropy_K, select_K, mask_K = self._forward(self.policy, micro, with_entropy=True)
-        old_K, adv_K = micro.old_logprobs_T[select_K], micro.advantages_T[select_K]
+        old_K, adv_K = micro.old_logprobs_N[select_K], micro.advantages_N[select_K]
         ref_K = None
         if self.ref_policy is not None:
             with torch.no_grad():
@@ -148,8 +158,8 @@ class Actor:
         stats.update(loss=losses_K.detach(), entropy=entropy_K, tokens=torch.ones_like(mask_K))
         if measure_gap:
             stats.update(gap=(logprobs_K.detach() - old_K).abs(), gap_tokens=torch.ones_like(mask_K))
-        for name, value in masked_sums(stats, mask_K).items():
-            sums[name] += value
+        for name, value in masked_sum_tensors(stats, mask_K).items():
+            sums[name] = sums[name] + value  # stays on the device: no host sync per micro-batch
 
     def _recompute_old_logprobs(self, samples: list[TrainSample], sums: dict[str, float]) -> list[TrainSample]:
         """Old logprobs := current policy's, before any update; the gap to the rollout's is measured on all."""
@@ -181,10 +191,11 @@ class Actor:
         self.num_updates += 1
         return norm
 
-    def _reduce(self, sums: dict[str, float], keys: tuple[str, ...]) -> dict[str, float]:
-        values = torch.tensor([sums.get(k, 0.0) for k in keys], dtype=torch.float64)
+    def _reduce(self, sums: dict, keys: tuple[str, ...]) -> dict[str, float]:
+        """Sum each metric over ranks (one collective, one host sync)."""
+        values = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64).to(self.device)
+                              for k in keys])
         if self.world_size > 1:
-            values = values.to(self.device)
             dist.all_reduce(values)
         return dict(zip(keys, values.cpu().tolist()))
 
@@ -212,12 +223,12 @@ class Actor:
             raise ValueError("Actor.sft_step got no samples.")
         num_tokens = sum(s.num_loss_tokens for s in samples)
         sums: dict[str, float] = defaultdict(float)
-        for micro in plan_rank_micro_batches(samples, self.rank, self.world_size, self._budget):
+        for micro in self._plan(samples):
             logprobs_K, _, _, mask_K = self._forward(self.policy, micro.to(self.device))
             nll_sum = -(logprobs_K * mask_K).sum()
             (nll_sum * (self.world_size / max(num_tokens, 1))).backward()
-            sums["loss"] += float(nll_sum.detach())
-            sums["tokens"] += float(mask_K.sum())
+            sums["loss"] = sums["loss"] + nll_sum.detach().double()
+            sums["tokens"] = sums["tokens"] + mask_K.sum().double()
         grad_norm = self._optimizer_step()
         total = self._reduce(sums, ("loss", "tokens"))
         return {"train/sft/loss": total["loss"] / max(total["tokens"], 1.0), "train/sft/grad_norm": grad_norm,

@@ -1,15 +1,19 @@
-"""Training samples and their packing into micro-batches by a token budget, without padding.
+"""Training samples and their grouping into micro-batches by a token budget, in one of two layouts.
 
-Samples are concatenated into one row (`input_ids_1T`) whose `position_ids` restart at 0 for every
-sample; Hugging Face models (transformers >= 4.56, sdpa/eager/flash) read the restarts as sequence
-boundaries and build a block-diagonal causal mask, so a packed forward equals separate forwards (checked
-in tests/unit/test_batching.py against per-sample forwards on CPU). The forward must pass
-`use_cache=False` and no attention_mask: with a KV cache HF skips the packed-sequence detection.
+packed (for flash_attention_2): samples are concatenated into one row whose `position_ids` restart at 0
+  for every sample; HF models read the restarts as sequence boundaries (varlen attention, or a
+  block-diagonal mask for sdpa/eager), so a packed forward equals separate forwards. Zero padding. The
+  forward must pass `use_cache=False` and no attention_mask: with either, HF skips that detection.
+padded (for sdpa/eager): samples sorted by length are stacked as rows of similar length, right-padded,
+  with an attention_mask. sdpa has no varlen kernel, so a packed row would cost (sum of lengths)^2 in
+  attention; length-sorted rows cost sum of length^2 plus a little padding (counted in the budget).
+Both layouts are checked in tests/unit/test_batching.py against per-sample forwards on CPU.
 
-Layout invariant: position t of a micro-batch holds the prediction of the *next* token of the same
-sample: `labels_T[t] = input_ids[t + 1]`, `mask_T[t] = loss_mask[t + 1]`, `old_logprobs_T[t] =
-old_logprobs[t + 1]`; the last position of each sample predicts nothing (mask 0). Per-sample logprob
-lists are aligned with `input_ids` (entry 0 is 0.0), like `TrainSample.old_logprobs`.
+Layout invariant: tensors ending in `_N` are flat over the R x L grid (N = R * L, row-major); position n
+holds the prediction of the *next* token of its sample: `labels_N[n] = input_ids[t + 1]`, `mask_N[n] =
+loss_mask[t + 1]`, `old_logprobs_N[n] = old_logprobs[t + 1]`; the last token of a sample and padding
+predict nothing (mask 0). Per-sample lists are aligned with `input_ids` (entry 0 is 0.0), like
+`TrainSample.old_logprobs`.
 """
 
 from __future__ import annotations
@@ -17,6 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+TENSOR_FIELDS = ("input_ids_RL", "position_ids_RL", "labels_N", "mask_N", "old_logprobs_N", "advantages_N",
+                 "select_K")
 
 
 @dataclass
@@ -49,67 +56,93 @@ class TrainSample:
 
 @dataclass
 class MicroBatch:
-    """Packed tensors of several samples; see the module docstring for the layout."""
+    """Several samples as an R x L grid; see the module docstring for the layouts."""
 
-    input_ids_1T: torch.Tensor
-    position_ids_1T: torch.Tensor
-    labels_T: torch.Tensor
-    mask_T: torch.Tensor  # float 0/1
-    old_logprobs_T: torch.Tensor
-    advantages_T: torch.Tensor
-    sample_indices: list[int] = field(default_factory=list)  # into the list given to `pack`
+    input_ids_RL: torch.Tensor
+    position_ids_RL: torch.Tensor
+    attention_mask_RL: torch.Tensor | None  # None when packed
+    labels_N: torch.Tensor
+    mask_N: torch.Tensor  # float 0/1
+    old_logprobs_N: torch.Tensor
+    advantages_N: torch.Tensor
+    sample_indices: list[int] = field(default_factory=list)  # into the list given to `build_micro_batch`
     sample_lengths: list[int] = field(default_factory=list)
+    sample_offsets: list[int] = field(default_factory=list)  # flat position of each sample's first token
+    select_K: torch.Tensor | None = None  # flat positions with mask 1, computed on the host
+
+    def __post_init__(self):
+        if self.select_K is None:
+            # a micro-batch without loss tokens (rank padding) still runs one position, weighted 0,
+            # so every rank runs the same forwards and FSDP's collectives stay in step
+            self.select_K = self.mask_N.nonzero()[:, 0] if self.mask_N.any() else torch.zeros(1, dtype=torch.long)
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_ids_1T.shape[1])
+        """Tokens the forward processes (padding included)."""
+        return self.input_ids_RL.numel()
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        moved = {name: getattr(self, name).to(device) for name in
-                 ("input_ids_1T", "position_ids_1T", "labels_T", "mask_T", "old_logprobs_T", "advantages_T")}
-        return MicroBatch(**moved, sample_indices=self.sample_indices, sample_lengths=self.sample_lengths)
+        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in TENSOR_FIELDS}
+        mask = None if self.attention_mask_RL is None else self.attention_mask_RL.to(device, non_blocking=True)
+        return MicroBatch(**moved, attention_mask_RL=mask, sample_indices=self.sample_indices,
+                          sample_lengths=self.sample_lengths, sample_offsets=self.sample_offsets)
 
-    def split_per_sample(self, values_T: torch.Tensor) -> list[list[float]]:
+    def split_per_sample(self, values_N: torch.Tensor) -> list[list[float]]:
         """Per-position values (next-token layout) back to per-sample lists aligned with input_ids."""
-        out, start = [], 0
-        flat = values_T.detach().float().cpu().tolist()
-        for length in self.sample_lengths:
-            out.append([0.0] + flat[start:start + length - 1])
-            start += length
-        return out
+        flat = values_N.detach().float().cpu().tolist()
+        return [[0.0] + flat[start:start + length - 1]
+                for start, length in zip(self.sample_offsets, self.sample_lengths)]
 
 
-def build_micro_batch(samples: list[TrainSample], indices: list[int]) -> MicroBatch:
-    """Concatenate `samples[i] for i in indices` into one packed row."""
-    ids, pos, labels, mask, old, adv, lengths = [], [], [], [], [], [], []
-    for i in indices:
-        s = samples[i]
+def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float]]:
+    return s.input_ids[1:] + [0], s.loss_mask[1:] + [0], s.old_logprobs[1:] + [0.0]
+
+
+def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bool = False) -> MicroBatch:
+    """`samples[i] for i in indices` as one packed row, or as right-padded rows when `padded`."""
+    chosen = [samples[i] for i in indices]
+    width = max(s.num_tokens for s in chosen) if padded else sum(s.num_tokens for s in chosen)
+    num_rows = len(chosen) if padded else 1
+    ids, pos, attn = (torch.zeros(num_rows, width, dtype=torch.long) for _ in range(3))
+    labels = torch.zeros(num_rows * width, dtype=torch.long)
+    mask, old, adv = (torch.zeros(num_rows * width) for _ in range(3))
+    offsets, start = [], 0
+    for row, s in enumerate(chosen):
         n = s.num_tokens
-        ids += s.input_ids
-        pos += range(n)
-        labels += s.input_ids[1:] + [0]
-        mask += s.loss_mask[1:] + [0]
-        old += s.old_logprobs[1:] + [0.0]
-        adv += [s.advantage] * n
-        lengths.append(n)
-    return MicroBatch(
-        input_ids_1T=torch.tensor([ids], dtype=torch.long),
-        position_ids_1T=torch.tensor([pos], dtype=torch.long),
-        labels_T=torch.tensor(labels, dtype=torch.long),
-        mask_T=torch.tensor(mask, dtype=torch.float32),
-        old_logprobs_T=torch.tensor(old, dtype=torch.float32),
-        advantages_T=torch.tensor(adv, dtype=torch.float32),
-        sample_indices=list(indices), sample_lengths=lengths)
+        r, c = (row, 0) if padded else (0, start)
+        flat = r * width + c
+        ids[r, c:c + n] = torch.tensor(s.input_ids)
+        pos[r, c:c + n] = torch.arange(n)
+        attn[r, c:c + n] = 1
+        next_labels, next_mask, next_old = _next_token_fields(s)
+        labels[flat:flat + n] = torch.tensor(next_labels)
+        mask[flat:flat + n] = torch.tensor(next_mask, dtype=torch.float32)
+        old[flat:flat + n] = torch.tensor(next_old, dtype=torch.float32)
+        adv[flat:flat + n] = s.advantage
+        offsets.append(flat)
+        start += n
+    return MicroBatch(ids, pos, attn if padded else None, labels, mask, old, adv, sample_indices=list(indices),
+                      sample_lengths=[s.num_tokens for s in chosen], sample_offsets=offsets)
 
 
-def pack_indices(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """First-fit-decreasing bin packing of sample lengths into bins of at most `max_tokens`.
+def pack_indices(lengths: list[int], max_tokens: int, padded: bool = False) -> list[list[int]]:
+    """Group sample indices into micro-batches of at most `max_tokens` processed tokens.
 
-    A sample longer than `max_tokens` gets a bin of its own (it cannot be split without changing its
-    attention). Deterministic: ties are broken by index, bins keep their samples in index order.
+    packed: first-fit decreasing on lengths (no padding). padded: longest first, a group grows while
+    rows x its longest length fits and the next sample is at least 3/4 of that longest, so each row
+    wastes under a quarter of its width on padding. A sample longer than `max_tokens` gets a group of its own (it cannot be split without
+    changing its attention). Deterministic; each group lists its indices in increasing order.
     """
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     bins: list[list[int]] = []
+    if padded:
+        for i in order:
+            longest = lengths[bins[-1][0]] if bins else 0
+            if bins and (len(bins[-1]) + 1) * longest <= max_tokens and 4 * lengths[i] >= 3 * longest:
+                bins[-1].append(i)
+            else:
+                bins.append([i])
+        return [sorted(b) for b in bins]
     loads: list[int] = []
     for i in order:
         for b, load in enumerate(loads):
@@ -141,8 +174,8 @@ def partition_for_ranks(samples: list[TrainSample], num_ranks: int) -> list[list
     return [sorted(p) for p in parts]
 
 
-def plan_rank_micro_batches(samples: list[TrainSample], rank: int, num_ranks: int,
-                            max_tokens: int) -> list[MicroBatch]:
+def plan_rank_micro_batches(samples: list[TrainSample], rank: int, num_ranks: int, max_tokens: int,
+                            padded: bool = False) -> list[MicroBatch]:
     """This rank's micro-batches of one minibatch, padded with empty ones to the max count over ranks.
 
     Every rank holds the whole minibatch, so every rank computes the same plan without communicating;
@@ -150,19 +183,19 @@ def plan_rank_micro_batches(samples: list[TrainSample], rank: int, num_ranks: in
     has mask 0 everywhere, so it contributes zero loss and zero gradient.
     """
     parts = partition_for_ranks(samples, num_ranks)
-    plans = [[[parts[r][j] for j in b] for b in pack_indices([samples[i].num_tokens for i in parts[r]],
-                                                             max_tokens)] for r in range(num_ranks)]
-    num_micro = max(len(p) for p in plans)
-    micro = [build_micro_batch(samples, b) for b in plans[rank]]
-    while len(micro) < num_micro:
-        micro.append(_empty_micro_batch(samples))
+    plans = []
+    for part in parts:
+        groups = pack_indices([samples[i].num_tokens for i in part], max_tokens, padded)
+        plans.append([[part[j] for j in group] for group in groups])
+    micro = [build_micro_batch(samples, group, padded) for group in plans[rank]]
+    while len(micro) < max(len(p) for p in plans):
+        micro.append(_empty_micro_batch(samples, padded))
     return micro
 
 
-def _empty_micro_batch(samples: list[TrainSample]) -> MicroBatch:
+def _empty_micro_batch(samples: list[TrainSample], padded: bool) -> MicroBatch:
     shortest = min(samples, key=lambda s: s.num_tokens)
-    padding = TrainSample(shortest.input_ids[:2], [0] * min(2, shortest.num_tokens),
-                          [0.0] * min(2, shortest.num_tokens), 0.0)
-    micro = build_micro_batch([padding], [0])
-    micro.sample_indices, micro.sample_lengths = [], []
+    n = min(2, shortest.num_tokens)
+    micro = build_micro_batch([TrainSample(shortest.input_ids[:n], [0] * n, [0.0] * n)], [0], padded)
+    micro.sample_indices, micro.sample_lengths, micro.sample_offsets = [], [], []
     return micro

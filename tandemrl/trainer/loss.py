@@ -68,6 +68,11 @@ def ppo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advanta
     return loss, stats
 
 
+def masked_sum_tensors(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sum of each per-token tensor over the masked tokens, as 0-d tensors on their device (no host sync)."""
+    return {name: (value.detach().double() * mask).sum() for name, value in values.items()}
+
+
 def masked_sums(values: dict[str, torch.Tensor], mask: torch.Tensor) -> dict[str, float]:
-    """Sum of each per-token tensor over the masked tokens, as Python floats (for metrics)."""
-    return {name: float((value.detach().float() * mask).sum()) for name, value in values.items()}
+    """`masked_sum_tensors` as Python floats."""
+    return {name: float(value) for name, value in masked_sum_tensors(values, mask).items()}

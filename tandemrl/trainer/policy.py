@@ -12,6 +12,7 @@ Invariant: `PolicyModel.hf` is a plain HF model, so its parameter names are the 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 
@@ -63,13 +64,15 @@ class PolicyModel(nn.Module):
         self.hf = hf_model
         self.temperature = temperature
 
-    def forward(self, input_ids_1T: torch.Tensor, position_ids_1T: torch.Tensor, labels_T: torch.Tensor,
-                select_K: torch.Tensor, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.hf.base_model(input_ids=input_ids_1T, position_ids=position_ids_1T, use_cache=False)
-        hidden_KH = out.last_hidden_state[0].index_select(0, select_K)
+    def forward(self, input_ids_RL: torch.Tensor, position_ids_RL: torch.Tensor,
+                attention_mask_RL: torch.Tensor | None, labels_N: torch.Tensor, select_K: torch.Tensor,
+                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.hf.base_model(input_ids=input_ids_RL, position_ids=position_ids_RL,
+                                 attention_mask=attention_mask_RL, use_cache=False)
+        hidden_NH = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         head = self.hf.get_output_embeddings()
-        return chunked_logprobs(hidden_KH, head.weight, head.bias, labels_T.index_select(0, select_K),
-                                self.temperature, with_entropy)
+        return chunked_logprobs(hidden_NH.index_select(0, select_K), head.weight, head.bias,
+                                labels_N.index_select(0, select_K), self.temperature, with_entropy)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -80,6 +83,21 @@ def resolve_device(name: str) -> torch.device:
             raise ValueError("actor.device=cuda but CUDA is not available. Set actor.device=cpu or auto.")
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
+
+
+def resolve_attn_implementation(name: str, device: torch.device) -> str:
+    """auto: flash_attention_2 (varlen, so micro-batches are packed) when the flash_attn package is
+    installed and the actor is on CUDA; sdpa otherwise (micro-batches are length-sorted padded rows)."""
+    if name != "auto":
+        return name
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def uses_packed_rows(attn_implementation: str) -> bool:
+    """Only varlen kernels make a packed row as cheap as separate sequences."""
+    return attn_implementation.startswith("flash")
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -93,7 +111,9 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     """Join the launcher's process group (env:// with RANK/WORLD_SIZE > 1) or create a 1-rank one, so
     one process runs the same FSDP code as many. Returns (rank, world_size)."""
     if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        # gloo for CPU tensors (metrics objects, CPU actors), NCCL for CUDA ones: one group serves both, so
+        # a CPU actor and a CUDA actor can live in one process (tests) on the same default group
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             dist.init_process_group(backend)
         else:

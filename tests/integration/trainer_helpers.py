@@ -38,17 +38,22 @@ def actor_config(model_dir: Path, *overrides: str):
 def rank_worker(rank: int, world_size: int, port: int, model_dir: str, out_file: str, num_steps: int,
                 overrides: list[str]) -> None:
     """One rank: `num_steps` train steps on the same samples, then rank 0 saves the full weights."""
-    from tandemrl.trainer.actor import Actor
-
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    actor = Actor(actor_config(Path(model_dir), *overrides))
-    metrics = [actor.train_step(make_samples(seed=step)) for step in range(num_steps)]
-    weights = {name: t.clone() for name, t in actor.iter_full_weights()}
+    result = train_steps(Path(model_dir), num_steps, overrides)
     if rank == 0:
-        torch.save({"weights": weights, "metrics": metrics}, out_file)
+        torch.save(result, out_file)
     torch.distributed.destroy_process_group()
+
+
+def train_steps(model_dir: Path, num_steps: int, overrides: list[str]) -> dict:
+    """A fresh actor's metrics and full weights after `num_steps` steps on make_samples(seed=step)."""
+    from tandemrl.trainer.actor import Actor
+
+    actor = Actor(actor_config(model_dir, *overrides))
+    metrics = [actor.train_step(make_samples(seed=step, num_samples=6)) for step in range(num_steps)]
+    return {"weights": {name: t.clone() for name, t in actor.iter_full_weights()}, "metrics": metrics}
 
 
 def train_save_then_hang_mid_save(model_dir: str, output_dir: str, marker: str) -> None:

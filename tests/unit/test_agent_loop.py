@@ -158,6 +158,16 @@ def test_answer_without_tags_scores_zero(tokenizer):
     assert traj.num_turns == 2 and traj.finish_reason == "max_turns" and traj.num_invalid_actions == 1
 
 
+def test_tool_text_never_counts_as_the_answer(tokenizer):
+    """The correction message itself says "<answer> and </answer>"; only the model's turns are read,
+    and an answer never spans a tool message."""
+    prompt = replace(PROMPT, golden_answers=["and"])
+    engine = FakeEngine(tokenizer, ["<answer> and", "</answer>"])
+    traj = asyncio.run(run_trajectory(prompt, engine, FakeSearch(), tokenizer, AgentLoopConfig(max_turns=2)))
+    assert INVALID_ACTION_TEXT in traj.response_text
+    assert traj.answer is None and traj.reward == 0.0 and traj.em == 0.0
+
+
 def test_unbalanced_tags(tokenizer):
     traj, _, search = run(tokenizer, ["<search> a <search> b </search>", "<answer> x <answer> Paris </answer>"])
     assert search.queries == ["b"] and traj.answer == "Paris" and traj.reward == 1.0

@@ -62,10 +62,19 @@ def test_information_fits_its_budget(tokenizer):
         block = format_information(long, tokenizer, budget)
         assert len(encode_text(tokenizer, block)) <= budget
         assert block.startswith(INFO_OPEN + "Doc 1(Title: \"Title 0\")") and block.endswith(INFO_CLOSE)
-    # the longest document is cut first; the short one keeps its text
-    assert "short" in format_information(long, tokenizer, 120)
+    # one common cap: the long documents are cut, the short one keeps its text
+    block = format_information(long, tokenizer, 120)
+    assert "short" in block and "alpha alpha" in block and "beta beta" in block
     # a budget that fits everything leaves the block unchanged
     assert format_information(long, tokenizer, 10_000) == full
+
+
+def test_equal_documents_are_cut_equally(tokenizer):
+    """The best-ranked document is never sacrificed for the others."""
+    block = format_information(docs("one " * 100, "two " * 100, "three " * 100), tokenizer, 90)
+    counts = [block.count(word) for word in ("one", "two", "three")]
+    assert min(counts) > 0 and max(counts) - min(counts) <= 1
+    assert len(encode_text(tokenizer, block)) <= 90
 
 
 def test_information_drops_documents_when_titles_alone_do_not_fit(tokenizer):

@@ -9,7 +9,13 @@ from tandemrl.retrieval import bm25
 
 def test_tokenize_casefolds_and_stems():
     assert bm25.tokenize("The Founder FOUNDED it, founding Marlowes!") == [
-        "the", "found", "found", "it", "found", "marlowe"]
+        "the",
+        "found",
+        "found",
+        "it",
+        "found",
+        "marlowe",
+    ]
     # short words keep their suffix: "bus" or "red" are not stems of anything
     assert bm25.tokenize("bus red sing") == ["bus", "red", "sing"]
     assert bm25.tokenize("") == []
@@ -23,8 +29,9 @@ def test_term_ids_are_stable_u32():
     assert all(0 <= i < 2**32 for i in ids)
     assert len(set(ids)) == 1000
     # pinned: an index built today must be searchable by tomorrow's server
-    assert bm25.term_id("river") == int.from_bytes(__import__("hashlib").blake2b(b"river", digest_size=4).digest(),
-                                                   "little")
+    assert bm25.term_id("river") == int.from_bytes(
+        __import__("hashlib").blake2b(b"river", digest_size=4).digest(), "little"
+    )
 
 
 def test_passage_vector_is_bm25_term_frequency():
@@ -42,8 +49,10 @@ def test_longer_passages_weigh_a_term_less():
     short = bm25.passage_vector("river", params)
     long = bm25.passage_vector("river " + "word " * 20, params)
     rid = bm25.term_id("river")
-    assert dict(zip(short.indices, short.values, strict=True))[rid] > dict(
-        zip(long.indices, long.values, strict=True))[rid]
+    assert (
+        dict(zip(short.indices, short.values, strict=True))[rid]
+        > dict(zip(long.indices, long.values, strict=True))[rid]
+    )
 
 
 def test_query_vector_counts_each_term_once():

@@ -98,8 +98,9 @@ def test_bm25_scores_match_a_reference_bm25(retriever, index):
             score += idf * tf * 2.2 / (tf + 1.2 * (1 - 0.75 + 0.75 * length / avgdl))
         return score
 
-    expected = sorted(((reference(doc), record["id"]) for doc, record in zip(docs, records, strict=True)),
-                      reverse=True)[:3]
+    expected = sorted(
+        ((reference(doc), record["id"]) for doc, record in zip(docs, records, strict=True)), reverse=True
+    )[:3]
     hits = retriever.search([query], [3], mode="bm25")[0]
     assert [hit.document["id"] for hit in hits] == [pid for _, pid in expected]
     assert [hit.score for hit in hits] == pytest.approx([score for score, _ in expected], rel=1e-4)
@@ -120,18 +121,27 @@ def test_queries_without_terms_and_overlong_queries(retriever):
     assert retriever.search([], []) == []
 
 
-def test_rebuild_skips_indexed_passages_and_adds_new_ones(index, tmp_path):
-    corpus, index_dir, _ = index
-    again = build_index(corpus, index_dir, sparse="bm25", show_progress=False)
-    assert (again["num_indexed"], again["num_skipped"]) == (0, len(PASSAGES))
-    grown = write_corpus(tmp_path / "grown.jsonl", PASSAGES + [("p8", "Oskarport", "Oskarport is a harbour city.")])
-    more = build_index(grown, tmp_path / "index2", sparse="bm25", show_progress=False)
-    assert more["num_indexed"] == len(PASSAGES) + 1
-    write_corpus(tmp_path / "small.jsonl", PASSAGES[:5])
-    partial = build_index(tmp_path / "small.jsonl", tmp_path / "index3", show_progress=False)
-    resumed = build_index(grown, tmp_path / "index3", show_progress=False)
-    assert (partial["num_indexed"], resumed["num_indexed"], resumed["num_skipped"]) == (5, 4, 5)
-    assert resumed["num_in_index"] == 9
+def test_rebuild_skips_indexed_passages_and_adds_new_ones(tmp_path):
+    small = write_corpus(tmp_path / "small.jsonl", PASSAGES[:5])
+    grown = write_corpus(
+        tmp_path / "grown.jsonl", PASSAGES + [("p8", "Oskarport", "Oskarport is a harbour city.")]
+    )
+    first = build_index(small, tmp_path / "index", sparse="bm25", show_progress=False)
+    again = build_index(small, tmp_path / "index", sparse="bm25", show_progress=False)
+    resumed = build_index(grown, tmp_path / "index", sparse="bm25", show_progress=False)
+    assert (first["num_indexed"], again["num_indexed"], again["num_skipped"]) == (5, 0, 5)
+    assert (resumed["num_indexed"], resumed["num_skipped"], resumed["num_in_index"]) == (4, 5, 9)
+    retriever = Retriever(tmp_path / "index", mode="bm25")
+    try:
+        assert retriever.search(["harbour city"], [1])[0][0].document["id"] == "p8"
+    finally:
+        retriever.close()
+
+
+def test_an_open_index_cannot_be_opened_twice(retriever, index):
+    """Qdrant local mode: one client per path; the error says what to do instead."""
+    with pytest.raises(RuntimeError, match="open in another process.*query it over HTTP"):
+        QdrantStore(index[1])
 
 
 def test_rebuild_with_other_settings_is_refused(index):
@@ -160,8 +170,9 @@ def test_bad_inputs_name_the_problem(tmp_path):
     with pytest.raises(ValueError, match="bad.jsonl:2"):
         list(read_corpus(tmp_path / "bad.jsonl"))
     (tmp_path / "tt.jsonl").write_text('{"title": "T", "text": "body"}\n')
-    assert list(read_corpus(tmp_path / "tt.jsonl")) == [{"title": "T", "text": "body", "contents": '"T"\nbody',
-                                                         "id": "0"}]
+    assert list(read_corpus(tmp_path / "tt.jsonl")) == [
+        {"title": "T", "text": "body", "contents": '"T"\nbody', "id": "0"}
+    ]
     with pytest.raises(FileNotFoundError, match="is not a built index"):
         Retriever(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="e5"):
@@ -180,7 +191,9 @@ def test_e5_spec_prefixes_queries_and_passages():
     e5, plain = Encoder(spec, device="cpu"), Encoder(EncoderSpec("plain", minilm.path), device="cpu")
     text = "Marrowdale river town"
     np.testing.assert_allclose(e5.encode_queries([text]), plain.encode_queries(["query: " + text]), atol=1e-5)
-    np.testing.assert_allclose(e5.encode_passages([text]), plain.encode_passages(["passage: " + text]), atol=1e-5)
+    np.testing.assert_allclose(
+        e5.encode_passages([text]), plain.encode_passages(["passage: " + text]), atol=1e-5
+    )
     assert not np.allclose(e5.encode_queries([text]), plain.encode_queries([text]), atol=1e-3)
     vectors = e5.encode_passages([text, "another"])
     assert vectors.shape == (2, 384) and vectors.dtype == np.float32

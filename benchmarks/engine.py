@@ -1,0 +1,275 @@
+"""Engine benchmark: output tokens/s of the embedded engine against HF `generate` (static cache) and the
+decode roofline, plus a multi-turn workload with and without prefix reuse.
+
+    python benchmarks/engine.py              # H200: Qwen2.5-1.5B-shaped model, random weights, bf16
+    python benchmarks/engine.py --tiny       # CPU smoke check of the same code (no figures)
+
+Throughput workload: 256 concurrent requests of 256 random prompt tokens, 256 new tokens each at
+temperature 1 (ignore_eos), through `Engine` in-process; tokens/s = output tokens / wall time, prefill
+included. The same prompts go through HF `generate(cache_implementation="static")` in the same run.
+Roofline: each decode step must read every weight once plus the K/V of every context token; the bytes
+of all 256 steps over the device-to-device copy bandwidth (bytes read + written, measured here) give the
+fastest possible decode, and roofline_fraction = tokens_per_s / that (prefill time counts against us).
+Multi-turn workload: trajectories of 4 turns; after each of the first 3 turns a 300-token information
+block is appended and the whole context is resent, as the agent does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
+from tandemrl.engine.kv_cache import kv_bytes_per_token  # noqa: E402
+from tandemrl.engine.sequence import SamplingParams  # noqa: E402
+
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False)
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
+            use_sliding_window=False)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke check, not figures")
+    p.add_argument("--num-requests", type=int, default=None, help="default 256 (tiny 8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 256 (tiny 32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny 16)")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--info-len", type=int, default=300)
+    p.add_argument("--turn-trajectories", type=int, default=None, help="multi-turn trajectories (default 128)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
+    args = p.parse_args()
+    tiny = args.tiny
+    args.num_requests = args.num_requests or (8 if tiny else 256)
+    args.prompt_len = args.prompt_len or (32 if tiny else 256)
+    args.new_tokens = args.new_tokens or (16 if tiny else 256)
+    args.turn_trajectories = args.turn_trajectories or (4 if tiny else 128)
+    if tiny:
+        args.info_len = min(args.info_len, 24)
+    return args
+
+
+def write_model_dir(shape: dict, out_dir: Path, device: torch.device, dtype: torch.dtype) -> Path:
+    """A random model built from `shape`, saved as an HF directory with a minimal word-level tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+
+    torch.manual_seed(0)
+    with device:
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(254)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out_dir)
+    del model
+    return out_dir
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read and written."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / 20
+    del src, dst
+    return 2 * 2 * 2**30 / seconds
+
+
+def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(num)]
+
+
+def make_engine(model_dir: Path, device: torch.device, args, prefix_caching: bool = True,
+                cuda_graphs: bool = True) -> Engine:
+    max_context = args.prompt_len + args.turns * (args.new_tokens + args.info_len) + 16
+    return Engine(EngineConfig(str(model_dir), device=str(device), dtype="auto",
+                               max_running_requests=args.num_requests, max_context_len=max_context,
+                               kv_cache_gb=None if device.type == "cuda" else 0.25, max_prefill_tokens=16384,
+                               enable_prefix_caching=prefix_caching, enable_cuda_graphs=cuda_graphs))
+
+
+def run_batch(engine: Engine, prompts: dict[str, list[int]], new_tokens: int, device) -> dict:
+    """Serve `prompts` to completion; returns outputs, wall time and the engine's token counters."""
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
+    prefill_before, decode_s = engine.num_prefill_tokens, 0.0
+    sync(device)
+    start = time.perf_counter()
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    outputs = {}
+    while engine.has_work():
+        step_start, prefill_seen = time.perf_counter(), engine.num_prefill_tokens
+        finished = engine.step()
+        if engine.num_prefill_tokens == prefill_seen:  # a decode step
+            decode_s += time.perf_counter() - step_start
+        for seq in finished:
+            outputs[seq.rid] = seq.output_ids
+    sync(device)
+    wall_s = time.perf_counter() - start
+    return dict(outputs=outputs, wall_s=wall_s, decode_s=decode_s, output_tokens=sum(len(o) for o in outputs.values()),
+                prefill_tokens=engine.num_prefill_tokens - prefill_before)
+
+
+def throughput(engine: Engine, args, vocab: int, device) -> dict:
+    run_batch(engine, {f"w{i}": p for i, p in enumerate(random_prompts(args.num_requests, 64, vocab, 1))},
+              8, device)  # warm-up: Triton compiles, allocator settles
+    prompts = random_prompts(args.num_requests, args.prompt_len, vocab, 2)
+    steps_before = engine.num_steps
+    result = run_batch(engine, {f"r{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
+    assert result["output_tokens"] == args.num_requests * args.new_tokens, "every request must run to length"
+    result["num_steps"] = engine.num_steps - steps_before
+    result["tokens_per_s"] = result["output_tokens"] / result["wall_s"]
+    result["prompts"] = prompts
+    return result
+
+
+def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device, dtype) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model.generation_config.eos_token_id = None  # run every request to length, as ignore_eos does
+    ids = torch.tensor(prompts, device=device)
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, cache_implementation="static",
+                  pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
+        sync(device)
+        start = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        sync(device)
+    wall_s = time.perf_counter() - start
+    num_out = (out.shape[1] - ids.shape[1]) * out.shape[0]
+    del model, out
+    gc.collect()
+    return dict(wall_s=wall_s, output_tokens=num_out, tokens_per_s=num_out / wall_s)
+
+
+def roofline(engine: Engine, args, bandwidth: float | None) -> dict:
+    """Bytes every decode step must move (weights once + K/V of every context token) over the bandwidth."""
+    weight_bytes = sum({p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}.values())
+    per_token_kv = kv_bytes_per_token(engine.model.cfg, engine.dtype)
+    total_bytes = 0
+    for step in range(args.new_tokens):  # step s reads the prompt and s generated tokens, writes one
+        context = args.prompt_len + step + 1
+        total_bytes += weight_bytes + args.num_requests * context * per_token_kv
+    out = dict(weight_bytes=weight_bytes, kv_bytes_per_token=per_token_kv,
+               bytes_per_step_mean=total_bytes / args.new_tokens)
+    if bandwidth:
+        out["roofline_tokens_per_s"] = args.num_requests * args.new_tokens / (total_bytes / bandwidth)
+    return out
+
+
+def multi_turn(engine: Engine, args, vocab: int, device) -> dict:
+    """4 turns per trajectory; an information block is appended after each turn but the last."""
+    rng = random.Random(3)
+    contexts = {f"t{i}": p for i, p in enumerate(random_prompts(args.turn_trajectories, args.prompt_len, vocab, 4))}
+    prefill, wall_s = 0, 0.0
+    for turn in range(args.turns):
+        result = run_batch(engine, {f"{rid}-{turn}": ids for rid, ids in contexts.items()}, args.new_tokens, device)
+        prefill += result["prefill_tokens"]
+        wall_s += result["wall_s"]
+        if turn < args.turns - 1:
+            for rid in contexts:
+                info = [rng.randrange(2, vocab) for _ in range(args.info_len)]
+                contexts[rid] = contexts[rid] + result["outputs"][f"{rid}-{turn}"] + info
+    return dict(prefill_tokens=prefill, wall_s=wall_s)
+
+
+def release(engine: Engine) -> None:
+    del engine.runner, engine.model
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main() -> int:
+    args = parse_args()
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    shape = TINY if args.tiny else QWEN25_15B
+    report: dict = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), host=platform.node(),
+                        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                        torch=torch.__version__, workload=dict(num_requests=args.num_requests,
+                        prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=1.0))
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(shape, Path(tmp) / "model", device, dtype)
+        report["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(device)
+        engine = make_engine(model_dir, device, args)
+        tp = throughput(engine, args, shape["vocab_size"], device)
+        report.update(roofline(engine, args, bandwidth))
+        report.update(tokens_per_s=tp["tokens_per_s"], engine_wall_s=tp["wall_s"], engine_steps=tp["num_steps"],
+                      engine_decode_s=tp["decode_s"], engine_prefill_tokens=tp["prefill_tokens"],
+                      decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"])
+        with_reuse = multi_turn(engine, args, shape["vocab_size"], device)
+        release(engine)
+        plain_engine = make_engine(model_dir, device, args, prefix_caching=False)
+        without = multi_turn(plain_engine, args, shape["vocab_size"], device)
+        release(plain_engine)
+        report["multi_turn"] = dict(trajectories=args.turn_trajectories, turns=args.turns, info_len=args.info_len,
+                                    with_reuse=with_reuse, without_reuse=without)
+        report["prefix_reuse_prefill_cut"] = 1 - with_reuse["prefill_tokens"] / without["prefill_tokens"]
+        report["prefix_reuse_wall_cut"] = 1 - with_reuse["wall_s"] / without["wall_s"]
+        if not args.no_hf:
+            hf = hf_static(model_dir, tp["prompts"], args.new_tokens, device, dtype)
+            report.update(hf_static_tokens_per_s=hf["tokens_per_s"], hf_static_wall_s=hf["wall_s"],
+                          ratio_to_hf=tp["tokens_per_s"] / hf["tokens_per_s"])
+    if "roofline_tokens_per_s" in report:
+        report["roofline_fraction"] = report["tokens_per_s"] / report["roofline_tokens_per_s"]
+        report["decode_roofline_fraction"] = report["decode_tokens_per_s"] / report["roofline_tokens_per_s"]
+    print_report(report)
+    if not args.tiny:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def print_report(r: dict) -> None:
+    print(json.dumps(r, indent=2))
+    print(f"engine: {r['tokens_per_s']:.0f} output tokens/s ({r['engine_wall_s']:.2f} s, {r['engine_steps']} steps; "
+          f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s)")
+    if "hf_static_tokens_per_s" in r:
+        print(f"HF static generate: {r['hf_static_tokens_per_s']:.0f} tokens/s -> ratio {r['ratio_to_hf']:.2f}x")
+    if "roofline_tokens_per_s" in r:
+        print(f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "
+              f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> fraction {r['roofline_fraction']:.3f}")
+    mt = r["multi_turn"]
+    print(f"multi-turn prefill tokens: {mt['with_reuse']['prefill_tokens']} with reuse vs "
+          f"{mt['without_reuse']['prefill_tokens']} without (cut {r['prefix_reuse_prefill_cut']:.1%}); wall "
+          f"{mt['with_reuse']['wall_s']:.2f} s vs {mt['without_reuse']['wall_s']:.2f} s")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

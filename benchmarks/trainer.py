@@ -1,0 +1,244 @@
+"""Trainer benchmark: training tokens/s and MFU of the Actor against a plain HF forward/backward loop on
+the same packed micro-batches in the same run, and the time of a full weight sync into an engine process.
+
+    python benchmarks/trainer.py                 # H200: Qwen2.5-1.5B-shaped model, random weights, bf16
+    python benchmarks/trainer.py --tiny          # CPU smoke check of the same code (no figures)
+
+The model is built from a config (no download). Both loops see identical micro-batches (the Actor's
+token-budget packing) and do one AdamW update per minibatch; the HF loop is the textbook one (autocast
+bf16 over fp32 weights, `labels=` loss over the full logits, clip, step). Measured steps alternate
+between the two so clock drift hits both alike; the median step is reported. Weight sync: CUDA IPC into
+a `tandem serve-engine` process on the same GPU (gloo on CPU), median of a few pushes.
+MFU = (6 N T + 6 L d sum(len^2)) / time / peak, N = all parameters (lm_head included), T = tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import gc
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from tandemrl.config.loader import load_config  # noqa: E402
+from tandemrl.trainer.batching import TrainSample, plan_rank_micro_batches, split_minibatches  # noqa: E402
+
+PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False)
+TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
+            use_sliding_window=False)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny model on CPU: a smoke check, not figures")
+    p.add_argument("--num-samples", type=int, default=None, help="trajectories per step (default 64; tiny 8)")
+    p.add_argument("--min-len", type=int, default=None)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--micro-batch-tokens", type=int, default=None)
+    p.add_argument("--n-minibatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3, help="measured steps per loop (after one warm-up)")
+    p.add_argument("--sync-repeats", type=int, default=3)
+    p.add_argument("--no-sync", action="store_true", help="skip the weight-sync measurement")
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer.json"))
+    args = p.parse_args()
+    defaults = (8, 16, 64, 128) if args.tiny else (64, 512, 2048, 16384)
+    for name, value in zip(("num_samples", "min_len", "max_len", "micro_batch_tokens"), defaults):
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def make_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[TrainSample]:
+    """Random trajectories: a quarter prompt (mask 0), the rest model tokens with rollout-like logprobs."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        n = rng.randint(min_len, max_len)
+        mask = [0] * (n // 4) + [1] * (n - n // 4)
+        out.append(TrainSample([rng.randrange(vocab) for _ in range(n)], mask,
+                               [-rng.uniform(0.5, 3.0) * m for m in mask], rng.uniform(-1, 1)))
+    return out
+
+
+def build_model(shape: dict, seed: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.float32, attn_implementation="sdpa")
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class HFBaseline:
+    """The plain loop: autocast bf16 on GPU, HF's own `labels=` loss, AdamW, clip; same micro-batches."""
+
+    def __init__(self, model, device: torch.device, lr: float):
+        self.model = model.to(device).train()
+        self.device = device
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
+
+    def step(self, samples: list[TrainSample], n_minibatches: int, budget: int) -> None:
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        for minibatch in split_minibatches(samples, n_minibatches):
+            for micro in plan_rank_micro_batches(minibatch, 0, 1, budget):
+                micro = micro.to(self.device)
+                labels = micro.input_ids_1T.clone()  # HF shifts labels itself; the packing is the same
+                with autocast:
+                    loss = self.model(input_ids=micro.input_ids_1T, position_ids=micro.position_ids_1T,
+                                      labels=labels, use_cache=False).loss
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+
+def model_flops(num_params: int, shape: dict, samples: list[TrainSample]) -> float:
+    tokens = sum(s.num_tokens for s in samples)
+    attention = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * sum(s.num_tokens ** 2 for s in samples)
+    return 6 * num_params * tokens + attention
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def time_steps(actor, baseline: HFBaseline, samples, args, device) -> tuple[list[float], list[float]]:
+    """One warm-up each, then alternate measured steps: actor, baseline, actor, ..."""
+    actor_s, hf_s = [], []
+    for i in range(args.steps + 1):
+        for fn, sink in ((lambda: actor.train_step(samples), actor_s),
+                         (lambda: baseline.step(samples, args.n_minibatches, args.micro_batch_tokens), hf_s)):
+            sync_device(device)
+            start = time.perf_counter()
+            fn()
+            sync_device(device)
+            if i > 0:
+                sink.append(time.perf_counter() - start)
+    return actor_s, hf_s
+
+
+def write_engine_dir(model, out_dir: Path, dtype: torch.dtype) -> Path:
+    """The random model as an HF directory for the engine, with a minimal word-level tokenizer (the
+    engine needs one for stop strings; nothing here decodes text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.to(dtype).save_pretrained(out_dir, safe_serialization=True)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(254)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out_dir)
+    return out_dir
+
+
+async def measure_sync(actor, engine_url: str, backend: str, bucket_mb: int, repeats: int) -> list[dict]:
+    from tandemrl.rollout.client import EngineClient
+    from tandemrl.rollout.weight_sync import WeightSender
+
+    client = EngineClient(engine_url)
+    try:
+        sender = WeightSender([client], backend=backend, bucket_mb=bucket_mb)
+        await sender.connect()
+        results = []
+        for _ in range(repeats):
+            results.append(await actor.sync_weights(sender))
+        version = await client.get_weight_version()
+        assert str(version) == str(actor.weight_version), (version, actor.weight_version)
+        return results
+    finally:
+        await client.close()
+
+
+def run_sync(actor, engine_model, args, device: torch.device) -> dict:
+    from tandemrl.rollout.engine_process import EngineProcess
+
+    backend = "cuda_ipc" if device.type == "cuda" else "gloo"
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-model-") as tmp:
+        model_dir = write_engine_dir(engine_model, Path(tmp), getattr(torch, dtype))
+        engine = EngineProcess(model_dir, device=device.type, dtype=dtype, max_context_len=4096,
+                               kv_cache_gb=2.0 if device.type == "cuda" else None)
+        with engine:
+            results = asyncio.run(measure_sync(actor, engine.url, backend, 256, args.sync_repeats))
+    times = [r["time/sync_weights"] for r in results]
+    return {"weight_sync_backend": backend, "weight_sync_s": statistics.median(times),
+            "weight_sync_first_s": times[0], "weight_sync_all_s": times,
+            "weight_sync_bytes": results[0]["sync_weights/bytes"]}
+
+
+def main() -> int:
+    args = parse_args()
+    from tandemrl.trainer.actor import Actor
+
+    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda", 0)
+    if device.type == "cpu":
+        device = torch.device("cpu")
+    shape = TINY if args.tiny else QWEN25_15B
+    model = build_model(shape, seed=0)
+    num_params = sum(p.numel() for p in model.parameters())
+    baseline_model, engine_model = copy.deepcopy(model), copy.deepcopy(model) if not args.no_sync else None
+    config = load_config(None, [f"actor.device={device.type}", "actor.optim.lr=0.000001",
+                                f"algorithm.n_minibatches={args.n_minibatches}",
+                                f"actor.micro_batch_tokens={args.micro_batch_tokens}",
+                                "runner.output_dir=/tmp/tandem-bench-trainer"])
+    actor = Actor(config, hf_model=model)
+    baseline = HFBaseline(baseline_model, device, lr=1e-6)
+    samples = make_samples(args.num_samples, args.min_len, args.max_len, shape["vocab_size"], seed=0)
+    tokens = sum(s.num_tokens for s in samples)
+    actor_s, hf_s = time_steps(actor, baseline, samples, args, device)
+    del baseline
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    actor_tps, hf_tps = tokens / statistics.median(actor_s), tokens / statistics.median(hf_s)
+    peak = peak_flops(device)
+    flops = model_flops(num_params, shape, samples)
+    result = {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
+        "command": " ".join([sys.executable, *sys.argv]), "tiny": args.tiny,
+        "model": "Qwen2.5-1.5B-shaped (random weights)" if not args.tiny else "tiny qwen2 (random)",
+        "num_params": num_params, "num_samples": len(samples), "tokens_per_step": tokens,
+        "micro_batch_tokens": args.micro_batch_tokens, "n_minibatches": args.n_minibatches,
+        "actor_dtype": str(actor.compute_dtype), "train_step_s": actor_s, "hf_baseline_step_s": hf_s,
+        "train_tokens_per_s": actor_tps, "hf_baseline_tokens_per_s": hf_tps, "ratio_vs_hf": actor_tps / hf_tps,
+        "mfu": flops / statistics.median(actor_s) / peak if peak else None,
+        "hf_baseline_mfu": flops / statistics.median(hf_s) / peak if peak else None,
+        "torch": torch.__version__,
+    }
+    if not args.no_sync:
+        result.update(run_sync(actor, engine_model, args, device))
+    else:
+        result["weight_sync_s"] = None
+    print(json.dumps(result, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"train {actor_tps:.0f} tok/s vs HF {hf_tps:.0f} tok/s ({actor_tps / hf_tps:.2f}x), "
+          f"MFU {result['mfu']}, weight sync {result.get('weight_sync_s')} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The CUDA fast path of the model runner: Triton attention, CUDA-graph decode, sampling on the GPU.
+
+`FastModelRunner` keeps `ModelRunner`'s contract (after `run`, every sequence of the batch has all its
+tokens but the new one in the cache) and replaces how a step executes: decode steps replay a CUDA graph
+captured for the smallest captured batch size >= the batch (padding rows write no KV and attend to
+nothing), prefill steps run eagerly with the same Triton kernel. All of a step's host inputs go to the
+GPU in one copy from a pinned buffer, and the sampled tokens and logprobs come back in one copy: that
+copy is the step's only host sync. Weight updates copy into the parameters in place, so captured graphs
+stay valid across them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from tandemrl.engine.model import CausalLM
+from tandemrl.engine.model_runner import ModelRunner
+from tandemrl.engine.sequence import Sequence
+
+# Triton is imported only on the CUDA path (`triton_attention`): CPU installs need not have it.
+
+logger = logging.getLogger(__name__)
+
+
+def fast_path_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Triton kernels run on CUDA in half precision; fp32 on CUDA keeps the reference path."""
+    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+
+
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = {1, 2, 4, 8, max_batch} | set(range(16, max_batch + 1, 16))
+    return sorted(s for s in sizes if s <= max_batch)
+
+
+class DecodeGraphs:
+    """One captured decode forward per batch size, sharing static inputs and one memory pool."""
+
+    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
+                 block_size: int, device: torch.device):
+        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.max_batch, self.width = max_batch, max_blocks_per_seq
+        self.sizes = graph_batch_sizes(max_batch)
+        # ids | positions | slots | context lens | block tables, all int64, copied to the GPU in one go
+        self.host = torch.zeros(4 * max_batch + max_batch * max_blocks_per_seq, dtype=torch.long).pin_memory()
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros_like(self.host, device=device)
+        m = max_batch
+        self.ids, self.positions = self.dev[:m], self.dev[m:2 * m]
+        self.slots, self.context_lens = self.dev[2 * m:3 * m], self.dev[3 * m:4 * m]
+        self.tables = self.dev[4 * m:].view(m, max_blocks_per_seq)
+        self.rows = torch.arange(m, dtype=torch.long, device=device)
+        self.ones = torch.ones(m, dtype=torch.long, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        self.num_replays = 0
+        self._capture()
+
+    def _meta(self, size: int):
+        from tandemrl.engine.triton_attention import FastMetadata
+
+        return FastMetadata(slot_mapping_T=self.slots[:size], query_start_B=self.rows[:size],
+                            query_lens_B=self.ones[:size], context_lens_B=self.context_lens[:size],
+                            block_tables_BW=self.tables[:size], last_token_index=self.rows[:size],
+                            max_query_len=1, block_size=self.block_size)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        self.slots.fill_(-1)  # warm-up and capture write no KV
+        pool = None
+        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
+            meta = self._meta(size)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self.model(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
+
+    def can_run(self, seqs: list[Sequence]) -> bool:
+        return len(seqs) <= self.max_batch and all(
+            s.num_tokens - s.num_cached_tokens == 1 and len(s.block_table) <= self.width for s in seqs)
+
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Replay the graph for this decode batch; returns its logits `[B, V]` (a view of a static buffer)."""
+        num_seqs = len(seqs)
+        size = next(s for s in self.sizes if s >= num_seqs)
+        m, bs = self.max_batch, self.block_size
+        h = self.host_np
+        positions = [s.num_tokens - 1 for s in seqs]
+        h[:num_seqs] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
+        h[m:m + num_seqs] = positions
+        h[2 * m:2 * m + num_seqs] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        h[3 * m:3 * m + num_seqs] = [s.num_tokens for s in seqs]
+        h[2 * m + num_seqs:2 * m + size] = -1  # padding rows: no KV write
+        h[3 * m + num_seqs:3 * m + size] = 0  # and no keys
+        tables = h[4 * m:].reshape(m, self.width)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        self.dev.copy_(self.host, non_blocking=True)
+        self.graphs[size].replay()
+        self.num_replays += 1
+        return self.logits[size][:num_seqs]
+
+
+class FastModelRunner(ModelRunner):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, seed: int, max_batch: int, max_context_len: int, use_cuda_graphs: bool = True):
+        super().__init__(model, num_blocks, block_size, device, dtype, seed)
+        max_blocks_per_seq = -(-max_context_len // block_size)
+        self.graphs = (DecodeGraphs(model, self.kv_caches, max_batch, max_blocks_per_seq, block_size, device)
+                       if use_cuda_graphs else None)
+
+    @torch.inference_mode()
+    def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.can_run(seqs):
+            logits = self.graphs.run(seqs)
+        else:
+            logits = self._forward_eager(seqs)
+        for seq in seqs:
+            seq.num_cached_tokens = seq.num_tokens
+        return logits
+
+    def _forward_eager(self, seqs: list[Sequence]) -> torch.Tensor:
+        from tandemrl.engine.triton_attention import build_fast_metadata
+
+        input_ids, positions, query_lens, context_lens = [], [], [], []
+        for seq in seqs:
+            start, end = seq.num_cached_tokens, seq.num_tokens
+            assert end > start, "a scheduled sequence must have an uncached token"
+            input_ids.extend(seq.all_ids[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(end - start)
+            context_lens.append(end)
+        meta = build_fast_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
+                                   self.device)
+        host = torch.tensor(np.stack([input_ids, positions]), dtype=torch.long)
+        ids, pos = host.to(self.device)
+        return self.model(ids, pos, self.kv_caches, meta)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        params = [s.params for s in seqs]
+        if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
+            return super().run(seqs)  # truncated sampling: the reference sampler (a few host syncs)
+        temps = [p.temperature for p in params]
+        uniform = len(set(temps)) == 1
+        temps_B = None if uniform else torch.tensor(temps, dtype=torch.float32).to(self.device, non_blocking=True)
+        logits = self.forward_logits(seqs)
+        token_ids, logprobs = sample_untruncated(logits, temps[0] if uniform else temps_B, self.generator)
+        both = torch.stack([token_ids.double(), logprobs.double()]).cpu()  # the step's one host sync
+        return [int(t) for t in both[0].tolist()], both[1].tolist()
+
+
+def sample_untruncated(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
+                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy or temperature sampling without host syncs, same logprob convention as `sampler.sample`.
+
+    Sampling uses argmax(log p - log E) with E ~ Exp(1), which draws index i with probability p_i; greedy
+    rows (temperature 0) add no noise and report the T = 1 log-softmax, as the reference sampler does.
+    """
+    logits_BV = logits_BV.float()
+    if isinstance(temperature, float | int):
+        if temperature == 0:
+            logp = torch.log_softmax(logits_BV, dim=-1)
+            chosen = logp.argmax(-1)
+            return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits_BV / temperature, dim=-1)
+        noise = torch.empty_like(logp).exponential_(generator=generator).log_()
+    else:
+        greedy = temperature == 0
+        safe = torch.where(greedy, torch.ones_like(temperature), temperature)
+        logp = torch.log_softmax(logits_BV / safe[:, None], dim=-1)
+        noise = torch.empty_like(logp).exponential_(generator=generator).log_()
+        noise.masked_fill_(greedy[:, None], 0.0)
+    chosen = (logp - noise).argmax(-1)
+    return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
+
+
+def build_runner(model: CausalLM, num_blocks: int, config, device: torch.device, dtype: torch.dtype
+                 ) -> ModelRunner:
+    """The reference runner on CPU (and fp32 CUDA), the fast one on CUDA in bf16/fp16."""
+    if not fast_path_supported(device, dtype):
+        return ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
+    return FastModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed,
+                           max_batch=config.max_running_requests, max_context_len=config.max_context_len,
+                           use_cuda_graphs=config.enable_cuda_graphs)

@@ -1,0 +1,162 @@
+"""Paged attention on CUDA with Triton: the fast twin of `attention.paged_attention` (issue 9).
+
+Same cache layout as the reference (`[2, num_slots, num_kv_heads, head_dim]`, slot = block * block_size +
+offset) and the same semantics: a step's new K/V are written to their slots, then query i of a sequence
+with `context_len` tokens of which `query_len` are new attends to the keys at positions <= context_len -
+query_len + i. One kernel serves decode (one query per sequence) and ragged prefill (many): a program
+owns one (sequence, KV head, query tile) and walks the sequence's block table with an online softmax, so
+nothing is gathered or padded in memory. The query tile stacks the GQA heads that share the KV head, so
+each K/V block is read once for all of them. Padding rows (a slot of -1, a context of 0) write nothing
+and produce zeros, which is what lets CUDA graphs run a batch padded to a captured size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
+_PREFILL_BLOCK_M = 64
+_BLOCK_N = 64
+
+
+@triton.jit
+def _store_kv_kernel(K, V, Cache, Slots, stride_kt, stride_vt, stride_c_kv, stride_c_slot,
+                     NUM_ELEMS: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(Slots + token)
+    offs = tl.arange(0, BLOCK)
+    mask = (offs < NUM_ELEMS) & (slot >= 0)
+    k = tl.load(K + token * stride_kt + offs, mask=mask)
+    v = tl.load(V + token * stride_vt + offs, mask=mask)
+    tl.store(Cache + slot * stride_c_slot + offs, k, mask=mask)
+    tl.store(Cache + stride_c_kv + slot * stride_c_slot + offs, v, mask=mask)
+
+
+@triton.jit
+def _paged_attention_kernel(Q, Cache, Out, BlockTables, QueryStart, QueryLens, ContextLens, scale,
+                            stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_slot,
+                            stride_c_head, stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                            BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    tile = tl.program_id(2)
+    queries_per_tile: tl.constexpr = BLOCK_M // GROUP
+    q_len = tl.load(QueryLens + seq)
+    ctx = tl.load(ContextLens + seq)
+    q_start = tl.load(QueryStart + seq)
+    first_q = tile * queries_per_tile
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < queries_per_tile * GROUP) & (q_idx < q_len)
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + (q_start + q_idx)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+    q_pos = ctx - q_len + q_idx  # absolute position of each row's query: it sees keys <= q_pos
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    kv_end = ctx - q_len + first_q + queries_per_tile  # keys this tile can see
+    kv_end = tl.minimum(kv_end, ctx)
+    k_base = Cache + kv_head * stride_c_head
+    for start in range(0, kv_end, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        pos_ok = pos < kv_end
+        block = tl.load(BlockTables + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
+        offsets = slot[:, None] * stride_c_slot + dims[None, :]
+        k = tl.load(k_base + offsets, mask=pos_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw no key yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(k_base + stride_c_kv + offsets, mask=pos_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(Out + (q_start + q_idx)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+
+def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, slots_T: torch.Tensor) -> None:
+    """Write each token's K/V to its slot; tokens with slot -1 (padding) are skipped."""
+    num_tokens = k_TKD.shape[0]
+    k_flat, v_flat = k_TKD.reshape(num_tokens, -1), v_TKD.reshape(num_tokens, -1)
+    assert k_flat.stride(1) == 1 and v_flat.stride(1) == 1 and kv_cache.is_contiguous()
+    num_elems = k_flat.shape[1]
+    _store_kv_kernel[(num_tokens,)](k_flat, v_flat, kv_cache, slots_T, k_flat.stride(0), v_flat.stride(0),
+                                    kv_cache.stride(0), kv_cache.stride(1), NUM_ELEMS=num_elems,
+                                    BLOCK=triton.next_power_of_2(num_elems))
+
+
+def attend(q_THD: torch.Tensor, kv_cache: torch.Tensor, block_tables_BW: torch.Tensor, query_start_B: torch.Tensor,
+           query_lens_B: torch.Tensor, context_lens_B: torch.Tensor, max_query_len: int, block_size: int,
+           scale: float) -> torch.Tensor:
+    """Attention of the flat queries `[T, heads, head_dim]` over the cache (K/V already stored)."""
+    num_seqs = query_lens_B.shape[0]
+    num_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
+    num_kv_heads = kv_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_m = _DECODE_BLOCK_M if max_query_len == 1 else _PREFILL_BLOCK_M
+    block_m = max(block_m, triton.next_power_of_2(group))
+    queries_per_tile = block_m // group
+    out = torch.empty_like(q_THD)
+    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, queries_per_tile))
+    _paged_attention_kernel[grid](
+        q_THD, kv_cache, out, block_tables_BW, query_start_B, query_lens_B, context_lens_B, scale,
+        q_THD.stride(0), q_THD.stride(1), out.stride(0), out.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2), block_tables_BW.stride(0), GROUP=group, HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        num_warps=4 if max_query_len == 1 else 8)
+    return out
+
+
+@dataclass
+class FastMetadata:
+    """Attention inputs of one step for the Triton path; `attention.paged_attention` hands over to it."""
+
+    slot_mapping_T: torch.Tensor  # int64, -1 = padding token (writes nothing)
+    query_start_B: torch.Tensor  # int64 flat index of each sequence's first new token
+    query_lens_B: torch.Tensor  # int64
+    context_lens_B: torch.Tensor  # int64, 0 = padding sequence
+    block_tables_BW: torch.Tensor  # int64 block ids, padded with 0
+    last_token_index: torch.Tensor  # [B] flat index of each sequence's last new token
+    max_query_len: int
+    block_size: int
+
+    def attend(self, q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor,
+               scale: float) -> torch.Tensor:
+        store_kv(k_TKD, v_TKD, kv_cache, self.slot_mapping_T)
+        return attend(q_THD.contiguous(), kv_cache, self.block_tables_BW, self.query_start_B, self.query_lens_B,
+                      self.context_lens_B, self.max_query_len, self.block_size, scale)
+
+
+def build_fast_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                        block_size: int, device: torch.device) -> FastMetadata:
+    """Host-built metadata for an eager (not graph-captured) step, e.g. a prefill."""
+    num_seqs = len(query_lens)
+    width = max(len(t) for t in block_tables)
+    tables = torch.zeros(num_seqs, width, dtype=torch.long)
+    slots: list[int] = []
+    for i, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens)):
+        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
+    qlens = torch.tensor(query_lens, dtype=torch.long)
+    starts = torch.cumsum(qlens, 0) - qlens
+    host = torch.cat([torch.tensor(slots, dtype=torch.long), starts, qlens,
+                      torch.tensor(context_lens, dtype=torch.long), starts + qlens - 1, tables.flatten()])
+    dev = host.to(device, non_blocking=False)
+    num_tokens = len(slots)
+    parts = torch.split(dev, [num_tokens, num_seqs, num_seqs, num_seqs, num_seqs, num_seqs * width])
+    return FastMetadata(slot_mapping_T=parts[0], query_start_B=parts[1], query_lens_B=parts[2],
+                        context_lens_B=parts[3], last_token_index=parts[4],
+                        block_tables_BW=parts[5].view(num_seqs, width), max_query_len=max(query_lens),
+                        block_size=block_size)

@@ -1,0 +1,108 @@
+"""Prefix reuse (issue 9) on CPU: block bookkeeping, multi-turn prefill savings, identical greedy outputs,
+and no reuse of KV computed under older weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tandemrl.engine.engine import Engine, EngineConfig
+from tandemrl.engine.prefix_cache import PrefixCachingBlockManager
+from tandemrl.engine.sequence import SamplingParams, Sequence
+
+BLOCK = 4
+
+
+def _seq(ids: list[int]) -> Sequence:
+    return Sequence(rid="r", prompt_ids=list(ids), params=SamplingParams(), max_total_len=1000)
+
+
+def test_blocks_are_matched_shared_and_evicted_lru():
+    blocks = PrefixCachingBlockManager(num_blocks=6, block_size=BLOCK)
+    first = _seq(list(range(10)))
+    blocks.allocate(first.block_table, 10)  # 3 blocks, the last one partial
+    blocks.free(first.block_table, list(range(10)))
+    assert blocks.num_cached_blocks == 2 and blocks.num_free_blocks == 6
+    second = _seq(list(range(9)) + [99])
+    assert blocks.match_prefix(second) == 8  # both full blocks
+    third = _seq(list(range(8)))  # fully cached prompt: the last block is recomputed, not shared
+    assert blocks.match_prefix(third) == 4
+    assert blocks.ref_counts[second.block_table[0]] == 2
+    other = _seq([50, 51, 52, 53, 54])
+    assert blocks.match_prefix(other) == 0
+    blocks.allocate(other.block_table, 16)  # every unreferenced block; the shared cached ones stay
+    assert blocks.num_free_blocks == 0 and blocks.num_cached_blocks == 2
+    blocks.free(other.block_table)
+    blocks.free(third.block_table)
+    blocks.free(second.block_table)
+    taken: list[int] = []
+    blocks.allocate(taken, 6 * BLOCK)  # now the cached blocks are evicted
+    assert blocks.num_cached_blocks == 0 and sorted(taken) == list(range(6))
+
+
+def test_invalidate_never_registers_stale_blocks():
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+    running = _seq(list(range(12)))
+    blocks.allocate(running.block_table, 12)
+    blocks.invalidate()  # a weight update while `running` holds its KV (in_place)
+    blocks.free(running.block_table, list(range(12)))
+    assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
+    assert blocks.match_prefix(_seq(list(range(12)))) == 0
+
+
+def _run(engine: Engine, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+    for rid, ids in prompts.items():
+        engine.add_request(rid, ids, params)
+    outputs = {}
+    while engine.has_work():
+        for seq in engine.step():
+            outputs[seq.rid] = seq.output_ids
+    return outputs
+
+
+def _multi_turn(engine: Engine, num_trajectories: int = 4, num_turns: int = 3) -> dict[str, list[int]]:
+    """Agent-like turns: each turn resends the whole context plus an information block."""
+    rng = random.Random(0)
+    contexts = {f"t{i}": [rng.randrange(100, 5000) for _ in range(30 + 7 * i)] for i in range(num_trajectories)}
+    for turn in range(num_turns):
+        outputs = _run(engine, {f"{rid}-{turn}": ids for rid, ids in contexts.items()}, max_new_tokens=6)
+        for rid in contexts:
+            info = [rng.randrange(100, 5000) for _ in range(25)]
+            contexts[rid] = contexts[rid] + outputs[f"{rid}-{turn}"] + info
+    return contexts
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama_dir):
+    def make(prefix: bool) -> Engine:
+        return Engine(EngineConfig(str(tiny_llama_dir), max_context_len=512, max_running_requests=8,
+                                   block_size=BLOCK, enable_prefix_caching=prefix))
+
+    return make(True), make(False)
+
+
+def test_multi_turn_reuse_cuts_prefill_and_keeps_greedy_outputs(engines):
+    with_reuse, without = engines
+    contexts_reuse = _multi_turn(with_reuse)
+    contexts_plain = _multi_turn(without)
+    assert contexts_reuse == contexts_plain  # every turn's greedy output identical
+    assert with_reuse.num_prefill_tokens < 0.6 * without.num_prefill_tokens
+    assert with_reuse.scheduler.num_prefix_hit_tokens == without.num_prefill_tokens - with_reuse.num_prefill_tokens
+
+
+def test_weight_update_invalidates_cached_prefixes(engines):
+    engine = engines[0]
+    prompt = list(range(200, 240))
+    _run(engine, {"a": prompt}, max_new_tokens=2)
+    before = engine.num_prefill_tokens
+    _run(engine, {"b": prompt}, max_new_tokens=2)
+    assert engine.num_prefill_tokens - before < len(prompt)  # reused
+    weights = [(name, p.detach().clone()) for name, p in engine.model.named_parameters()]
+    with torch.no_grad():
+        engine.load_weights(weights)
+    before = engine.num_prefill_tokens
+    _run(engine, {"c": prompt}, max_new_tokens=2)
+    assert engine.num_prefill_tokens - before == len(prompt)  # recomputed under the new weights

@@ -156,6 +156,30 @@ def throughput(engine: Engine, args, vocab: int, device) -> dict:
     return result
 
 
+def decode_breakdown(engine: Engine, args) -> dict:
+    """GPU time of one replay of the largest decode graph (inputs as the throughput run left them, i.e.
+    full contexts) and of the sampler on its logits; the rest of a decode step is host time."""
+    graphs = getattr(engine.runner, "graphs", None)
+    if graphs is None:
+        return {}
+    from tandemrl.engine.cuda_graphs import sample_untruncated
+
+    size = max(graphs.sizes)
+    timings = {}
+    for name, fn in (("graph_replay_ms", graphs.graphs[size].replay),
+                     ("sampling_ms", lambda: sample_untruncated(graphs.logits[size], 1.0, engine.runner.generator))):
+        fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(10):
+            fn()
+        end.record()
+        end.synchronize()
+        timings[name] = start.elapsed_time(end) / 10
+    timings["batch"] = size
+    return timings
+
+
 def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device, dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -230,6 +254,7 @@ def main() -> int:
         engine = make_engine(model_dir, device, args)
         tp = throughput(engine, args, shape["vocab_size"], device)
         report.update(roofline(engine, args, bandwidth))
+        report["decode_breakdown"] = decode_breakdown(engine, args) if device.type == "cuda" else {}
         report.update(tokens_per_s=tp["tokens_per_s"], engine_wall_s=tp["wall_s"], engine_steps=tp["num_steps"],
                       engine_decode_s=tp["decode_s"], engine_prefill_tokens=tp["prefill_tokens"],
                       decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"])
@@ -242,6 +267,7 @@ def main() -> int:
                                     with_reuse=with_reuse, without_reuse=without)
         report["prefix_reuse_prefill_cut"] = 1 - with_reuse["prefill_tokens"] / without["prefill_tokens"]
         report["prefix_reuse_wall_cut"] = 1 - with_reuse["wall_s"] / without["wall_s"]
+        print(f"engine {report['tokens_per_s']:.0f} tokens/s; multi-turn {report['multi_turn']}", flush=True)
         if not args.no_hf:
             hf = hf_static(model_dir, tp["prompts"], args.new_tokens, device, dtype)
             report.update(hf_static_tokens_per_s=hf["tokens_per_s"], hf_static_wall_s=hf["wall_s"],
@@ -262,6 +288,11 @@ def print_report(r: dict) -> None:
           f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s)")
     if "hf_static_tokens_per_s" in r:
         print(f"HF static generate: {r['hf_static_tokens_per_s']:.0f} tokens/s -> ratio {r['ratio_to_hf']:.2f}x")
+    if r.get("decode_breakdown"):
+        b = r["decode_breakdown"]
+        step_ms = 1e3 * r["engine_decode_s"] / max(1, r["workload"]["new_tokens"] - 1)
+        print(f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms, sampling "
+              f"{b['sampling_ms']:.2f} ms (batch {b['batch']}, full contexts), the rest host")
     if "roofline_tokens_per_s" in r:
         print(f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "
               f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> fraction {r['roofline_fraction']:.3f}")

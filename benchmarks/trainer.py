@@ -37,12 +37,31 @@ from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.batching import TrainSample, plan_rank_micro_batches, split_minibatches  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False)
-TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-            use_sliding_window=False)
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -59,7 +78,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer.json"))
     args = p.parse_args()
     defaults = (8, 16, 64, 128) if args.tiny else (64, 512, 2048, 16384)
-    for name, value in zip(("num_samples", "min_len", "max_len", "micro_batch_tokens"), defaults):
+    for name, value in zip(
+        ("num_samples", "min_len", "max_len", "micro_batch_tokens"), defaults, strict=True
+    ):
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
@@ -72,8 +93,14 @@ def make_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
     for _ in range(num):
         n = rng.randint(min_len, max_len)
         mask = [0] * (n // 4) + [1] * (n - n // 4)
-        out.append(TrainSample([rng.randrange(vocab) for _ in range(n)], mask,
-                               [-rng.uniform(0.5, 3.0) * m for m in mask], rng.uniform(-1, 1)))
+        out.append(
+            TrainSample(
+                [rng.randrange(vocab) for _ in range(n)],
+                mask,
+                [-rng.uniform(0.5, 3.0) * m for m in mask],
+                rng.uniform(-1, 1),
+            )
+        )
     return out
 
 
@@ -81,7 +108,9 @@ def build_model(shape: dict, seed: int):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(Qwen2Config(**shape), dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(
+        Qwen2Config(**shape), dtype=torch.float32, attn_implementation="sdpa"
+    )
 
 
 def sync_device(device: torch.device) -> None:
@@ -97,24 +126,40 @@ class HFBaseline:
         self.device = device
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr)
 
-    def step(self, samples: list[TrainSample], n_minibatches: int, budget: int) -> None:
+    def step(self, samples: list[TrainSample], n_minibatches: int, budget: int, padded: bool) -> None:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         for minibatch in split_minibatches(samples, n_minibatches):
-            for micro in plan_rank_micro_batches(minibatch, 0, 1, budget):
+            for micro in plan_rank_micro_batches(minibatch, 0, 1, budget, padded=padded):
                 micro = micro.to(self.device)
-                labels = micro.input_ids_1T.clone()  # HF shifts labels itself; the packing is the same
+                labels = micro.input_ids_RL.clone()  # HF shifts labels itself
+                if micro.attention_mask_RL is not None:
+                    labels[micro.attention_mask_RL == 0] = -100
                 with autocast:
-                    loss = self.model(input_ids=micro.input_ids_1T, position_ids=micro.position_ids_1T,
-                                      labels=labels, use_cache=False).loss
+                    loss = self.model(
+                        input_ids=micro.input_ids_RL,
+                        position_ids=micro.position_ids_RL,
+                        attention_mask=micro.attention_mask_RL,
+                        labels=labels,
+                        use_cache=False,
+                    ).loss
                 loss.backward()
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
 
+def processed_tokens(samples: list[TrainSample], args, padded: bool) -> int:
+    """Tokens the forwards see, padding included (tokens_per_step excludes padding)."""
+    return sum(
+        m.num_tokens
+        for mb in split_minibatches(samples, args.n_minibatches)
+        for m in plan_rank_micro_batches(mb, 0, 1, args.micro_batch_tokens, padded=padded)
+    )
+
+
 def model_flops(num_params: int, shape: dict, samples: list[TrainSample]) -> float:
     tokens = sum(s.num_tokens for s in samples)
-    attention = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * sum(s.num_tokens ** 2 for s in samples)
+    attention = 6 * shape["num_hidden_layers"] * shape["hidden_size"] * sum(s.num_tokens**2 for s in samples)
     return 6 * num_params * tokens + attention
 
 
@@ -129,8 +174,13 @@ def time_steps(actor, baseline: HFBaseline, samples, args, device) -> tuple[list
     """One warm-up each, then alternate measured steps: actor, baseline, actor, ..."""
     actor_s, hf_s = [], []
     for i in range(args.steps + 1):
-        for fn, sink in ((lambda: actor.train_step(samples), actor_s),
-                         (lambda: baseline.step(samples, args.n_minibatches, args.micro_batch_tokens), hf_s)):
+        for fn, sink in (
+            (lambda: actor.train_step(samples), actor_s),
+            (
+                lambda: baseline.step(samples, args.n_minibatches, args.micro_batch_tokens, actor.is_padded),
+                hf_s,
+            ),
+        ):
             sync_device(device)
             start = time.perf_counter()
             fn()
@@ -150,7 +200,9 @@ def write_engine_dir(model, out_dir: Path, dtype: torch.dtype) -> Path:
     vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(254)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        out_dir
+    )
     return out_dir
 
 
@@ -179,14 +231,23 @@ def run_sync(actor, engine_model, args, device: torch.device) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     with tempfile.TemporaryDirectory(prefix="tandem-bench-model-") as tmp:
         model_dir = write_engine_dir(engine_model, Path(tmp), getattr(torch, dtype))
-        engine = EngineProcess(model_dir, device=device.type, dtype=dtype, max_context_len=4096,
-                               kv_cache_gb=2.0 if device.type == "cuda" else None)
+        engine = EngineProcess(
+            model_dir,
+            device=device.type,
+            dtype=dtype,
+            max_context_len=4096,
+            kv_cache_gb=2.0 if device.type == "cuda" else None,
+        )
         with engine:
             results = asyncio.run(measure_sync(actor, engine.url, backend, 256, args.sync_repeats))
     times = [r["time/sync_weights"] for r in results]
-    return {"weight_sync_backend": backend, "weight_sync_s": statistics.median(times),
-            "weight_sync_first_s": times[0], "weight_sync_all_s": times,
-            "weight_sync_bytes": results[0]["sync_weights/bytes"]}
+    return {
+        "weight_sync_backend": backend,
+        "weight_sync_s": statistics.median(times),
+        "weight_sync_first_s": times[0],
+        "weight_sync_all_s": times,
+        "weight_sync_bytes": results[0]["sync_weights/bytes"],
+    }
 
 
 def main() -> int:
@@ -200,10 +261,16 @@ def main() -> int:
     model = build_model(shape, seed=0)
     num_params = sum(p.numel() for p in model.parameters())
     baseline_model, engine_model = copy.deepcopy(model), copy.deepcopy(model) if not args.no_sync else None
-    config = load_config(None, [f"actor.device={device.type}", "actor.optim.lr=0.000001",
-                                f"algorithm.n_minibatches={args.n_minibatches}",
-                                f"actor.micro_batch_tokens={args.micro_batch_tokens}",
-                                "runner.output_dir=/tmp/tandem-bench-trainer"])
+    config = load_config(
+        None,
+        [
+            f"actor.device={device.type}",
+            "actor.optim.lr=0.000001",
+            f"algorithm.n_minibatches={args.n_minibatches}",
+            f"actor.micro_batch_tokens={args.micro_batch_tokens}",
+            "runner.output_dir=/tmp/tandem-bench-trainer",
+        ],
+    )
     actor = Actor(config, hf_model=model)
     baseline = HFBaseline(baseline_model, device, lr=1e-6)
     samples = make_samples(args.num_samples, args.min_len, args.max_len, shape["vocab_size"], seed=0)
@@ -217,13 +284,26 @@ def main() -> int:
     peak = peak_flops(device)
     flops = model_flops(num_params, shape, samples)
     result = {
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor()})",
-        "command": " ".join([sys.executable, *sys.argv]), "tiny": args.tiny,
+        "gpu": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({platform.processor()})",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "tiny": args.tiny,
         "model": "Qwen2.5-1.5B-shaped (random weights)" if not args.tiny else "tiny qwen2 (random)",
-        "num_params": num_params, "num_samples": len(samples), "tokens_per_step": tokens,
-        "micro_batch_tokens": args.micro_batch_tokens, "n_minibatches": args.n_minibatches,
-        "actor_dtype": str(actor.compute_dtype), "train_step_s": actor_s, "hf_baseline_step_s": hf_s,
-        "train_tokens_per_s": actor_tps, "hf_baseline_tokens_per_s": hf_tps, "ratio_vs_hf": actor_tps / hf_tps,
+        "num_params": num_params,
+        "num_samples": len(samples),
+        "tokens_per_step": tokens,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "n_minibatches": args.n_minibatches,
+        "actor_dtype": str(actor.compute_dtype),
+        "attn_implementation": actor.hf_model.config._attn_implementation,
+        "layout": "padded rows" if actor.is_padded else "packed row",
+        "processed_tokens_per_step": processed_tokens(samples, args, actor.is_padded),
+        "train_step_s": actor_s,
+        "hf_baseline_step_s": hf_s,
+        "train_tokens_per_s": actor_tps,
+        "hf_baseline_tokens_per_s": hf_tps,
+        "ratio_vs_hf": actor_tps / hf_tps,
         "mfu": flops / statistics.median(actor_s) / peak if peak else None,
         "hf_baseline_mfu": flops / statistics.median(hf_s) / peak if peak else None,
         "torch": torch.__version__,
@@ -235,8 +315,10 @@ def main() -> int:
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"train {actor_tps:.0f} tok/s vs HF {hf_tps:.0f} tok/s ({actor_tps / hf_tps:.2f}x), "
-          f"MFU {result['mfu']}, weight sync {result.get('weight_sync_s')} s -> {args.out}")
+    print(
+        f"train {actor_tps:.0f} tok/s vs HF {hf_tps:.0f} tok/s ({actor_tps / hf_tps:.2f}x), "
+        f"MFU {result['mfu']}, weight sync {result.get('weight_sync_s')} s -> {args.out}"
+    )
     return 0
 
 

@@ -17,7 +17,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from tandemrl.agent.loop import Trajectory, run_trajectory
+from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 OVERALL = "overall"
 
 
-async def evaluate_prompts(prompts: list, engine, search, tokenizer, cfg: AgentLoopConfig,
-                           max_concurrency: int = 64) -> list[Trajectory]:
+async def evaluate_prompts(
+    prompts: list, engine, search, tokenizer, cfg: AgentLoopConfig, max_concurrency: int = 64
+) -> list[Trajectory]:
     """One greedy trajectory per prompt, at most `max_concurrency` at a time; results in prompt order."""
     semaphore = asyncio.Semaphore(max_concurrency)
 
@@ -34,9 +35,7 @@ async def evaluate_prompts(prompts: list, engine, search, tokenizer, cfg: AgentL
         async with semaphore:
             return await run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=True)
 
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(one(prompt)) for prompt in prompts]
-    return [task.result() for task in tasks]
+    return await gather_or_cancel([one(prompt) for prompt in prompts])
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
@@ -82,8 +81,10 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
-                                "default knowledge base, or set retrieval.corpus_path next to your split files.")
+        raise FileNotFoundError(
+            f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
+            "default knowledge base, or set retrieval.corpus_path next to your split files."
+        )
     return [str(path)]
 
 
@@ -93,8 +94,10 @@ def engine_url(config: TandemConfig):
     rollout = config.rollout
     if rollout.backend != "embedded":
         if not rollout.server_addrs:
-            raise ConfigError(f"rollout.backend={rollout.backend!r} but rollout.server_addrs is empty: evaluation "
-                              "needs a running engine. Set rollout.server_addrs=[host:port].")
+            raise ConfigError(
+                f"rollout.backend={rollout.backend!r} but rollout.server_addrs is empty: evaluation "
+                "needs a running engine. Set rollout.server_addrs=[host:port]."
+            )
         addr = rollout.server_addrs[0]
         yield addr if addr.startswith("http") else f"http://{addr}"
         return
@@ -103,8 +106,14 @@ def engine_url(config: TandemConfig):
 
     model_path = rollout.model.model_path or str(prepare_model())
     device, dtype = resolve_device_dtype(rollout.device, rollout.dtype)
-    with EngineProcess(model_path, device=device, dtype=dtype, max_running_requests=rollout.max_running_requests,
-                       max_context_len=rollout.max_context_len, seed=config.runner.seed) as engine:
+    with EngineProcess(
+        model_path,
+        device=device,
+        dtype=dtype,
+        max_running_requests=rollout.max_running_requests,
+        max_context_len=rollout.max_context_len,
+        seed=config.runner.seed,
+    ) as engine:
         yield engine.url
 
 
@@ -129,8 +138,10 @@ def retrieval_addr(config: TandemConfig):
 
     index_dir = Path(config.retrieval.index_dir or default_index_dir())
     if not index_dir.exists():
-        raise FileNotFoundError(f"retrieval index {index_dir} does not exist. Run `tandem prepare all` (default KB) "
-                                "or `tandem index build`, or set retrieval.index_dir.")
+        raise FileNotFoundError(
+            f"retrieval index {index_dir} does not exist. Run `tandem prepare all` (default KB) "
+            "or `tandem index build`, or set retrieval.index_dir."
+        )
     with RetrievalServerProcess(index_dir, mode=config.retrieval.mode) as server:
         yield server.addr
 
@@ -174,11 +185,22 @@ async def _evaluate(config: TandemConfig, prompts: list, url: str, addr: str, to
 
     search_cfg = config.tools.search
     engine = EngineClient(url)
-    search = SearchTool(addr, topk=search_cfg.topk, timeout_s=search_cfg.timeout_s,
-                        max_retries=search_cfg.max_retries, backoff_s=search_cfg.backoff_s)
+    search = SearchTool(
+        addr,
+        topk=search_cfg.topk,
+        timeout_s=search_cfg.timeout_s,
+        max_retries=search_cfg.max_retries,
+        backoff_s=search_cfg.backoff_s,
+    )
     try:
-        return await evaluate_prompts(prompts, engine, search, tokenizer, config.agentloop,
-                                      max_concurrency=config.rollout.max_running_requests)
+        return await evaluate_prompts(
+            prompts,
+            engine,
+            search,
+            tokenizer,
+            config.agentloop,
+            max_concurrency=config.rollout.max_running_requests,
+        )
     finally:
         await engine.close()
         await search.close()

@@ -17,6 +17,10 @@ Invariants:
   trajectory with finish_reason "max_turns". An invalid last turn ends it at once.
 - a retrieval failure (SearchError after the tool's retries) becomes an error text inside the
   information block, is counted in `num_search_errors`, and the loop goes on.
+- a turn that ends at EOS (or at the per-turn token limit) without a closing tag is an invalid
+  action like any other: the correction message follows, as in Search-R1 and slime, and the EOS
+  stays in the response exactly as sampled.
+- the answer is the last `<answer>` the model wrote, read turn by turn: tool text never counts.
 """
 
 from __future__ import annotations
@@ -26,10 +30,18 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from tandemrl.agent.parser import ANSWER, SEARCH, extract_answer, parse_action
+from tandemrl.agent.parser import ANSWER, SEARCH, Action, extract_answer, parse_action
 from tandemrl.agent.prompt import (
-    ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, STOP_STRINGS, build_prompt_ids, encode_text,
-    format_information, format_message)
+    ANSWER_NOW_TEXT,
+    INFO_CLOSE,
+    INFO_OPEN,
+    INVALID_ACTION_TEXT,
+    STOP_STRINGS,
+    build_prompt_ids,
+    encode_text,
+    format_information,
+    format_message,
+)
 from tandemrl.agent.reward import em_check, score_answer
 from tandemrl.agent.search_tool import SearchError
 
@@ -94,67 +106,106 @@ class Trajectory:
         return asdict(self)
 
 
-async def run_group(prompt: Prompt, group_size: int, engine: EngineClient, search: SearchTool, tokenizer,
-                    cfg: AgentLoopConfig, greedy: bool = False) -> list[Trajectory]:
+async def run_group(
+    prompt: Prompt,
+    group_size: int,
+    engine: EngineClient,
+    search: SearchTool,
+    tokenizer,
+    cfg: AgentLoopConfig,
+    greedy: bool = False,
+) -> list[Trajectory]:
     """The `group_size` trajectories of one prompt, run concurrently; returns when all are done.
 
-    If one trajectory fails, the others are cancelled and the error propagates.
+    If one trajectory fails, the others are cancelled and its error propagates as it was raised.
     """
     prompt_ids = build_prompt_ids(tokenizer, prompt.question)
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=greedy,
-                                                  sample_index=i, prompt_ids=prompt_ids))
-                 for i in range(group_size)]
-    return [task.result() for task in tasks]
+    coroutines = [
+        run_trajectory(prompt, engine, search, tokenizer, cfg, greedy, sample_index=i, prompt_ids=prompt_ids)
+        for i in range(group_size)
+    ]
+    return await gather_or_cancel(coroutines)
 
 
-async def run_trajectory(prompt: Prompt, engine: EngineClient, search: SearchTool, tokenizer,
-                         cfg: AgentLoopConfig, greedy: bool = False, sample_index: int = 0,
-                         prompt_ids: list[int] | None = None) -> Trajectory:
+async def gather_or_cancel(coroutines: list) -> list:
+    """`asyncio.gather` that cancels (and awaits) the siblings of the first failure before re-raising it."""
+    tasks = [asyncio.ensure_future(coroutine) for coroutine in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def run_trajectory(
+    prompt: Prompt,
+    engine: EngineClient,
+    search: SearchTool,
+    tokenizer,
+    cfg: AgentLoopConfig,
+    greedy: bool = False,
+    sample_index: int = 0,
+    prompt_ids: list[int] | None = None,
+) -> Trajectory:
     """Run one Search-R1 trajectory to its end and score it."""
+    if prompt_ids is None:
+        prompt_ids = build_prompt_ids(tokenizer, prompt.question)
     traj = Trajectory(
-        prompt_ids=list(prompt_ids) if prompt_ids is not None else build_prompt_ids(tokenizer, prompt.question),
-        prompt_id=prompt.prompt_id, data_source=prompt.data_source, task_name=cfg.task_name,
-        sample_index=sample_index, question=prompt.question, golden_answers=list(prompt.golden_answers))
+        prompt_ids=list(prompt_ids),
+        prompt_id=prompt.prompt_id,
+        data_source=prompt.data_source,
+        task_name=cfg.task_name,
+        sample_index=sample_index,
+        question=prompt.question,
+        golden_answers=list(prompt.golden_answers),
+    )
     rid_prefix = f"{cfg.task_name or 'agent'}-{prompt.prompt_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
     is_grace_turn = False
-    while True:
+    while not traj.finish_reason:
         max_new_tokens = min(cfg.max_new_tokens_per_turn, _remaining(traj, cfg))
         if max_new_tokens <= 0:
             traj.finish_reason = FINISH_LENGTH
             break
         result = await engine.generate(
-            traj.prompt_ids + traj.response_ids, sampling_params(cfg, tokenizer, max_new_tokens, greedy),
-            rid=f"{rid_prefix}-t{traj.num_turns}", extra={"task_name": cfg.task_name})
-        traj.num_turns += 1
-        turn_text = _append_model_tokens(traj, result, tokenizer)
-        # per turn, so an <answer> never spans a tool message; the last one the model wrote wins
-        answer = extract_answer(turn_text)
-        traj.answer = answer if answer is not None else traj.answer
+            traj.prompt_ids + traj.response_ids,
+            sampling_params(cfg, tokenizer, max_new_tokens, greedy),
+            rid=f"{rid_prefix}-t{traj.num_turns}",
+            extra={"task_name": cfg.task_name},
+        )
+        turn_text = _append_model_turn(traj, result, tokenizer)
         if result.finish_reason == "abort":
             traj.finish_reason = FINISH_ABORT
             break
-        action = parse_action(turn_text)
-        if action.kind == ANSWER:
-            traj.finish_reason = FINISH_ANSWER
-            break
-        is_last_turn = is_grace_turn or traj.num_turns > cfg.max_turns
-        if is_last_turn and (is_grace_turn or action.kind != SEARCH):
-            traj.finish_reason = FINISH_MAX_TURNS
-            break
-        if action.kind == SEARCH and is_last_turn:
-            is_grace_turn = True
-            message = ANSWER_NOW_TEXT
-        elif action.kind == SEARCH:
-            message = await _search(traj, action.content, search, tokenizer, cfg)
-        else:
-            traj.num_invalid_actions += 1
-            message = INVALID_ACTION_TEXT
-        if message is None or not _append_tool_text(traj, message, tokenizer, cfg):
+        message = await _respond(traj, parse_action(turn_text), is_grace_turn, search, tokenizer, cfg)
+        is_grace_turn = message == ANSWER_NOW_TEXT
+        if message is not None and not _append_tool_text(traj, message, tokenizer, cfg):
             traj.finish_reason = FINISH_LENGTH
-            break
     _score(traj, tokenizer, cfg)
     return traj
+
+
+async def _respond(
+    traj: Trajectory, action: Action, is_grace_turn: bool, search: SearchTool, tokenizer, cfg: AgentLoopConfig
+) -> str | None:
+    """The tool text that answers the turn's action, or None with `finish_reason` set when it ends."""
+    if action.kind == ANSWER:
+        traj.finish_reason = FINISH_ANSWER
+        return None
+    is_last_turn = is_grace_turn or traj.num_turns > cfg.max_turns
+    if is_last_turn and (is_grace_turn or action.kind != SEARCH):
+        traj.finish_reason = FINISH_MAX_TURNS
+        return None
+    if action.kind == SEARCH and is_last_turn:
+        return ANSWER_NOW_TEXT  # the grace turn follows
+    if action.kind == SEARCH:
+        message = await _search(traj, action.content, search, tokenizer, cfg)
+        if message is None:
+            traj.finish_reason = FINISH_LENGTH
+        return message
+    traj.num_invalid_actions += 1
+    return INVALID_ACTION_TEXT
 
 
 def sampling_params(cfg: AgentLoopConfig, tokenizer, max_new_tokens: int, greedy: bool) -> dict:
@@ -173,13 +224,16 @@ def _remaining(traj: Trajectory, cfg: AgentLoopConfig) -> int:
     return cfg.max_response_tokens - len(traj.response_ids)
 
 
-def _append_model_tokens(traj: Trajectory, result: GenerateResult, tokenizer) -> str:
+def _append_model_turn(traj: Trajectory, result: GenerateResult, tokenizer) -> str:
     """Append the engine's ids untouched; returns the turn's text (for parsing and the transcript)."""
+    traj.num_turns += 1
     num_tokens = len(result.output_ids)
     if len(result.output_logprobs) != num_tokens:
-        raise ValueError(f"engine returned {num_tokens} output ids but {len(result.output_logprobs)} logprobs; "
-                         "the agent loop needs the logprob of every sampled token (check the engine's "
-                         "return_logprob support).")
+        raise ValueError(
+            f"engine returned {num_tokens} output ids but {len(result.output_logprobs)} logprobs; "
+            "the agent loop needs the logprob of every sampled token (check the engine's "
+            "return_logprob support)."
+        )
     versions = result.weight_versions
     if versions is None:  # a real SGLang reports one version per request, not per token
         versions = [_parse_version(result.weight_version)] * num_tokens
@@ -190,6 +244,9 @@ def _append_model_tokens(traj: Trajectory, result: GenerateResult, tokenizer) ->
     traj.weight_versions.extend(int(v) for v in versions)
     turn_text = tokenizer.decode(result.output_ids)
     traj.response_text += turn_text
+    # per turn, so an <answer> never spans a tool message; the last one the model wrote wins
+    answer = extract_answer(turn_text)
+    traj.answer = answer if answer is not None else traj.answer
     return turn_text
 
 
@@ -206,8 +263,9 @@ def _append_tool_text(traj: Trajectory, text: str, tokenizer, cfg: AgentLoopConf
     return True
 
 
-async def _search(traj: Trajectory, query: str, search: SearchTool, tokenizer,
-                  cfg: AgentLoopConfig) -> str | None:
+async def _search(
+    traj: Trajectory, query: str, search: SearchTool, tokenizer, cfg: AgentLoopConfig
+) -> str | None:
     """The information block for `query` (or an error text in one); None when no block fits."""
     budget = min(cfg.max_info_tokens, _remaining(traj, cfg) - 1)
     if budget < len(encode_text(tokenizer, INFO_OPEN + INFO_CLOSE)):

@@ -44,7 +44,7 @@ def parse_action(turn_text: str) -> Action:
     opening = before.rfind(f"<{tag}>")
     if opening < 0:
         return Action(INVALID, reason=f"</{tag}> without <{tag}>")
-    content = before[opening + len(tag) + 2:].strip()
+    content = before[opening + len(tag) + 2 :].strip()
     if tag == SEARCH and not content:
         return Action(INVALID, reason="empty search query")
     return Action(tag, content)

@@ -75,8 +75,9 @@ def format_information(docs: list[dict], tokenizer=None, max_info_tokens: int | 
     parts = [(title, encode_text(tokenizer, text)) for title, text in parts]
     for num_docs in range(len(parts), -1, -1):
         if _num_tokens(tokenizer, _render_capped(parts[:num_docs], 0, tokenizer)) <= max_info_tokens:
-            return _render_capped(parts[:num_docs], _largest_cap(parts[:num_docs], tokenizer, max_info_tokens),
-                                  tokenizer)
+            return _render_capped(
+                parts[:num_docs], _largest_cap(parts[:num_docs], tokenizer, max_info_tokens), tokenizer
+            )
     raise AssertionError(f"an empty information block does not fit into {max_info_tokens} tokens")
 
 
@@ -104,8 +105,10 @@ def _split_contents(doc: dict) -> tuple[str, str]:
 
 
 def _render_capped(parts: list[tuple[str, list[int]]], cap: int, tokenizer) -> str:
-    docs = [{"document": {"id": "", "contents": f"{title}\n{tokenizer.decode(ids[:cap]) if cap else ''}"}}
-            for title, ids in parts]
+    docs = [
+        {"document": {"id": "", "contents": f"{title}\n{tokenizer.decode(ids[:cap]) if cap else ''}"}}
+        for title, ids in parts
+    ]
     return _render(docs)
 
 

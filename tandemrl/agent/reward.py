@@ -23,12 +23,15 @@ _TAG_RE = re.compile(r"(</?(?:think|search|information|answer)>)")
 _INFO_RE = re.compile(r"<information>(.*?)</information>", re.DOTALL)
 # state machine of a valid response: (state, tag) -> next state
 _TRANSITIONS = {
-    ("start", "<think>"): "in_think", ("information", "<think>"): "in_think",
+    ("start", "<think>"): "in_think",
+    ("information", "<think>"): "in_think",
     ("in_think", "</think>"): "after_think",
-    ("after_think", "<search>"): "in_search", ("in_search", "</search>"): "after_search",
+    ("after_think", "<search>"): "in_search",
+    ("in_search", "</search>"): "after_search",
     ("after_search", "<information>"): "in_information",
     ("in_information", "</information>"): "information",
-    ("after_think", "<answer>"): "in_answer", ("in_answer", "</answer>"): "end",
+    ("after_think", "<answer>"): "in_answer",
+    ("in_answer", "</answer>"): "end",
 }
 
 
@@ -78,8 +81,9 @@ def compute_reward(response_text: str, golden_answers: list[str], format_reward:
     return score_answer(extract_answer(response_text), golden_answers, response_text, format_reward)
 
 
-def score_answer(answer: str | None, golden_answers: list[str], response_text: str = "",
-                 format_reward: bool = False) -> float:
+def score_answer(
+    answer: str | None, golden_answers: list[str], response_text: str = "", format_reward: bool = False
+) -> float:
     """1.0 when `answer` matches a gold answer, else 0.0; with `format_reward`, Search-R1's qa_em_format
     score over the whole `response_text` (0.2 structure, +0.1 retrieval hit, 0.1 malformed answer,
     0.8 malformed hit).

@@ -191,6 +191,7 @@ class TaskBuffer:
     def _window_metrics(
         self, groups: list[Group], version: int, num_buffered: int, num_dropped: int
     ) -> dict[str, float]:
+        """In-flight count after the hand-off, buffer size just before it (the batch included)."""
         window_s = self._last_tick_s - self._window_start_s
         num = len(groups)
         return {

@@ -32,7 +32,8 @@ def gpus_per_rank(config: Any) -> float:
         if num_gpus != config.actor.num_ranks:
             raise ConfigError(
                 f"cluster.component_placement.actor={spec!r} names {num_gpus} GPUs but actor.num_ranks="
-                f"{config.actor.num_ranks}: the actor runs one rank per GPU. Make them agree.")
+                f"{config.actor.num_ranks}: the actor runs one rank per GPU. Make them agree."
+            )
         return 1.0
     return 1.0 if config.actor.device == "cuda" else 0.0
 
@@ -42,8 +43,9 @@ def _init_ray(config: Any) -> None:
 
     if ray.is_initialized():
         return
-    if config.cluster.ray_address:
-        ray.init(address=config.cluster.ray_address, include_dashboard=False, log_to_driver=True)
+    address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
+    if address:  # join the cluster started by `ray start` on every node
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:  # local Ray: this machine only
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
 
@@ -62,20 +64,39 @@ class ActorGroup:
         self.num_ranks = config.actor.num_ranks
         if not self.uses_ray:
             if self.num_ranks > 1:
-                raise ConfigError(f"actor.num_ranks={self.num_ranks} with cluster.use_ray=false: several actor "
-                                  "ranks run as a Ray worker group. Set cluster.use_ray=true, or actor.num_ranks=1.")
+                raise ConfigError(
+                    f"actor.num_ranks={self.num_ranks} with cluster.use_ray=false: several actor "
+                    "ranks run as a Ray worker group. Set cluster.use_ray=true, or actor.num_ranks=1."
+                )
             self._worker = ActorWorker(config)
             return
         import ray
+        import ray.util.scheduling_strategies
 
         _init_ray(config)
-        remote_cls = ray.remote(num_cpus=1, num_gpus=gpus_per_rank(config))(ActorWorker)
+        num_gpus = gpus_per_rank(config)
+        remote_cls = ray.remote(num_cpus=1, num_gpus=num_gpus)(ActorWorker)
+        # all ranks on one node (STRICT_PACK), so they rendezvous on 127.0.0.1
+        bundles = [{"CPU": 1, **({"GPU": num_gpus} if num_gpus else {})} for _ in range(self.num_ranks)]
+        self._placement = ray.util.placement_group(bundles, strategy="STRICT_PACK")
+        ray.get(self._placement.ready())
         master_port = _free_port()
         self._handles = []
         for rank in range(self.num_ranks):
-            env = {"RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": str(self.num_ranks),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)} if self.num_ranks > 1 else {}
-            self._handles.append(remote_cls.options(runtime_env={"env_vars": env}).remote(config))
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": str(self.num_ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(master_port),
+            }
+            strategy = ray.util.scheduling_strategies.PlacementGroupSchedulingStrategy(
+                placement_group=self._placement, placement_group_bundle_index=rank
+            )
+            options = {"scheduling_strategy": strategy}
+            if self.num_ranks > 1:
+                options["runtime_env"] = {"env_vars": env}
+            self._handles.append(remote_cls.options(**options).remote(config))
         ray.get([h.get_weight_version.remote() for h in self._handles])  # construction errors surface here
         log.info("actor: %d Ray worker(s), %s GPU(s) each", self.num_ranks, gpus_per_rank(config))
 
@@ -105,3 +126,4 @@ class ActorGroup:
 
             for handle in self._handles:
                 ray.kill(handle)
+            ray.util.remove_placement_group(self._placement)

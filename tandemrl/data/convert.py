@@ -26,7 +26,9 @@ def searchr1_question(raw: dict) -> str | None:
     if isinstance(messages, str):
         content = messages
     else:
-        user_turns = [m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        user_turns = [
+            m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"
+        ]
         content = user_turns[-1] if user_turns else ""
     if QUESTION_MARKER in content:
         content = content.rsplit(QUESTION_MARKER, 1)[1]
@@ -36,7 +38,9 @@ def searchr1_question(raw: dict) -> str | None:
 def searchr1_answers(raw: dict) -> list[str] | None:
     """`reward_model.ground_truth.target` as a list of strings (it may be one string or a list)."""
     reward_model = raw.get("reward_model") or {}
-    target = (reward_model.get("ground_truth") or {}).get("target") if isinstance(reward_model, dict) else None
+    target = (
+        (reward_model.get("ground_truth") or {}).get("target") if isinstance(reward_model, dict) else None
+    )
     if target is None:
         return None
     if isinstance(target, str):
@@ -67,8 +71,10 @@ def iter_corpus(path: str | Path) -> Iterator[dict]:
     """
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"corpus file {path} does not exist; run `tandem prepare kb` or point "
-                                "retrieval.corpus_path at a wiki-18 jsonl.")
+        raise FileNotFoundError(
+            f"corpus file {path} does not exist; run `tandem prepare kb` or point "
+            "retrieval.corpus_path at a wiki-18 jsonl."
+        )
     with open(path, encoding="utf-8") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
@@ -76,8 +82,10 @@ def iter_corpus(path: str | Path) -> Iterator[dict]:
             row = json.loads(line)
             if "contents" not in row:
                 if "text" not in row:
-                    raise ValueError(f"{path}:{line_number}: a passage needs `contents` (wiki-18 format) or "
-                                     "`title` + `text`.")
+                    raise ValueError(
+                        f"{path}:{line_number}: a passage needs `contents` (wiki-18 format) or "
+                        "`title` + `text`."
+                    )
                 row = {**row, "contents": f'"{row.get("title", "")}"\n{row["text"]}'}
             yield {"id": str(row.get("id", line_number - 1)), "contents": row["contents"]}
 

@@ -19,8 +19,10 @@ def read_raw_records(path: str | Path) -> list[dict]:
     """The rows of a jsonl / json-lines / parquet file as dicts, in file order."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"data file {path} does not exist. Check data.train_data_paths / "
-                                "data.val_data_paths, or run `tandem prepare kb` to generate the default data.")
+        raise FileNotFoundError(
+            f"data file {path} does not exist. Check data.train_data_paths / "
+            "data.val_data_paths, or run `tandem prepare kb` to generate the default data."
+        )
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -34,11 +36,15 @@ def read_raw_records(path: str | Path) -> list[dict]:
                 try:
                     records.append(json.loads(line))
                 except json.JSONDecodeError as error:
-                    raise ValueError(f"{path}:{line_number} is not valid JSON ({error}); the file must hold "
-                                     "one JSON object per line.") from error
+                    raise ValueError(
+                        f"{path}:{line_number} is not valid JSON ({error}); the file must hold "
+                        "one JSON object per line."
+                    ) from error
         return records
-    raise ValueError(f"data file {path} has an unsupported suffix {path.suffix!r}; use one of "
-                     f"{', '.join(SUPPORTED_SUFFIXES)}.")
+    raise ValueError(
+        f"data file {path} has an unsupported suffix {path.suffix!r}; use one of "
+        f"{', '.join(SUPPORTED_SUFFIXES)}."
+    )
 
 
 def normalize_record(raw: dict, path: Path, row: int) -> dict:
@@ -51,15 +57,21 @@ def normalize_record(raw: dict, path: Path, row: int) -> dict:
         answers = [answers]
     answers = [str(answer) for answer in (answers or [])]
     if not question or not answers:
-        raise ValueError(f"{path} row {row}: a question and at least one gold answer are required (fields "
-                         "`question` + `golden_answers`, or Search-R1's `prompt` + "
-                         "`reward_model.ground_truth.target`).")
+        raise ValueError(
+            f"{path} row {row}: a question and at least one gold answer are required (fields "
+            "`question` + `golden_answers`, or Search-R1's `prompt` + "
+            "`reward_model.ground_truth.target`)."
+        )
     record_id = raw.get("id")
     if record_id is None:
         extra = raw.get("extra_info") or {}
         record_id = extra.get("index", row) if isinstance(extra, dict) else row
-    return {"id": str(record_id), "question": str(question).strip(), "golden_answers": answers,
-            "data_source": str(raw.get("data_source") or path.stem)}
+    return {
+        "id": str(record_id),
+        "question": str(question).strip(),
+        "golden_answers": answers,
+        "data_source": str(raw.get("data_source") or path.stem),
+    }
 
 
 def read_records(path: str | Path) -> list[dict]:

@@ -26,12 +26,22 @@ if TYPE_CHECKING:
     from tandemrl.data.kb_entities import Entity
     from tandemrl.data.kb_questions import Hop
 
-FIRST_THINKS = ["I need to find {need}.", "To answer this, I must look up {need}.",
-                "I do not know {need}, so I will search for it.", "The question asks for {need}. Let me search."]
-BRIDGE_THINKS = ["First I need to find {need}.", "This takes two steps. First, I must find {need}.",
-                 "I should start by finding {need}."]
-NEXT_THINKS = ["{found} Now I need to find {need}.", "{found} Next, I will look up {need}.",
-               "{found} So I still need {need}."]
+FIRST_THINKS = [
+    "I need to find {need}.",
+    "To answer this, I must look up {need}.",
+    "I do not know {need}, so I will search for it.",
+    "The question asks for {need}. Let me search.",
+]
+BRIDGE_THINKS = [
+    "First I need to find {need}.",
+    "This takes two steps. First, I must find {need}.",
+    "I should start by finding {need}.",
+]
+NEXT_THINKS = [
+    "{found} Now I need to find {need}.",
+    "{found} Next, I will look up {need}.",
+    "{found} So I still need {need}.",
+]
 FINAL_THINKS = ["{found}", "{found} That answers the question.", "The information says: {found}"]
 
 
@@ -52,9 +62,15 @@ def plan_demo(world: dict[str, Entity], record: dict, hops: tuple[Hop, ...], rng
         query = record["gold_queries"][index] if rng.random() < 0.5 else need
         steps.append({"think": think, "query": query, "entity": words["name"], "expect": words["value"]})
         found = FOUND[key].format(**words)
-    return {"id": record["id"], "question": record["question"], "golden_answers": record["golden_answers"],
-            "data_source": record["data_source"], "steps": steps,
-            "final_think": rng.choice(FINAL_THINKS).format(found=found), "answer": record["golden_answers"][0]}
+    return {
+        "id": record["id"],
+        "question": record["question"],
+        "golden_answers": record["golden_answers"],
+        "data_source": record["data_source"],
+        "steps": steps,
+        "final_think": rng.choice(FINAL_THINKS).format(found=found),
+        "answer": record["golden_answers"][0],
+    }
 
 
 def load_demos(path: str | Path, num_demos: int | None = None, seed: int = 0) -> list[dict]:
@@ -74,22 +90,33 @@ def load_demos(path: str | Path, num_demos: int | None = None, seed: int = 0) ->
 
 def model_turn_texts(demo: dict) -> list[str]:
     """The model's text per turn: one per search, then the answer turn (without EOS)."""
-    turns = [f"<think> {step['think']} </think>\n<search> {step['query']} </search>" for step in demo["steps"]]
+    turns = [
+        f"<think> {step['think']} </think>\n<search> {step['query']} </search>" for step in demo["steps"]
+    ]
     turns.append(f"<think> {demo['final_think']} </think>\n<answer> {demo['answer']} </answer>")
     return turns
 
 
 def info_hits(demo: dict, results: list[list[dict]]) -> list[bool]:
     """Per search, whether a retrieved document states the step's fact (names its entity and value)."""
+
     def states(step: dict, contents: str) -> bool:
         return step["entity"] in contents and step["expect"] in contents
 
-    return [any(states(step, doc["document"]["contents"]) for doc in docs)
-            for step, docs in zip(demo["steps"], results)]
+    return [
+        any(states(step, doc["document"]["contents"]) for doc in docs)
+        for step, docs in zip(demo["steps"], results, strict=True)
+    ]
 
 
-async def render_demo(demo: dict, search: SearchTool, tokenizer, topk: int, max_info_tokens: int | None = None,
-                      skip_on_miss: bool = False) -> tuple[list[int], list[int]]:
+async def render_demo(
+    demo: dict,
+    search: SearchTool,
+    tokenizer,
+    topk: int,
+    max_info_tokens: int | None = None,
+    skip_on_miss: bool = False,
+) -> tuple[list[int], list[int]]:
     """input_ids (prompt + response) and loss_mask (1 on model turns and the final EOS, 0 elsewhere).
 
     The information blocks hold what the retriever returns now for the plan's queries. With

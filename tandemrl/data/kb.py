@@ -39,7 +39,9 @@ def passage_text(world: dict[str, Entity], entity: Entity, relation: str, rng: r
     return rng.choice(PASSAGES[fact_key(entity.kind, relation)]).format(**words)
 
 
-def build_corpus(world: dict[str, Entity], rng: random.Random) -> tuple[list[dict], dict[tuple[str, str], str]]:
+def build_corpus(
+    world: dict[str, Entity], rng: random.Random
+) -> tuple[list[dict], dict[tuple[str, str], str]]:
     """Passages in world order, and the passage id of every (entity id, relation) fact."""
     passages, fact_passage = [], {}
     for entity in world.values():
@@ -60,15 +62,26 @@ def _write_jsonl(path: Path, records: list[dict]) -> None:
 
 
 def _question_record(split: str, index: int, hops: tuple[Hop, ...], rendered: dict) -> dict:
-    return {"id": f"{split}-{index:05d}", "question": rendered["question"],
-            "golden_answers": rendered["golden_answers"],
-            "data_source": "kb_1hop" if len(hops) == 1 else "kb_2hop",
-            "gold_passage_ids": [hop.passage_id for hop in hops], "gold_queries": rendered["gold_queries"],
-            "hop_answers": rendered["hop_answers"]}
+    return {
+        "id": f"{split}-{index:05d}",
+        "question": rendered["question"],
+        "golden_answers": rendered["golden_answers"],
+        "data_source": "kb_1hop" if len(hops) == 1 else "kb_2hop",
+        "gold_passage_ids": [hop.passage_id for hop in hops],
+        "gold_queries": rendered["gold_queries"],
+        "hop_answers": rendered["hop_answers"],
+    }
 
 
-def generate_kb(out_dir: str | Path, seed: int = 0, num_entities: int = 5000, num_train: int = 20000,
-                num_val: int = 500, num_test: int = 500, two_hop_fraction: float = 0.4) -> Path:
+def generate_kb(
+    out_dir: str | Path,
+    seed: int = 0,
+    num_entities: int = 5000,
+    num_train: int = 20000,
+    num_val: int = 500,
+    num_test: int = 500,
+    two_hop_fraction: float = 0.4,
+) -> Path:
     """Generate the knowledge base into `out_dir` (created if missing); returns `out_dir`."""
     if not 0.0 <= two_hop_fraction <= 1.0:
         raise ValueError(f"two_hop_fraction={two_hop_fraction} must be in [0, 1].")
@@ -85,11 +98,19 @@ def generate_kb(out_dir: str | Path, seed: int = 0, num_entities: int = 5000, nu
         records = [_question_record(split, i, hops, rendered) for i, (hops, rendered) in enumerate(chosen)]
         _write_jsonl(out_dir / f"{split}.jsonl", records)
         if split == "train":
-            demos = [plan_demo(world, record, hops, demo_rng) for record, (hops, _) in zip(records, chosen)]
+            demos = [
+                plan_demo(world, record, hops, demo_rng)
+                for record, (hops, _) in zip(records, chosen, strict=True)
+            ]
     _write_jsonl(out_dir / "demos.jsonl", demos)
-    meta = {"seed": seed, "num_entities": num_entities, "two_hop_fraction": two_hop_fraction,
-            "num_passages": len(passages), "num_questions": {split: len(chosen) for split, chosen in splits.items()},
-            "num_demos": len(demos)}
+    meta = {
+        "seed": seed,
+        "num_entities": num_entities,
+        "two_hop_fraction": two_hop_fraction,
+        "num_passages": len(passages),
+        "num_questions": {split: len(chosen) for split, chosen in splits.items()},
+        "num_demos": len(demos),
+    }
     (out_dir / "kb_meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     log.info("knowledge base in %s: %d passages, questions %s", out_dir, len(passages), meta["num_questions"])
     return out_dir

@@ -14,28 +14,161 @@ import re
 import string
 from dataclasses import dataclass, field
 
-ONSETS = ["b", "br", "c", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st",
-          "t", "th", "v", "w", "z", "sh", "ch", "y", "tr", "fl"]
+ONSETS = [
+    "b",
+    "br",
+    "c",
+    "d",
+    "dr",
+    "f",
+    "g",
+    "gr",
+    "h",
+    "k",
+    "kr",
+    "l",
+    "m",
+    "n",
+    "p",
+    "r",
+    "s",
+    "st",
+    "t",
+    "th",
+    "v",
+    "w",
+    "z",
+    "sh",
+    "ch",
+    "y",
+    "tr",
+    "fl",
+]
 VOWELS = ["a", "e", "i", "o", "u", "a", "e", "o", "ae", "ei", "ou"]
 INNER_CODAS = ["", "", "", "", "n", "r", "l", "s"]
 CODAS = ["", "", "n", "r", "l", "s", "th", "nd", "rk", "m", "x", "v", "sk", "lt"]
-CITY_SUFFIXES = ["holm", "ford", "wick", "mere", "dale", "grad", "haven", "port", "stad", "bury", "ton", "vik"]
+CITY_SUFFIXES = [
+    "holm",
+    "ford",
+    "wick",
+    "mere",
+    "dale",
+    "grad",
+    "haven",
+    "port",
+    "stad",
+    "bury",
+    "ton",
+    "vik",
+]
 CITY_PREFIXES = ["Port", "New", "Old", "Upper", "Lower", "Saint", "East", "West", "North", "South"]
 COUNTRY_SUFFIXES = ["ia", "ar", "land", "istan", "onia", "ovia", "ece", "uria"]
 COUNTRY_FORMS = ["Republic", "Kingdom", "Federation", "Commonwealth", "Principality", "Union"]
-ORG_SUFFIXES = ["Group", "Holdings", "Works", "Company", "Collective", "Partners", "Labs", "Foundry",
-                "Institute", "Guild", "Trust", "Consortium", "Press", "Studios", "Society", "Ventures"]
-ORG_WORDS = ["Amber", "Beacon", "Cobalt", "Crescent", "Driftwood", "Ember", "Falcon", "Granite", "Harbor",
-             "Ironleaf", "Juniper", "Kestrel", "Lantern", "Meridian", "Northwind", "Obsidian", "Pinecrest",
-             "Quill", "Riverstone", "Saffron", "Tidewater", "Umber", "Vantage", "Willow", "Yarrow", "Zephyr",
-             "Copperline", "Silverbirch", "Thornfield", "Bluegate", "Redmoor", "Greyhollow", "Starling"]
-INDUSTRIES = ["shipbuilding", "textiles", "publishing", "glassmaking", "brewing", "software", "mining",
-              "insurance", "railways", "pharmaceuticals", "aviation", "banking", "furniture", "ceramics",
-              "telecommunications", "agriculture", "clockmaking", "robotics", "cartography", "perfumery"]
-OCCUPATIONS = ["painter", "architect", "cartographer", "novelist", "chemist", "sculptor", "astronomer",
-               "composer", "botanist", "engineer", "historian", "photographer", "mathematician", "poet",
-               "economist", "physician", "journalist", "linguist", "geologist", "violinist", "diplomat",
-               "playwright", "zoologist", "philosopher", "clockmaker", "shipwright", "glassblower", "lawyer"]
+ORG_SUFFIXES = [
+    "Group",
+    "Holdings",
+    "Works",
+    "Company",
+    "Collective",
+    "Partners",
+    "Labs",
+    "Foundry",
+    "Institute",
+    "Guild",
+    "Trust",
+    "Consortium",
+    "Press",
+    "Studios",
+    "Society",
+    "Ventures",
+]
+ORG_WORDS = [
+    "Amber",
+    "Beacon",
+    "Cobalt",
+    "Crescent",
+    "Driftwood",
+    "Ember",
+    "Falcon",
+    "Granite",
+    "Harbor",
+    "Ironleaf",
+    "Juniper",
+    "Kestrel",
+    "Lantern",
+    "Meridian",
+    "Northwind",
+    "Obsidian",
+    "Pinecrest",
+    "Quill",
+    "Riverstone",
+    "Saffron",
+    "Tidewater",
+    "Umber",
+    "Vantage",
+    "Willow",
+    "Yarrow",
+    "Zephyr",
+    "Copperline",
+    "Silverbirch",
+    "Thornfield",
+    "Bluegate",
+    "Redmoor",
+    "Greyhollow",
+    "Starling",
+]
+INDUSTRIES = [
+    "shipbuilding",
+    "textiles",
+    "publishing",
+    "glassmaking",
+    "brewing",
+    "software",
+    "mining",
+    "insurance",
+    "railways",
+    "pharmaceuticals",
+    "aviation",
+    "banking",
+    "furniture",
+    "ceramics",
+    "telecommunications",
+    "agriculture",
+    "clockmaking",
+    "robotics",
+    "cartography",
+    "perfumery",
+]
+OCCUPATIONS = [
+    "painter",
+    "architect",
+    "cartographer",
+    "novelist",
+    "chemist",
+    "sculptor",
+    "astronomer",
+    "composer",
+    "botanist",
+    "engineer",
+    "historian",
+    "photographer",
+    "mathematician",
+    "poet",
+    "economist",
+    "physician",
+    "journalist",
+    "linguist",
+    "geologist",
+    "violinist",
+    "diplomat",
+    "playwright",
+    "zoologist",
+    "philosopher",
+    "clockmaker",
+    "shipwright",
+    "glassblower",
+    "lawyer",
+]
 WORK_KINDS = ["novel", "play", "film", "album", "poetry collection", "opera"]
 GENRES = {
     "novel": ["mystery", "romance", "satire", "fantasy", "thriller", "adventure"],
@@ -45,13 +178,72 @@ GENRES = {
     "poetry collection": ["elegy", "pastoral", "sonnet cycle", "ballad"],
     "opera": ["tragedy", "comedy", "operetta", "farce"],
 }
-TITLE_ADJS = ["Silent", "Glass", "Crimson", "Hollow", "Distant", "Burning", "Frozen", "Golden", "Broken",
-              "Wandering", "Hidden", "Velvet", "Iron", "Paper", "Salt", "Quiet", "Painted", "Last", "Bitter",
-              "Sleeping", "Copper", "Northern", "Weeping", "Crooked", "Pale", "Restless", "Sunken", "Lonely"]
-TITLE_NOUNS = ["Harbor", "Orchard", "Lantern", "Garden", "Tide", "Mirror", "Compass", "Meadow", "Tower",
-               "River", "Clockmaker", "Winter", "Island", "Letter", "Bridge", "Cathedral", "Crown", "Forest",
-               "Map", "Violin", "Archive", "Lighthouse", "Shore", "Season", "Cartographer", "Voyage",
-               "Feather", "Kingdom", "Chorus", "Stranger", "Ferry", "Quarry", "Observatory", "Vineyard"]
+TITLE_ADJS = [
+    "Silent",
+    "Glass",
+    "Crimson",
+    "Hollow",
+    "Distant",
+    "Burning",
+    "Frozen",
+    "Golden",
+    "Broken",
+    "Wandering",
+    "Hidden",
+    "Velvet",
+    "Iron",
+    "Paper",
+    "Salt",
+    "Quiet",
+    "Painted",
+    "Last",
+    "Bitter",
+    "Sleeping",
+    "Copper",
+    "Northern",
+    "Weeping",
+    "Crooked",
+    "Pale",
+    "Restless",
+    "Sunken",
+    "Lonely",
+]
+TITLE_NOUNS = [
+    "Harbor",
+    "Orchard",
+    "Lantern",
+    "Garden",
+    "Tide",
+    "Mirror",
+    "Compass",
+    "Meadow",
+    "Tower",
+    "River",
+    "Clockmaker",
+    "Winter",
+    "Island",
+    "Letter",
+    "Bridge",
+    "Cathedral",
+    "Crown",
+    "Forest",
+    "Map",
+    "Violin",
+    "Archive",
+    "Lighthouse",
+    "Shore",
+    "Season",
+    "Cartographer",
+    "Voyage",
+    "Feather",
+    "Kingdom",
+    "Chorus",
+    "Stranger",
+    "Ferry",
+    "Quarry",
+    "Observatory",
+    "Vineyard",
+]
 
 
 def normalize(text: str) -> str:
@@ -106,7 +298,7 @@ def mutate(word: str, rng: random.Random) -> str:
     choice = rng.randrange(3)
     if choice == 0 and vowels:
         i = rng.choice(vowels)
-        return word[:i] + rng.choice([v for v in "aeiou" if v != word[i]]) + word[i + 1:]
+        return word[:i] + rng.choice([v for v in "aeiou" if v != word[i]]) + word[i + 1 :]
     if choice == 1:
         return word + rng.choice(["e", "s", "a", "en"])
     i = rng.randrange(1, len(word))
@@ -151,8 +343,12 @@ def _make_cities(book: NameBook, num: int, countries: list[Entity]) -> list[Enti
     for i in range(num):
         # the first cities go round-robin so that every country has one (its capital)
         country = countries[i] if i < len(countries) else rng.choice(countries)
-        city = Entity(f"city-{i:05d}", "city", _city_name(book, cities),
-                      facts={"country": country.entity_id, "founded_year": rng.randint(820, 1860)})
+        city = Entity(
+            f"city-{i:05d}",
+            "city",
+            _city_name(book, cities),
+            facts={"country": country.entity_id, "founded_year": rng.randint(820, 1860)},
+        )
         if i < len(countries):
             country.facts["capital"] = city.entity_id
         cities.append(city)
@@ -176,10 +372,17 @@ def _make_people(book: NameBook, num: int, cities: list[Entity]) -> list[Entity]
     first_names = [book.syllables(rng.choice([1, 2])) for _ in range(max(50, num // 6))]
     people: list[Entity] = []
     for i in range(num):
-        person = Entity(f"person-{i:05d}", "person", _person_name(book, people, first_names),
-                        facts={"born_in": rng.choice(cities).entity_id, "birth_year": rng.randint(1820, 1990),
-                               "occupation": rng.choice(OCCUPATIONS)},
-                        detail={"pronoun": rng.choice(["he", "she"])})
+        person = Entity(
+            f"person-{i:05d}",
+            "person",
+            _person_name(book, people, first_names),
+            facts={
+                "born_in": rng.choice(cities).entity_id,
+                "birth_year": rng.randint(1820, 1990),
+                "occupation": rng.choice(OCCUPATIONS),
+            },
+            detail={"pronoun": rng.choice(["he", "she"])},
+        )
         people.append(person)
     return people
 
@@ -194,15 +397,26 @@ def _make_orgs(book: NameBook, num: int, people: list[Entity], cities: list[Enti
         else:
             core = rng.choice(ORG_WORDS) if rng.random() < 0.35 else book.syllables(2)
             core = f"{core} {rng.choice(ORG_WORDS)}" if rng.random() < 0.2 else core
-        name = book.fresh(lambda: f"{core} {rng.choice(ORG_SUFFIXES)}")
+        name = book.fresh(lambda core=core: f"{core} {rng.choice(ORG_SUFFIXES)}")
         founder = rng.choice(people)
         year = min(2020, int(founder.facts["birth_year"]) + rng.randint(22, 60))
-        orgs.append(Entity(f"org-{i:05d}", "org", name, facts={
-            "founded_by": founder.entity_id, "led_by": rng.choice(people).entity_id, "headquarters": rng.choice(cities).entity_id,
-            "founded_year": year, "industry": rng.choice(INDUSTRIES)}))
+        orgs.append(
+            Entity(
+                f"org-{i:05d}",
+                "org",
+                name,
+                facts={
+                    "founded_by": founder.entity_id,
+                    "led_by": rng.choice(people).entity_id,
+                    "headquarters": rng.choice(cities).entity_id,
+                    "founded_year": year,
+                    "industry": rng.choice(INDUSTRIES),
+                },
+            )
+        )
         cores.append(core)
     # the bare core is an alias only where it names nothing else
-    for org, core in zip(orgs, cores):
+    for org, core in zip(orgs, cores, strict=True):
         if cores.count(core) == 1 and book.claim(core):
             org.aliases.append(core)
     return orgs
@@ -217,8 +431,14 @@ def plural(noun: str) -> str:
 def _work_title(book: NameBook) -> str:
     rng = book.rng
     adj, noun, noun2 = rng.choice(TITLE_ADJS), rng.choice(TITLE_NOUNS), rng.choice(TITLE_NOUNS)
-    patterns = [f"The {adj} {noun}", f"The {noun} of {book.syllables(2)}", f"{adj} {plural(noun)}",
-                f"The {noun} and the {noun2}", f"{book.syllables(2)}'s {noun}", f"{adj} {noun} of {plural(noun2)}"]
+    patterns = [
+        f"The {adj} {noun}",
+        f"The {noun} of {book.syllables(2)}",
+        f"{adj} {plural(noun)}",
+        f"The {noun} and the {noun2}",
+        f"{book.syllables(2)}'s {noun}",
+        f"{adj} {noun} of {plural(noun2)}",
+    ]
     return rng.choice(patterns)
 
 
@@ -228,10 +448,20 @@ def _make_works(book: NameBook, num: int, people: list[Entity], orgs: list[Entit
     for i in range(num):
         kind = rng.choice(WORK_KINDS)
         creator = rng.choice(people)
-        works.append(Entity(f"work-{i:05d}", "work", book.fresh(lambda: _work_title(book)), facts={
-            "creator": creator.entity_id, "year": min(2024, int(creator.facts["birth_year"]) + rng.randint(18, 70)),
-            "publisher": rng.choice(orgs).entity_id, "genre": rng.choice(GENRES[kind])},
-            detail={"work_kind": kind}))
+        works.append(
+            Entity(
+                f"work-{i:05d}",
+                "work",
+                book.fresh(lambda: _work_title(book)),
+                facts={
+                    "creator": creator.entity_id,
+                    "year": min(2024, int(creator.facts["birth_year"]) + rng.randint(18, 70)),
+                    "publisher": rng.choice(orgs).entity_id,
+                    "genre": rng.choice(GENRES[kind]),
+                },
+                detail={"work_kind": kind},
+            )
+        )
     return works
 
 

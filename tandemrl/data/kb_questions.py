@@ -16,7 +16,17 @@ from tandemrl.data.kb_templates import BRIDGES, FRAMES, QUERIES, article, fact_k
 
 log = logging.getLogger(__name__)
 
-RELATIONS = ("born_in", "employer", "country", "capital", "founded_by", "led_by", "headquarters", "creator", "publisher")
+RELATIONS = (
+    "born_in",
+    "employer",
+    "country",
+    "capital",
+    "founded_by",
+    "led_by",
+    "headquarters",
+    "creator",
+    "publisher",
+)
 # two-hop chains that would lead straight back to the question's entity
 EXCLUDED_CHAINS = {("capital", "country")}
 
@@ -96,10 +106,15 @@ def render_question(world: dict[str, Entity], hops: tuple[Hop, ...], rng: random
         if _contains_any(question, answers[:1]):
             continue
         kept = [answer for answer in answers if not _contains_any(question, [answer])]
-        queries = [QUERIES[fact_key(world[h.entity_id].kind, h.relation)].format(**hop_words(world, h))
-                   for h in hops]
-        return {"question": question, "golden_answers": kept, "gold_queries": queries,
-                "hop_answers": [fact_value(world, world[h.entity_id], h.relation) for h in hops]}
+        queries = [
+            QUERIES[fact_key(world[h.entity_id].kind, h.relation)].format(**hop_words(world, h)) for h in hops
+        ]
+        return {
+            "question": question,
+            "golden_answers": kept,
+            "gold_queries": queries,
+            "hop_answers": [fact_value(world, world[h.entity_id], h.relation) for h in hops],
+        }
     return None
 
 
@@ -126,13 +141,22 @@ def split_sizes(num_available: int, sizes: dict[str, int]) -> dict[str, int]:
     if total <= num_available:
         return dict(sizes)
     scale = num_available / total
-    log.warning("the knowledge base supports ~%d questions, fewer than the %d requested: scaling splits by %.2f",
-                num_available, total, scale)
+    log.warning(
+        "the knowledge base supports ~%d questions, fewer than the %d requested: scaling splits by %.2f",
+        num_available,
+        total,
+        scale,
+    )
     return {split: max(1, int(size * scale)) for split, size in sizes.items()}
 
 
-def build_questions(world: dict[str, Entity], fact_passage: dict[tuple[str, str], str], rng: random.Random,
-                    sizes: dict[str, int], two_hop_fraction: float) -> dict[str, list[tuple[tuple[Hop, ...], dict]]]:
+def build_questions(
+    world: dict[str, Entity],
+    fact_passage: dict[tuple[str, str], str],
+    rng: random.Random,
+    sizes: dict[str, int],
+    two_hop_fraction: float,
+) -> dict[str, list[tuple[tuple[Hop, ...], dict]]]:
     """Questions per split (held-out splits first, so training avoids their facts)."""
     one_hop, two_hop = candidates(world, fact_passage)
     rng.shuffle(one_hop)

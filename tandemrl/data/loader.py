@@ -36,19 +36,25 @@ def _file_keys(paths: list[Path]) -> list[str]:
 def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prompt]:
     """All prompts of the files, in file order (the first `limit` only, when given)."""
     if not paths:
-        raise ValueError("no data files given: set data.train_data_paths (or data.val_data_paths) to one or "
-                         "more jsonl/parquet files, e.g. the default KB's train.jsonl from `tandem prepare kb`.")
+        raise ValueError(
+            "no data files given: set data.train_data_paths (or data.val_data_paths) to one or "
+            "more jsonl/parquet files, e.g. the default KB's train.jsonl from `tandem prepare kb`."
+        )
     paths = [Path(path) for path in paths]
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for path, key in zip(paths, _file_keys(paths)):
+    for path, key in zip(paths, _file_keys(paths), strict=True):
         for record in read_records(path):
             prompt_id = f"{key}:{record['id']}"
             if prompt_id in seen:
-                raise ValueError(f"duplicate prompt id {prompt_id!r} in {path}: record ids must be unique "
-                                 "within a file (and a file must not be listed twice).")
+                raise ValueError(
+                    f"duplicate prompt id {prompt_id!r} in {path}: record ids must be unique "
+                    "within a file (and a file must not be listed twice)."
+                )
             seen.add(prompt_id)
-            prompts.append(Prompt(prompt_id, record["question"], record["golden_answers"], record["data_source"]))
+            prompts.append(
+                Prompt(prompt_id, record["question"], record["golden_answers"], record["data_source"])
+            )
     if not prompts:
         raise ValueError(f"the data files {[str(p) for p in paths]} hold no questions.")
     return prompts[:limit] if limit is not None else prompts
@@ -104,23 +110,39 @@ class PromptLoader:
         return self.epoch * len(self.prompts) + self.index
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "shuffle": self.shuffle,
-                "num_prompts": len(self.prompts), "paths": list(self.paths)}
+        return {
+            "epoch": self.epoch,
+            "index": self.index,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_prompts": len(self.prompts),
+            "paths": list(self.paths),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a position; the data must be the same as when it was saved (checked by size and seed)."""
         if state["num_prompts"] != len(self.prompts):
-            raise ValueError(f"cannot resume the prompt loader: the checkpoint was saved over "
-                             f"{state['num_prompts']} prompts but the data files now hold {len(self.prompts)}. "
-                             "Resume with the same data.train_data_paths as the original run.")
+            raise ValueError(
+                f"cannot resume the prompt loader: the checkpoint was saved over "
+                f"{state['num_prompts']} prompts but the data files now hold {len(self.prompts)}. "
+                "Resume with the same data.train_data_paths as the original run."
+            )
         if (state["seed"], state["shuffle"]) != (self.seed, self.shuffle):
-            raise ValueError(f"cannot resume the prompt loader: it was saved with seed={state['seed']} "
-                             f"shuffle={state['shuffle']}, now seed={self.seed} shuffle={self.shuffle}. "
-                             "Resume with the original data.seed and data.shuffle.")
+            raise ValueError(
+                f"cannot resume the prompt loader: it was saved with seed={state['seed']} "
+                f"shuffle={state['shuffle']}, now seed={self.seed} shuffle={self.shuffle}. "
+                "Resume with the original data.seed and data.shuffle."
+            )
         if not 0 <= state["index"] <= len(self.prompts) or state["epoch"] < 0:
-            raise ValueError(f"invalid loader position (epoch={state['epoch']}, index={state['index']}) for "
-                             f"{len(self.prompts)} prompts.")
+            raise ValueError(
+                f"invalid loader position (epoch={state['epoch']}, index={state['index']}) for "
+                f"{len(self.prompts)} prompts."
+            )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._order = self._epoch_order(self.epoch)
-        log.info("prompt loader resumed at epoch %d index %d (%d prompts already issued skipped)",
-                 self.epoch, self.index, self.num_issued)
+        log.info(
+            "prompt loader resumed at epoch %d index %d (%d prompts already issued skipped)",
+            self.epoch,
+            self.index,
+            self.num_issued,
+        )

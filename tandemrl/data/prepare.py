@@ -37,8 +37,11 @@ def prepare_kb(out_dir: str | Path, seed: int = 0, num_entities: int = 5000) -> 
     out_dir = generate_kb(out_dir, seed=seed, num_entities=num_entities)
     seconds = time.perf_counter() - start
     meta = json.loads((out_dir / "kb_meta.json").read_text())
-    meta.update(out_dir=str(out_dir), seconds=round(seconds, 2),
-                num_bytes={p.name: p.stat().st_size for p in sorted(out_dir.glob("*.jsonl"))})
+    meta.update(
+        out_dir=str(out_dir),
+        seconds=round(seconds, 2),
+        num_bytes={p.name: p.stat().st_size for p in sorted(out_dir.glob("*.jsonl"))},
+    )
     return meta
 
 
@@ -61,8 +64,12 @@ def prepare_default_kb() -> Path:
         log.info("knowledge base already at %s", kb_dir)
         return kb_dir
     stats = prepare_kb(kb_dir, seed=0)
-    log.info("knowledge base generated in %.1f s: %d passages, questions %s", stats["seconds"],
-             stats["num_passages"], stats["num_questions"])
+    log.info(
+        "knowledge base generated in %.1f s: %d passages, questions %s",
+        stats["seconds"],
+        stats["num_passages"],
+        stats["num_questions"],
+    )
     return kb_dir
 
 
@@ -82,6 +89,15 @@ def run_prepare_all(args) -> int:
     retriever_dir = prepare_retriever()
     kb_dir = prepare_default_kb()
     index_dir = prepare_default_index(kb_dir)
-    print(json.dumps({"model": str(model_dir), "retriever": str(retriever_dir), "kb": str(kb_dir),
-                      "index": str(index_dir)}, indent=2))
+    print(
+        json.dumps(
+            {
+                "model": str(model_dir),
+                "retriever": str(retriever_dir),
+                "kb": str(kb_dir),
+                "index": str(index_dir),
+            },
+            indent=2,
+        )
+    )
     return 0

@@ -74,17 +74,20 @@ def greedy_answer(model_dir: Path, question: str, max_new_tokens: int = 24) -> s
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
     messages = [{"role": "user", "content": question}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def verify_model(model_dir: Path) -> None:
     answer = greedy_answer(model_dir, "What is the capital of France?")
     log.info("verification: 'What is the capital of France?' -> %r", answer)
     if "paris" not in answer.lower():
-        raise RuntimeError(f"prepared model in {model_dir} failed its check: greedy answer {answer!r} lacks Paris.")
+        raise RuntimeError(
+            f"prepared model in {model_dir} failed its check: greedy answer {answer!r} lacks Paris."
+        )
 
 
 def prepare_retriever(out_dir: Path | None = None) -> Path:

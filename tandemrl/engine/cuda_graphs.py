@@ -20,14 +20,15 @@ from tandemrl.engine.model import CausalLM
 from tandemrl.engine.model_runner import ModelRunner
 from tandemrl.engine.sequence import Sequence
 
-# Triton is imported only on the CUDA path (`triton_attention`): CPU installs need not have it.
+# Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
 
 logger = logging.getLogger(__name__)
 
 
-def fast_path_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    """Triton kernels run on CUDA in half precision; fp32 on CUDA keeps the reference path."""
-    return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+def fast_path_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Triton kernels run on CUDA in half precision with power-of-two head sizes; else the reference path."""
+    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -38,9 +39,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """One captured decode forward per batch size, sharing static inputs and one memory pool."""
 
-    def __init__(self, model: CausalLM, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
+    def __init__(self, forward, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
                  block_size: int, device: torch.device):
-        self.model, self.kv_caches, self.block_size = model, kv_caches, block_size
+        self.forward, self.kv_caches, self.block_size = forward, kv_caches, block_size
         self.max_batch, self.width = max_batch, max_blocks_per_seq
         self.sizes = graph_batch_sizes(max_batch)
         # ids | positions | slots | context lens | block tables, all int64, copied to the GPU in one go
@@ -56,6 +57,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
+        self.row_owner: list[Sequence | None] = [None] * max_batch  # which sequence's table each row holds
+        self.row_key: list[tuple[int, int] | None] = [None] * max_batch
         self._capture()
 
     def _meta(self, size: int):
@@ -75,11 +78,11 @@ class DecodeGraphs:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+                self.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.model(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+                self.logits[size] = self.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -98,13 +101,16 @@ class DecodeGraphs:
         positions = [s.num_tokens - 1 for s in seqs]
         h[:num_seqs] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
         h[m:m + num_seqs] = positions
-        h[2 * m:2 * m + num_seqs] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions)]
+        h[2 * m:2 * m + num_seqs] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
         h[3 * m:3 * m + num_seqs] = [s.num_tokens for s in seqs]
         h[2 * m + num_seqs:2 * m + size] = -1  # padding rows: no KV write
         h[3 * m + num_seqs:3 * m + size] = 0  # and no keys
         tables = h[4 * m:].reshape(m, self.width)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
+        for i, seq in enumerate(seqs):  # rewrite a row only when its table changed (tables only grow)
+            key = (len(seq.block_table), seq.num_retractions)
+            if self.row_owner[i] is not seq or self.row_key[i] != key:
+                tables[i, :key[0]] = seq.block_table
+                self.row_owner[i], self.row_key[i] = seq, key
         self.dev.copy_(self.host, non_blocking=True)
         self.graphs[size].replay()
         self.num_replays += 1
@@ -115,8 +121,12 @@ class FastModelRunner(ModelRunner):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, seed: int, max_batch: int, max_context_len: int, use_cuda_graphs: bool = True):
         super().__init__(model, num_blocks, block_size, device, dtype, seed)
+        from tandemrl.engine.fast_layers import fast_forward, fuse_projections
+
+        fused = fuse_projections(model)
+        self.forward = lambda ids, pos, kv_caches, meta: fast_forward(model, fused, ids, pos, kv_caches, meta)
         max_blocks_per_seq = -(-max_context_len // block_size)
-        self.graphs = (DecodeGraphs(model, self.kv_caches, max_batch, max_blocks_per_seq, block_size, device)
+        self.graphs = (DecodeGraphs(self.forward, self.kv_caches, max_batch, max_blocks_per_seq, block_size, device)
                        if use_cuda_graphs else None)
 
     @torch.inference_mode()
@@ -144,7 +154,7 @@ class FastModelRunner(ModelRunner):
                                    self.device)
         host = torch.tensor(np.stack([input_ids, positions]), dtype=torch.long)
         ids, pos = host.to(self.device)
-        return self.model(ids, pos, self.kv_caches, meta)
+        return self.forward(ids, pos, self.kv_caches, meta)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
@@ -188,7 +198,7 @@ def sample_untruncated(logits_BV: torch.Tensor, temperature: float | torch.Tenso
 def build_runner(model: CausalLM, num_blocks: int, config, device: torch.device, dtype: torch.dtype
                  ) -> ModelRunner:
     """The reference runner on CPU (and fp32 CUDA), the fast one on CUDA in bf16/fp16."""
-    if not fast_path_supported(device, dtype):
+    if not fast_path_supported(device, dtype, model.cfg["head_dim"]):
         return ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
     return FastModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed,
                            max_batch=config.max_running_requests, max_context_len=config.max_context_len,

@@ -15,6 +15,17 @@ import torch
 _CANDIDATES = 1024  # top-p/top-k look at this many candidates first and fall back to a full sort
 
 
+def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One index per row, drawn from (unnormalised) probs by inverting the CDF (much faster than
+    torch.multinomial on CPU for large vocabularies)."""
+    cdf = probs_BV.cumsum(-1)
+    total = cdf[:, -1:]
+    u = torch.rand(probs_BV.shape[0], 1, generator=generator, device=probs_BV.device) * total
+    # u < total strictly, so the first cdf entry above u exists and has positive mass (zeros never win).
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1)
+
+
 def _truncated_sample(probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
                       generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
@@ -32,7 +43,7 @@ def _truncated_sample(probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torc
     keep = (rank < k_limits[:, None]) & (mass_before <= top_ps[:, None])
     kept = torch.where(keep, vals, torch.zeros_like(vals))
     kept = kept / kept.sum(-1, keepdim=True)
-    choice = torch.multinomial(kept, 1, generator=generator)  # [B, 1] index into candidates
+    choice = _draw(kept, generator)[:, None]  # [B, 1] index into candidates
     token_ids = idx.gather(-1, choice).squeeze(-1)
     logprobs = kept.gather(-1, choice).squeeze(-1).log()
     return token_ids, logprobs
@@ -54,9 +65,9 @@ def sample(logits_BV: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Te
     plain = ~greedy & ~truncated
     if bool(plain.any()):
         rows = plain.nonzero().squeeze(-1)
-        logp = torch.log_softmax(logits_BV[rows] / temperatures[rows, None], dim=-1)
-        chosen = torch.multinomial(logp.exp(), 1, generator=generator).squeeze(-1)
-        token_ids[rows], logprobs[rows] = chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
+        probs = torch.softmax(logits_BV[rows] / temperatures[rows, None], dim=-1)
+        chosen = _draw(probs, generator)
+        token_ids[rows], logprobs[rows] = chosen, probs.gather(-1, chosen[:, None]).squeeze(-1).log()
     if bool(truncated.any()):
         rows = truncated.nonzero().squeeze(-1)
         probs = torch.softmax(logits_BV[rows] / temperatures[rows, None], dim=-1)

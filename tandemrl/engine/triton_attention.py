@@ -36,7 +36,7 @@ def _store_kv_kernel(K, V, Cache, Slots, stride_kt, stride_vt, stride_c_kv, stri
     tl.store(Cache + stride_c_kv + slot * stride_c_slot + offs, v, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step: no recompiles
 def _paged_attention_kernel(Q, Cache, Out, BlockTables, QueryStart, QueryLens, ContextLens, scale,
                             stride_qt, stride_qh, stride_ot, stride_oh, stride_c_kv, stride_c_slot,
                             stride_c_head, stride_bt, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -146,7 +146,7 @@ def build_fast_metadata(query_lens: list[int], context_lens: list[int], block_ta
     width = max(len(t) for t in block_tables)
     tables = torch.zeros(num_seqs, width, dtype=torch.long)
     slots: list[int] = []
-    for i, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens)):
+    for i, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
         tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
     qlens = torch.tensor(query_lens, dtype=torch.long)

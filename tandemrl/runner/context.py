@@ -75,8 +75,10 @@ async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]
     ctx.driver.set_weight_version(weight_version)
     if mode == "drain" and not was_paused:
         ctx.driver.resume_admission()
-    return {"time/sync_weights": time.monotonic() - start_s,
-            "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0))}
+    return {
+        "time/sync_weights": time.monotonic() - start_s,
+        "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0)),
+    }
 
 
 def rollout_metrics(handoff: HandOff, step_s: float) -> dict[str, float]:
@@ -103,6 +105,24 @@ def write_ledger(ctx: RunContext, step: int) -> None:
     with ctx.ledger_path.open("a") as f:
         for event in ctx.driver.buffer.events():
             f.write(json.dumps({"step": step, **event}) + "\n")
+
+
+def write_trajectories(ctx: RunContext, step: int, handoff: HandOff) -> None:
+    """The trained trajectories of a step, whole, in `trajectories/step_<N>.jsonl` (with their group's
+    issue id and version figures), for inspecting what the policy actually did."""
+    directory = ctx.output_dir / "trajectories"
+    directory.mkdir(exist_ok=True)
+    with (directory / f"step_{step}.jsonl").open("w") as f:
+        for group in handoff.groups:
+            figures = {
+                "issue_id": group.issue_id,
+                "staleness": group.staleness(handoff.actor_weight_version),
+                "version_span": group.version_span(),
+                "queue_steps": group.queue_steps(handoff.actor_weight_version),
+            }
+            for traj in group.trajectories:
+                row = traj.to_dict() if hasattr(traj, "to_dict") else dict(vars(traj))
+                f.write(json.dumps({"step": step, **figures, **row}) + "\n")
 
 
 async def validate(ctx: RunContext) -> dict[str, float]:
@@ -135,6 +155,7 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     if runner.val_interval and step % runner.val_interval == 0:
         metrics.update(await validate(ctx))
     write_ledger(ctx, step)
+    write_trajectories(ctx, step, handoff)
     if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
         await save_checkpoint(ctx, step)
     ctx.logger.log(step, metrics)

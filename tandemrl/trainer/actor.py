@@ -27,13 +27,29 @@ from tandemrl.config.schema import TandemConfig
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
-from tandemrl.trainer.policy import (PolicyModel, init_distributed, resolve_attn_implementation,
-                                     resolve_compute_dtype, resolve_device, shard_policy, uses_packed_rows)
+from tandemrl.trainer.policy import (
+    PolicyModel,
+    init_distributed,
+    resolve_attn_implementation,
+    resolve_compute_dtype,
+    resolve_device,
+    shard_policy,
+    uses_packed_rows,
+)
 
 log = logging.getLogger(__name__)
 
-PPO_SUM_KEYS = ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy", "tokens", "gap", "gap_tokens",
-                "kl_ref")
+PPO_SUM_KEYS = (
+    "loss",
+    "ratio_abs",
+    "clip_fraction",
+    "approx_kl",
+    "entropy",
+    "tokens",
+    "gap",
+    "gap_tokens",
+    "kl_ref",
+)
 
 
 def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
@@ -41,10 +57,14 @@ def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
 
     path = Path(model_path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"actor model directory {str(path)!r} has no config.json. Set "
-                                "actor.model.model_path to a Hugging Face model directory, or run "
-                                "`tandem prepare model` for the embedded default.")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attn_implementation)
+        raise FileNotFoundError(
+            f"actor model directory {str(path)!r} has no config.json. Set "
+            "actor.model.model_path to a Hugging Face model directory, or run "
+            "`tandem prepare model` for the embedded default."
+        )
+    return AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, attn_implementation=attn_implementation
+    )
 
 
 def enable_activation_checkpointing(hf_model: torch.nn.Module) -> None:
@@ -60,15 +80,18 @@ def enable_activation_checkpointing(hf_model: torch.nn.Module) -> None:
 class Actor:
     """FSDP2-sharded policy with AdamW; see the module docstring for the step contract."""
 
-    def __init__(self, config: TandemConfig, hf_model: torch.nn.Module | None = None,
-                 total_updates: int | None = None):
+    def __init__(
+        self, config: TandemConfig, hf_model: torch.nn.Module | None = None, total_updates: int | None = None
+    ):
         from tandemrl.data.home import default_model_dir
 
         self.config = config
         self.device = resolve_device(config.actor.device)
         self.rank, self.world_size = init_distributed(self.device)
         self.compute_dtype = resolve_compute_dtype(config.actor.dtype, self.device)
-        self.model_path = config.actor.model.model_path or (None if hf_model is not None else str(default_model_dir()))
+        self.model_path = config.actor.model.model_path or (
+            None if hf_model is not None else str(default_model_dir())
+        )
         attn = resolve_attn_implementation(config.actor.attn_implementation, self.device)
         hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
@@ -77,7 +100,7 @@ class Actor:
         if config.actor.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
         hf_model.config.use_cache = False
-        self.policy = self._place(PolicyModel(hf_model, temperature))
+        self.policy = self._place(PolicyModel(hf_model.train(), temperature))
         self.ref_policy = None
         if ref_hf is not None:
             self.ref_policy = self._place(PolicyModel(ref_hf.requires_grad_(False).eval(), temperature))
@@ -89,7 +112,6 @@ class Actor:
         self.num_skipped_updates = 0
 
     def _place(self, policy: PolicyModel) -> PolicyModel:
-        policy.hf.train()
         shard_policy(policy, self.device, self.compute_dtype)
         return policy
 
@@ -102,8 +124,14 @@ class Actor:
         """Logprobs (and entropies) at the loss positions of `micro` (already on the device, its
         `select_K` computed on the host, so no sync here)."""
         select_K = micro.select_K
-        logprobs_K, entropy_K = policy(micro.input_ids_RL, micro.position_ids_RL, micro.attention_mask_RL,
-                                       micro.labels_N, select_K, with_entropy)
+        logprobs_K, entropy_K = policy(
+            micro.input_ids_RL,
+            micro.position_ids_RL,
+            micro.attention_mask_RL,
+            micro.labels_N,
+            select_K,
+            with_entropy,
+        )
         return logprobs_K, entropy_K, select_K, micro.mask_N.index_select(0, select_K)
 
     @torch.no_grad()
@@ -114,7 +142,7 @@ class Actor:
             micro = micro.to(self.device)
             logprobs_K, _, select_K, mask_K = self._forward(self.policy, micro)
             full_N = torch.zeros_like(micro.mask_N).index_put_((select_K,), logprobs_K.float() * mask_K)
-            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_N)))
+            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_N), strict=True))
         if self.world_size > 1:
             gathered: list[dict] = [{} for _ in range(self.world_size)]
             dist.all_gather_object(gathered, mine)
@@ -122,12 +150,19 @@ class Actor:
         return [mine[i] for i in range(len(samples))]
 
     def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
-        return plan_rank_micro_batches(samples, self.rank, self.world_size, self.config.actor.micro_batch_tokens,
-                                       padded=self.is_padded)
+        return plan_rank_micro_batches(
+            samples, self.rank, self.world_size, self.config.actor.micro_batch_tokens, padded=self.is_padded
+        )
 
     # ----------------------------------------------------------------- PPO
     def train_step(self, samples: list[TrainSample]) -> dict[str, float]:
-        """`algorithm.n_minibatches` PPO updates on `samples` (the same list on every rank)."""
+        """`algorithm.n_minibatches` PPO updates on `samples` (the same list on every rank), then
+        `weight_version += 1`.
+
+        `train/actor/rollout_train_logprob_gap` = mean |logp_train - logp_rollout| before the first
+        update: over all tokens when `recompute_logprobs` (that pass runs anyway), else over the first
+        minibatch's tokens, whose forward precedes the first update (no extra forward pass).
+        """
         if not samples:
             raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
         start = time.perf_counter()
@@ -139,13 +174,16 @@ class Actor:
         for k, minibatch in enumerate(split_minibatches(samples, self.config.algorithm.n_minibatches)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
             for micro in self._plan(minibatch):
-                self._ppo_micro_step(micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not recompute)
+                self._ppo_micro_step(
+                    micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not recompute
+                )
             grad_norms.append(self._optimizer_step())
         self.weight_version += 1
         return self._ppo_metrics(sums, grad_norms, time.perf_counter() - start)
 
-    def _ppo_micro_step(self, micro: MicroBatch, num_tokens: int, sums: dict[str, float],
-                        measure_gap: bool) -> None:
+    def _ppo_micro_step(
+        self, micro: MicroBatch, num_tokens: int, sums: dict[str, float], measure_gap: bool
+    ) -> None:
         logprobs_K, entropy_K, select_K, mask_K = self._forward(self.policy, micro, with_entropy=True)
         old_K, adv_K = micro.old_logprobs_N[select_K], micro.advantages_N[select_K]
         ref_K = None
@@ -161,11 +199,13 @@ class Actor:
         for name, value in masked_sum_tensors(stats, mask_K).items():
             sums[name] = sums[name] + value  # stays on the device: no host sync per micro-batch
 
-    def _recompute_old_logprobs(self, samples: list[TrainSample], sums: dict[str, float]) -> list[TrainSample]:
+    def _recompute_old_logprobs(
+        self, samples: list[TrainSample], sums: dict[str, float]
+    ) -> list[TrainSample]:
         """Old logprobs := current policy's, before any update; the gap to the rollout's is measured on all."""
         recomputed = self.compute_logprobs(samples)
         out = []
-        for sample, logprobs in zip(samples, recomputed):
+        for sample, logprobs in zip(samples, recomputed, strict=True):
             for t in range(1, sample.num_tokens):
                 if sample.loss_mask[t]:
                     sums["gap"] += abs(logprobs[t] - sample.old_logprobs[t])
@@ -178,7 +218,9 @@ class Actor:
 
     def _optimizer_step(self) -> float:
         max_norm = self.config.actor.optim.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), max_norm if max_norm > 0 else math.inf)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.policy.parameters(), max_norm if max_norm > 0 else math.inf
+        )
         norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.last_lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(norm):
@@ -193,27 +235,34 @@ class Actor:
 
     def _reduce(self, sums: dict, keys: tuple[str, ...]) -> dict[str, float]:
         """Sum each metric over ranks (one collective, one host sync)."""
-        values = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64).to(self.device)
-                              for k in keys])
+        values = torch.stack(
+            [torch.as_tensor(sums.get(k, 0.0), dtype=torch.float64).to(self.device) for k in keys]
+        )
         if self.world_size > 1:
             dist.all_reduce(values)
-        return dict(zip(keys, values.cpu().tolist()))
+        return dict(zip(keys, values.cpu().tolist(), strict=True))
 
-    def _ppo_metrics(self, sums: dict[str, float], grad_norms: list[float], elapsed_s: float) -> dict[str, float]:
+    def _ppo_metrics(
+        self, sums: dict[str, float], grad_norms: list[float], elapsed_s: float
+    ) -> dict[str, float]:
         total = self._reduce(sums, PPO_SUM_KEYS)
         tokens = max(total["tokens"], 1.0)
-        metrics = {f"train/actor/{k}": total[k] / tokens
-                   for k in ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy")}
+        metrics = {
+            f"train/actor/{k}": total[k] / tokens
+            for k in ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy")
+        }
         metrics["train/actor/rollout_train_logprob_gap"] = total["gap"] / max(total["gap_tokens"], 1.0)
         if self.ref_policy is not None:
             metrics["train/actor/kl_ref"] = total["kl_ref"] / tokens
-        metrics.update({
-            "train/actor/grad_norm": sum(grad_norms) / len(grad_norms),
-            "train/actor/lr": self.last_lr,
-            "train/actor/num_tokens": total["tokens"] / max(1, len(grad_norms)),
-            "train/actor/num_updates": float(self.num_updates),
-            "time/train_step": elapsed_s,
-        })
+        metrics.update(
+            {
+                "train/actor/grad_norm": sum(grad_norms) / len(grad_norms),
+                "train/actor/lr": self.last_lr,
+                "train/actor/num_tokens": total["tokens"] / max(1, len(grad_norms)),
+                "train/actor/num_updates": float(self.num_updates),
+                "time/train_step": elapsed_s,
+            }
+        )
         return metrics
 
     # ----------------------------------------------------------------- SFT
@@ -231,8 +280,12 @@ class Actor:
             sums["tokens"] = sums["tokens"] + mask_K.sum().double()
         grad_norm = self._optimizer_step()
         total = self._reduce(sums, ("loss", "tokens"))
-        return {"train/sft/loss": total["loss"] / max(total["tokens"], 1.0), "train/sft/grad_norm": grad_norm,
-                "train/sft/lr": self.last_lr, "train/sft/num_tokens": total["tokens"]}
+        return {
+            "train/sft/loss": total["loss"] / max(total["tokens"], 1.0),
+            "train/sft/grad_norm": grad_norm,
+            "train/sft/lr": self.last_lr,
+            "train/sft/num_tokens": total["tokens"],
+        }
 
     # ----------------------------------------------------------------- weights, checkpoints
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -241,7 +294,8 @@ class Actor:
         self.policy.reshard()
         persistent = set(self.policy.hf.state_dict().keys())
         named = list(self.policy.hf.named_parameters()) + [
-            (n, b) for n, b in self.policy.hf.named_buffers() if n in persistent]
+            (n, b) for n, b in self.policy.hf.named_buffers() if n in persistent
+        ]
         for name, tensor in named:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             yield name, full.detach().to(dtype or self.compute_dtype)
@@ -253,7 +307,10 @@ class Actor:
             result = await sender.push(self.iter_full_weights(), self.weight_version)
         else:
             result = {"bytes": sum(t.numel() * t.element_size() for _, t in self.iter_full_weights())}
-        return {"time/sync_weights": time.perf_counter() - start, "sync_weights/bytes": float(result["bytes"])}
+        return {
+            "time/sync_weights": time.perf_counter() - start,
+            "sync_weights/bytes": float(result["bytes"]),
+        }
 
     def save_checkpoint(self, ckpt_dir: str | Path, extra: dict[str, object] | None = None) -> Path:
         from tandemrl.trainer.checkpoint import save_checkpoint

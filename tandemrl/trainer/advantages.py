@@ -46,17 +46,23 @@ def samples_from_trajectories(groups: Sequence[Sequence[Any]], norm_by_std: bool
     """
     advantages = compute_grpo_advantages([[t.reward for t in group] for group in groups], norm_by_std)
     samples = []
-    for group, group_advantages in zip(groups, advantages):
-        for trajectory, advantage in zip(group, group_advantages):
+    for group, group_advantages in zip(groups, advantages, strict=True):
+        for trajectory, advantage in zip(group, group_advantages, strict=True):
             num_prompt = len(trajectory.prompt_ids)
-            if not (len(trajectory.response_ids) == len(trajectory.loss_mask) == len(trajectory.rollout_logprobs)):
+            if not (
+                len(trajectory.response_ids) == len(trajectory.loss_mask) == len(trajectory.rollout_logprobs)
+            ):
                 raise ValueError(
                     f"trajectory {getattr(trajectory, 'prompt_id', '?')}: response_ids, loss_mask and "
                     "rollout_logprobs must have the same length; the agent loop must record one entry per "
-                    "response token.")
-            samples.append(TrainSample(
-                input_ids=list(trajectory.prompt_ids) + list(trajectory.response_ids),
-                loss_mask=[0] * num_prompt + [int(m) for m in trajectory.loss_mask],
-                old_logprobs=[0.0] * num_prompt + [float(x) for x in trajectory.rollout_logprobs],
-                advantage=float(advantage)))
+                    "response token."
+                )
+            samples.append(
+                TrainSample(
+                    input_ids=list(trajectory.prompt_ids) + list(trajectory.response_ids),
+                    loss_mask=[0] * num_prompt + [int(m) for m in trajectory.loss_mask],
+                    old_logprobs=[0.0] * num_prompt + [float(x) for x in trajectory.rollout_logprobs],
+                    advantage=float(advantage),
+                )
+            )
     return samples

@@ -22,8 +22,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-TENSOR_FIELDS = ("input_ids_RL", "position_ids_RL", "labels_N", "mask_N", "old_logprobs_N", "advantages_N",
-                 "select_K")
+TENSOR_FIELDS = (
+    "input_ids_RL",
+    "position_ids_RL",
+    "labels_N",
+    "mask_N",
+    "old_logprobs_N",
+    "advantages_N",
+    "select_K",
+)
 
 
 @dataclass
@@ -43,7 +50,8 @@ class TrainSample:
         if not (len(self.input_ids) == len(self.loss_mask) == len(self.old_logprobs)):
             raise ValueError(
                 f"TrainSample lists differ in length: input_ids {len(self.input_ids)}, loss_mask "
-                f"{len(self.loss_mask)}, old_logprobs {len(self.old_logprobs)}; they must be aligned per token.")
+                f"{len(self.loss_mask)}, old_logprobs {len(self.old_logprobs)}; they must be aligned per token."
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +82,9 @@ class MicroBatch:
         if self.select_K is None:
             # a micro-batch without loss tokens (rank padding) still runs one position, weighted 0,
             # so every rank runs the same forwards and FSDP's collectives stay in step
-            self.select_K = self.mask_N.nonzero()[:, 0] if self.mask_N.any() else torch.zeros(1, dtype=torch.long)
+            self.select_K = (
+                self.mask_N.nonzero()[:, 0] if self.mask_N.any() else torch.zeros(1, dtype=torch.long)
+            )
 
     @property
     def num_tokens(self) -> int:
@@ -83,15 +93,24 @@ class MicroBatch:
 
     def to(self, device: torch.device | str) -> MicroBatch:
         moved = {name: getattr(self, name).to(device, non_blocking=True) for name in TENSOR_FIELDS}
-        mask = None if self.attention_mask_RL is None else self.attention_mask_RL.to(device, non_blocking=True)
-        return MicroBatch(**moved, attention_mask_RL=mask, sample_indices=self.sample_indices,
-                          sample_lengths=self.sample_lengths, sample_offsets=self.sample_offsets)
+        mask = (
+            None if self.attention_mask_RL is None else self.attention_mask_RL.to(device, non_blocking=True)
+        )
+        return MicroBatch(
+            **moved,
+            attention_mask_RL=mask,
+            sample_indices=self.sample_indices,
+            sample_lengths=self.sample_lengths,
+            sample_offsets=self.sample_offsets,
+        )
 
     def split_per_sample(self, values_N: torch.Tensor) -> list[list[float]]:
         """Per-position values (next-token layout) back to per-sample lists aligned with input_ids."""
         flat = values_N.detach().float().cpu().tolist()
-        return [[0.0] + flat[start:start + length - 1]
-                for start, length in zip(self.sample_offsets, self.sample_lengths)]
+        return [
+            [0.0] + flat[start : start + length - 1]
+            for start, length in zip(self.sample_offsets, self.sample_lengths, strict=True)
+        ]
 
 
 def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float]]:
@@ -111,18 +130,28 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
         n = s.num_tokens
         r, c = (row, 0) if padded else (0, start)
         flat = r * width + c
-        ids[r, c:c + n] = torch.tensor(s.input_ids)
-        pos[r, c:c + n] = torch.arange(n)
-        attn[r, c:c + n] = 1
+        ids[r, c : c + n] = torch.tensor(s.input_ids)
+        pos[r, c : c + n] = torch.arange(n)
+        attn[r, c : c + n] = 1
         next_labels, next_mask, next_old = _next_token_fields(s)
-        labels[flat:flat + n] = torch.tensor(next_labels)
-        mask[flat:flat + n] = torch.tensor(next_mask, dtype=torch.float32)
-        old[flat:flat + n] = torch.tensor(next_old, dtype=torch.float32)
-        adv[flat:flat + n] = s.advantage
+        labels[flat : flat + n] = torch.tensor(next_labels)
+        mask[flat : flat + n] = torch.tensor(next_mask, dtype=torch.float32)
+        old[flat : flat + n] = torch.tensor(next_old, dtype=torch.float32)
+        adv[flat : flat + n] = s.advantage
         offsets.append(flat)
         start += n
-    return MicroBatch(ids, pos, attn if padded else None, labels, mask, old, adv, sample_indices=list(indices),
-                      sample_lengths=[s.num_tokens for s in chosen], sample_offsets=offsets)
+    return MicroBatch(
+        ids,
+        pos,
+        attn if padded else None,
+        labels,
+        mask,
+        old,
+        adv,
+        sample_indices=list(indices),
+        sample_lengths=[s.num_tokens for s in chosen],
+        sample_offsets=offsets,
+    )
 
 
 def pack_indices(lengths: list[int], max_tokens: int, padded: bool = False) -> list[list[int]]:
@@ -160,7 +189,7 @@ def split_minibatches(samples: list[TrainSample], num_minibatches: int) -> list[
     """Contiguous, near-equal slices (in sample order, so GRPO groups stay together when they divide)."""
     num = min(num_minibatches, len(samples))
     bounds = [round(k * len(samples) / num) for k in range(num + 1)]
-    return [samples[bounds[k]:bounds[k + 1]] for k in range(num)]
+    return [samples[bounds[k] : bounds[k + 1]] for k in range(num)]
 
 
 def partition_for_ranks(samples: list[TrainSample], num_ranks: int) -> list[list[int]]:
@@ -174,8 +203,9 @@ def partition_for_ranks(samples: list[TrainSample], num_ranks: int) -> list[list
     return [sorted(p) for p in parts]
 
 
-def plan_rank_micro_batches(samples: list[TrainSample], rank: int, num_ranks: int, max_tokens: int,
-                            padded: bool = False) -> list[MicroBatch]:
+def plan_rank_micro_batches(
+    samples: list[TrainSample], rank: int, num_ranks: int, max_tokens: int, padded: bool = False
+) -> list[MicroBatch]:
     """This rank's micro-batches of one minibatch, padded with empty ones to the max count over ranks.
 
     Every rank holds the whole minibatch, so every rank computes the same plan without communicating;

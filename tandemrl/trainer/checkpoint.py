@@ -22,8 +22,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "added_tokens.json",
+)
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -55,9 +63,15 @@ def save_checkpoint(actor, ckpt_dir: str | Path, extra: dict[str, object] | None
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "actor"))
     torch.save(_rng_state(), tmp / "actor" / f"rng_rank{actor.rank}.pt")
     if actor.rank == 0:
-        torch.save({"scheduler": actor.scheduler.state_dict(), "num_updates": actor.num_updates,
-                    "weight_version": actor.weight_version, "world_size": actor.world_size},
-                   tmp / "actor" / "meta.pt")
+        torch.save(
+            {
+                "scheduler": actor.scheduler.state_dict(),
+                "num_updates": actor.num_updates,
+                "weight_version": actor.weight_version,
+                "world_size": actor.world_size,
+            },
+            tmp / "actor" / "meta.pt",
+        )
         _save_hf_files(actor, tmp / "actor" / "hf")
         for rel_path, obj in (extra or {}).items():
             (tmp / rel_path).parent.mkdir(parents=True, exist_ok=True)
@@ -95,15 +109,18 @@ def load_checkpoint(actor, ckpt_dir: str | Path) -> None:
     """Restore model, optimizer, scheduler, counters and this rank's RNG from `ckpt_dir`."""
     actor_dir = Path(ckpt_dir) / "actor"
     if not (actor_dir / "meta.pt").is_file():
-        raise FileNotFoundError(f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/meta.pt). Pass a "
-                                "global_step_N directory written by the actor, e.g. runs/<name>/checkpoints/"
-                                "global_step_10.")
+        raise FileNotFoundError(
+            f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/meta.pt). Pass a "
+            "global_step_N directory written by the actor, e.g. runs/<name>/checkpoints/"
+            "global_step_10."
+        )
     actor.policy.reshard()
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(actor_dir))
-    set_state_dict(actor.policy, actor.optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optim"])
+    set_state_dict(
+        actor.policy, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
     meta = torch.load(actor_dir / "meta.pt", weights_only=True)
     actor.scheduler.load_state_dict(meta["scheduler"])
     actor.num_updates = meta["num_updates"]

@@ -17,8 +17,9 @@ import torch
 log = logging.getLogger(__name__)
 
 
-def save_hf_dir(state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None,
-                out_dir: str | Path) -> Path:
+def save_hf_dir(
+    state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out_dir: str | Path
+) -> Path:
     """Build the HF model of `hf_config`, load `state` (HF names), save it with the tokenizer files."""
     from transformers import AutoModelForCausalLM
 
@@ -29,9 +30,11 @@ def save_hf_dir(state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | 
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
     if unexpected or set(missing) - tied:
-        raise ValueError(f"export: the weights do not match the model config (missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}); the checkpoint and its actor/hf/config.json "
-                         "disagree.")
+        raise ValueError(
+            f"export: the weights do not match the model config (missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}); the checkpoint and its actor/hf/config.json "
+            "disagree."
+        )
     if tied:
         model.tie_weights()
     model.config.dtype = torch.float32
@@ -52,8 +55,10 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
 
     actor_dir = Path(ckpt_dir) / "actor"
     if not (actor_dir / "hf" / "config.json").is_file():
-        raise FileNotFoundError(f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
-                                "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10.")
+        raise FileNotFoundError(
+            f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
+            "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10."
+        )
     hf_config = AutoConfig.from_pretrained(actor_dir / "hf")
     policy = PolicyModel(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
     state = {"model": policy.state_dict()}

@@ -25,9 +25,12 @@ class PolicyLossConfig:
     @classmethod
     def from_algorithm(cls, algorithm) -> PolicyLossConfig:
         high = algorithm.ratio_clip_eps_high
-        return cls(clip_eps_low=algorithm.ratio_clip_eps,
-                   clip_eps_high=algorithm.ratio_clip_eps if high is None else high,
-                   dual_clip_c=algorithm.dual_clip_c, kl_coef=algorithm.kl_coef)
+        return cls(
+            clip_eps_low=algorithm.ratio_clip_eps,
+            clip_eps_high=algorithm.ratio_clip_eps if high is None else high,
+            dual_clip_c=algorithm.dual_clip_c,
+            kl_coef=algorithm.kl_coef,
+        )
 
 
 def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
@@ -36,9 +39,13 @@ def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
     return (log_ratio.exp() - log_ratio - 1).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
-def ppo_token_losses(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                     cfg: PolicyLossConfig, ref_logprobs: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_token_losses(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: PolicyLossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO loss (to be minimised) and per-token statistics, unmasked.
 
     loss = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with the dual clip, for A < 0 the loss is

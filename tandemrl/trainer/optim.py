@@ -25,10 +25,15 @@ def lr_factor(update: int, optim: OptimConfig, total_updates: int) -> float:
     return optim.min_lr_ratio + (1 - optim.min_lr_ratio) * cosine
 
 
-def build_optimizer(params, optim: OptimConfig, total_updates: int,
-                    ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas),
-                                  weight_decay=optim.weight_decay, eps=1e-8)
+def build_optimizer(
+    params,
+    optim: OptimConfig,
+    total_updates: int,
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, eps=1e-8
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda update: lr_factor(update, optim, total_updates))
+        optimizer, lambda update: lr_factor(update, optim, total_updates)
+    )
     return optimizer, scheduler

@@ -29,28 +29,45 @@ log = logging.getLogger(__name__)
 LOGIT_CHUNK_TOKENS = 1024
 
 
-def _chunk_logprobs(hidden_KH, weight_VH, bias_V, labels_K, inv_temperature: float, with_entropy: bool):
-    logits_KV = F.linear(hidden_KH, weight_VH, bias_V).float() * inv_temperature
+def _chunk_logprobs(hidden_KH, weight_VH, bias_V, labels_K, inv_temperature: float, entropy_pass: dict):
+    logits_KV = F.linear(hidden_KH, weight_VH, bias_V).float()
+    if inv_temperature != 1.0:
+        logits_KV = logits_KV * inv_temperature
     lse_K = logits_KV.logsumexp(-1)
     logprobs_K = logits_KV.gather(-1, labels_K[:, None])[:, 0] - lse_K
-    if not with_entropy:
+    if not entropy_pass["todo"]:
         return logprobs_K, torch.zeros_like(lse_K)
-    with torch.no_grad():  # entropy is a metric only
+    entropy_pass["todo"] = False  # the checkpoint's recompute in backward skips this metric-only work
+    with torch.no_grad():
         entropy_K = lse_K - (logits_KV.softmax(-1) * logits_KV).sum(-1)
     return logprobs_K, entropy_K
 
 
-def chunked_logprobs(hidden_KH: torch.Tensor, weight_VH: torch.Tensor, bias_V: torch.Tensor | None,
-                     labels_K: torch.Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                     chunk_tokens: int = LOGIT_CHUNK_TOKENS) -> tuple[torch.Tensor, torch.Tensor]:
+def chunked_logprobs(
+    hidden_KH: torch.Tensor,
+    weight_VH: torch.Tensor,
+    bias_V: torch.Tensor | None,
+    labels_K: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_tokens: int = LOGIT_CHUNK_TOKENS,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """log softmax(h W^T / T)[label] per row, in chunks; in training each chunk's logits are recomputed
     in backward rather than stored (peak memory: one chunk of logits)."""
     logprobs, entropies = [], []
     needs_grad = torch.is_grad_enabled() and (hidden_KH.requires_grad or weight_VH.requires_grad)
     for start in range(0, hidden_KH.shape[0], chunk_tokens):
-        args = (hidden_KH[start:start + chunk_tokens], weight_VH, bias_V, labels_K[start:start + chunk_tokens],
-                1.0 / temperature, with_entropy)
-        out = checkpoint(_chunk_logprobs, *args, use_reentrant=False) if needs_grad else _chunk_logprobs(*args)
+        args = (
+            hidden_KH[start : start + chunk_tokens],
+            weight_VH,
+            bias_V,
+            labels_K[start : start + chunk_tokens],
+            1.0 / temperature,
+            {"todo": with_entropy},
+        )
+        out = (
+            checkpoint(_chunk_logprobs, *args, use_reentrant=False) if needs_grad else _chunk_logprobs(*args)
+        )
         logprobs.append(out[0])
         entropies.append(out[1])
     return torch.cat(logprobs), torch.cat(entropies)
@@ -64,15 +81,31 @@ class PolicyModel(nn.Module):
         self.hf = hf_model
         self.temperature = temperature
 
-    def forward(self, input_ids_RL: torch.Tensor, position_ids_RL: torch.Tensor,
-                attention_mask_RL: torch.Tensor | None, labels_N: torch.Tensor, select_K: torch.Tensor,
-                with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.hf.base_model(input_ids=input_ids_RL, position_ids=position_ids_RL,
-                                 attention_mask=attention_mask_RL, use_cache=False)
+    def forward(
+        self,
+        input_ids_RL: torch.Tensor,
+        position_ids_RL: torch.Tensor,
+        attention_mask_RL: torch.Tensor | None,
+        labels_N: torch.Tensor,
+        select_K: torch.Tensor,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.hf.base_model(
+            input_ids=input_ids_RL,
+            position_ids=position_ids_RL,
+            attention_mask=attention_mask_RL,
+            use_cache=False,
+        )
         hidden_NH = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         head = self.hf.get_output_embeddings()
-        return chunked_logprobs(hidden_NH.index_select(0, select_K), head.weight, head.bias,
-                                labels_N.index_select(0, select_K), self.temperature, with_entropy)
+        return chunked_logprobs(
+            hidden_NH.index_select(0, select_K),
+            head.weight,
+            head.bias,
+            labels_N.index_select(0, select_K),
+            self.temperature,
+            with_entropy,
+        )
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,12 +160,15 @@ def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch
     """FSDP2: one unit per decoder layer, the wrapper as root; fp32 master weights, `compute_dtype`
     for forward/backward, fp32 gradient reduction."""
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    mp = MixedPrecisionPolicy(param_dtype=None if compute_dtype == torch.float32 else compute_dtype,
-                              reduce_dtype=torch.float32)
+    mp = MixedPrecisionPolicy(
+        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+    )
     layers = getattr(policy.hf.base_model, "layers", None)
     if layers is None:
-        raise ValueError(f"{type(policy.hf).__name__}: no `.layers` on its base model; the actor shards "
-                         "decoder layers of Llama/Qwen/GLM-style HF models.")
+        raise ValueError(
+            f"{type(policy.hf).__name__}: no `.layers` on its base model; the actor shards "
+            "decoder layers of Llama/Qwen/GLM-style HF models."
+        )
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)

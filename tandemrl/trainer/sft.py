@@ -31,8 +31,10 @@ def run_sft(args) -> int:
     config = load_config(args.config, args.overrides)
     samples = load_sft_samples(config)
     out_dir, metrics = train_sft(config, samples)
-    print(f"sft: {len(samples)} demonstrations, final loss {metrics.get('train/sft/loss', float('nan')):.4f}; "
-          f"model written to {out_dir}")
+    print(
+        f"sft: {len(samples)} demonstrations, final loss {metrics.get('train/sft/loss', float('nan')):.4f}; "
+        f"model written to {out_dir}"
+    )
     return 0
 
 
@@ -44,15 +46,23 @@ def load_sft_samples(config) -> list[TrainSample]:
     from tandemrl.data.demos import load_demos
     from tandemrl.data.home import default_kb_dir
 
-    demos = load_demos(sft.demos_path or default_kb_dir() / "demos.jsonl", sft.num_demos, seed=config.data.seed)
+    demos = load_demos(
+        sft.demos_path or default_kb_dir() / "demos.jsonl", sft.num_demos, seed=config.data.seed
+    )
     rendered = render_demos(config, demos)
     kept = [TrainSample(ids, mask, [0.0] * len(ids)) for ids, mask in rendered if ids]
-    log.info("sft: rendered %d demonstrations, kept %d (dropped %d whose searches missed their fact)",
-             len(demos), len(kept), len(demos) - len(kept))
+    log.info(
+        "sft: rendered %d demonstrations, kept %d (dropped %d whose searches missed their fact)",
+        len(demos),
+        len(kept),
+        len(demos) - len(kept),
+    )
     if not kept:
-        raise ValueError("sft: no demonstration survived rendering (every search missed its fact). Check that "
-                         "the retrieval index was built from the same knowledge base as the demos, or set "
-                         "actor.sft.skip_on_miss=false.")
+        raise ValueError(
+            "sft: no demonstration survived rendering (every search missed its fact). Check that "
+            "the retrieval index was built from the same knowledge base as the demos, or set "
+            "actor.sft.skip_on_miss=false."
+        )
     write_rendered(Path(config.runner.output_dir) / "sft" / "rendered.jsonl", kept)
     return kept
 
@@ -60,8 +70,10 @@ def load_sft_samples(config) -> list[TrainSample]:
 def read_rendered(path: str | Path) -> list[TrainSample]:
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"actor.sft.rendered_path={str(path)!r} does not exist; write a jsonl of "
-                                '{"input_ids": [...], "loss_mask": [...]} or unset it to render the demos.')
+        raise FileNotFoundError(
+            f"actor.sft.rendered_path={str(path)!r} does not exist; write a jsonl of "
+            '{"input_ids": [...], "loss_mask": [...]} or unset it to render the demos.'
+        )
     samples = []
     for line in path.read_text().splitlines():
         if line.strip():
@@ -106,14 +118,21 @@ async def _render_all(config, addr: str, demos: list[dict], tokenizer) -> list[t
     from tandemrl.data.demos import render_demo
 
     tool = config.tools.search
-    search = SearchTool(addr, topk=tool.topk, timeout_s=tool.timeout_s, max_retries=tool.max_retries,
-                        backoff_s=tool.backoff_s)
+    search = SearchTool(
+        addr, topk=tool.topk, timeout_s=tool.timeout_s, max_retries=tool.max_retries, backoff_s=tool.backoff_s
+    )
     limit = asyncio.Semaphore(RENDER_CONCURRENCY)
 
     async def one(demo: dict):
         async with limit:
-            return await render_demo(demo, search, tokenizer, tool.topk, config.agentloop.max_info_tokens,
-                                     skip_on_miss=config.actor.sft.skip_on_miss)
+            return await render_demo(
+                demo,
+                search,
+                tokenizer,
+                tool.topk,
+                config.agentloop.max_info_tokens,
+                skip_on_miss=config.actor.sft.skip_on_miss,
+            )
 
     try:
         return list(await asyncio.gather(*(one(demo) for demo in demos)))
@@ -132,19 +151,25 @@ def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float
     num_batches = math.ceil(len(samples) / sft.batch_size)
     actor = Actor(config, total_updates=sft.num_epochs * num_batches)
     output_dir = Path(config.runner.output_dir)
-    logger = MetricsLogger(output_dir / "sft", max_steps=sft.num_epochs * num_batches) if actor.rank == 0 else None
+    logger = (
+        MetricsLogger(output_dir / "sft", max_steps=sft.num_epochs * num_batches) if actor.rank == 0 else None
+    )
     rng, metrics = random.Random(config.data.seed), {}
     try:
         for epoch in range(sft.num_epochs):
             order = list(range(len(samples)))
             rng.shuffle(order)
             for b in range(num_batches):
-                batch = [samples[i] for i in order[b * sft.batch_size:(b + 1) * sft.batch_size]]
+                batch = [samples[i] for i in order[b * sft.batch_size : (b + 1) * sft.batch_size]]
                 metrics = actor.sft_step(batch)
                 if logger is not None:
                     logger.log(actor.num_updates, {**metrics, "train/sft/epoch": float(epoch)})
-                    log.info("sft update %d/%d: loss %.4f", actor.num_updates, sft.num_epochs * num_batches,
-                             metrics["train/sft/loss"])
+                    log.info(
+                        "sft update %d/%d: loss %.4f",
+                        actor.num_updates,
+                        sft.num_epochs * num_batches,
+                        metrics["train/sft/loss"],
+                    )
     finally:
         if logger is not None:
             logger.close()

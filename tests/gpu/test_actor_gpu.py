@@ -17,9 +17,16 @@ def _tiny_model():
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         use_sliding_window=False)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+    )
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
 
 
@@ -27,9 +34,18 @@ def _step(device: str, dtype: str):
     torch.set_num_threads(1)
     model = _tiny_model()
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    config = load_config(None, [f"actor.device={device}", f"actor.dtype={dtype}", "actor.optim.lr=0.001",
-                                "algorithm.n_minibatches=2", "algorithm.recompute_logprobs=true",
-                                "actor.micro_batch_tokens=64", "runner.output_dir=/tmp/tandem-unused"])
+    config = load_config(
+        None,
+        [
+            f"actor.device={device}",
+            f"actor.dtype={dtype}",
+            "actor.optim.lr=0.001",
+            "algorithm.n_minibatches=2",
+            "algorithm.recompute_logprobs=true",
+            "actor.micro_batch_tokens=64",
+            "runner.output_dir=/tmp/tandem-unused",
+        ],
+    )
     actor = Actor(config, hf_model=model)
     metrics = actor.train_step(make_samples(seed=0, num_samples=6, vocab=VOCAB))
     deltas = {n: t.float().cpu() - initial[n] for n, t in actor.iter_full_weights(torch.float32)}
@@ -59,3 +75,92 @@ def test_bf16_train_step_on_cuda_matches_fp32():
 
 def test_cpu_twin_bf16_compute_matches_fp32():
     _compare_to_fp32("cpu")
+
+
+def _write_engine_dir(model, out_dir) -> None:
+    """The model as an HF directory with a minimal word-level tokenizer (the engine needs one for stop
+    strings; nothing here decodes text)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "<eos>": 1, "hello": 2}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        out_dir
+    )
+
+
+async def _sync_and_sample(actor: Actor, url: str, backend: str, prompts: list[list[int]]):
+    from tandemrl.rollout.client import EngineClient
+    from tandemrl.rollout.weight_sync import WeightSender
+
+    client = EngineClient(url)
+    try:
+        sender = WeightSender([client], backend=backend, bucket_mb=1)
+        await sender.connect()
+        await actor.sync_weights(sender)
+        version = await client.get_weight_version()
+        params = {"max_new_tokens": 16, "temperature": 1.0, "stop_token_ids": []}
+        results = [await client.generate(p, params) for p in prompts]
+        return version, results
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize(
+    "device,dtype,backend,tolerance",
+    [
+        pytest.param(
+            "cuda",
+            "bfloat16",
+            "cuda_ipc",
+            5e-2,
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+        ("cpu", "float32", "gloo", 1e-4),  # the CPU twin
+    ],
+)
+def test_weight_sync_then_engine_logprobs_match_actor(tmp_path, device, dtype, backend, tolerance):
+    """Train a step, push the weights (CUDA IPC on one GPU; gloo on CPU), sample from the engine: the
+    engine's logprobs equal the actor's recomputation within the precision's tolerance."""
+    import asyncio
+
+    from tandemrl.rollout.engine_process import EngineProcess
+    from tandemrl.trainer.batching import TrainSample
+
+    torch.set_num_threads(1)
+    model = _tiny_model()
+    _write_engine_dir(model, tmp_path / "model")
+    config = load_config(
+        None,
+        [
+            f"actor.device={device}",
+            f"actor.dtype={dtype}",
+            "actor.optim.lr=0.01",
+            "algorithm.n_minibatches=1",
+            "runner.output_dir=/tmp/tandem-unused",
+        ],
+    )
+    actor = Actor(config, hf_model=model)
+    actor.train_step(make_samples(seed=0, num_samples=4, vocab=VOCAB))  # the engine's weights are now stale
+    prompts = [[5, 17, 300, 42], [9, 8, 7], [100, 200, 300, 400, 500]]
+    with EngineProcess(tmp_path / "model", device=device, dtype=dtype, max_context_len=256) as engine:
+        version, results = asyncio.run(_sync_and_sample(actor, engine.url, backend, prompts))
+    assert str(version) == "1"
+    samples = [
+        TrainSample(
+            p + r.output_ids, [0] * len(p) + [1] * len(r.output_ids), [0.0] * len(p) + list(r.output_logprobs)
+        )
+        for p, r in zip(prompts, results, strict=True)
+    ]
+    recomputed = actor.compute_logprobs(samples)
+    gaps = [
+        abs(a - b)
+        for s, lp in zip(samples, recomputed, strict=True)
+        for a, b, m in zip(lp, s.old_logprobs, s.loss_mask, strict=True)
+        if m
+    ]
+    print(f"{device}: mean |logp_actor - logp_engine| = {sum(gaps) / len(gaps):.2e} over {len(gaps)} tokens")
+    assert len(gaps) == sum(len(r.output_ids) for r in results) > 0
+    assert sum(gaps) / len(gaps) <= tolerance

@@ -29,6 +29,16 @@ SPEC_METRICS = [
 ]
 
 
+_SMALL_KB: dict[str, tuple[Path, Path]] = {}
+
+
+def small_kb_once(tmp_path_factory) -> tuple[Path, Path]:
+    """`build_small_kb` once per test session, shared by the runner and resume tests."""
+    if "kb" not in _SMALL_KB:
+        _SMALL_KB["kb"] = build_small_kb(tmp_path_factory.mktemp("runner_kb"))
+    return _SMALL_KB["kb"]
+
+
 def build_small_kb(root: Path) -> tuple[Path, Path]:
     """A 40-entity KB and its MiniLM index: (kb_dir, index_dir)."""
     from tandemrl.data.kb import generate_kb

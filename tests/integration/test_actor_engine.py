@@ -56,8 +56,14 @@ def _hf_greedy(actor: Actor, prompts) -> list[list[int]]:
     outs = []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=GREEDY["max_new_tokens"], do_sample=False,
-                                 eos_token_id=None, pad_token_id=0, use_cache=True)[0, len(p):]
+            ids = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=GREEDY["max_new_tokens"],
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                use_cache=True,
+            )[0, len(p) :]
             outs.append(ids.tolist())
     return outs
 
@@ -74,7 +80,9 @@ def test_engine_greedy_equals_actor_hf_greedy_after_sync(engine, tiny_llama_dir)
 
     metrics, version, results = asyncio.run(sync_and_generate())
     after = [r.output_ids for r in results]
-    print(f"weight sync: {metrics['sync_weights/bytes'] / 1e6:.1f} MB in {metrics['time/sync_weights']:.3f} s")
+    print(
+        f"weight sync: {metrics['sync_weights/bytes'] / 1e6:.1f} MB in {metrics['time/sync_weights']:.3f} s"
+    )
     assert str(version) == str(actor.weight_version) == "1"
     assert metrics["sync_weights/bytes"] == sum(t.numel() * 4 for _, t in actor.iter_full_weights())
     assert after != before, "the update must change the engine's greedy outputs"
@@ -85,13 +93,22 @@ def test_lr0_ratio_equals_rollout_training_gap(engine, tiny_llama_dir):
     """Sampled rollouts (temperature 1) from the engine at the actor's weights: with lr = 0 the PPO ratio
     only measures how far the engine's logprobs are from the trainer's."""
     torch.set_num_threads(1)
-    actor = Actor(actor_config(tiny_llama_dir, "actor.optim.lr=0.0", "algorithm.n_minibatches=1",
-                               "actor.micro_batch_tokens=64"))
+    actor = Actor(
+        actor_config(
+            tiny_llama_dir, "actor.optim.lr=0.0", "algorithm.n_minibatches=1", "actor.micro_batch_tokens=64"
+        )
+    )
     asyncio.run(_sync(actor, engine.url))  # the engine may hold another test's weights
     results = asyncio.run(_generate(engine.url, PROMPTS * 2, {"max_new_tokens": 16, "temperature": 1.0}))
-    samples = [TrainSample(p + r.output_ids, [0] * len(p) + [1] * len(r.output_ids),
-                           [0.0] * len(p) + list(r.output_logprobs), 1.0 if i % 2 else -1.0)
-               for i, (p, r) in enumerate(zip(PROMPTS * 2, results))]
+    samples = [
+        TrainSample(
+            p + r.output_ids,
+            [0] * len(p) + [1] * len(r.output_ids),
+            [0.0] * len(p) + list(r.output_logprobs),
+            1.0 if i % 2 else -1.0,
+        )
+        for i, (p, r) in enumerate(zip(PROMPTS * 2, results, strict=True))
+    ]
     metrics = actor.train_step(samples)
     ratio, gap = metrics["train/actor/ratio_abs"], metrics["train/actor/rollout_train_logprob_gap"]
     print(f"ratio_abs={ratio:.3e} rollout_train_logprob_gap={gap:.3e}")

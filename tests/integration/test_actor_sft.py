@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
 import torch
 import yaml
 
@@ -46,14 +47,25 @@ def test_tandem_sft_on_rendered_samples_writes_hf_model(tiny_llama_dir, tmp_path
 
     torch.set_num_threads(1)
     rendered = tmp_path / "rendered.jsonl"
-    rendered.write_text("".join(json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
-                                for s in make_samples(seed=5, num_samples=6)))
-    config = {"runner": {"output_dir": str(tmp_path / "run")},
-              "actor": {"model": {"model_path": str(tiny_llama_dir)}, "device": "cpu",
-                        "sft": {"rendered_path": str(rendered), "num_epochs": 3, "batch_size": 3, "lr": 0.01}}}
+    rendered.write_text(
+        "".join(
+            json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
+            for s in make_samples(seed=5, num_samples=6)
+        )
+    )
+    config = {
+        "runner": {"output_dir": str(tmp_path / "run")},
+        "actor": {
+            "model": {"model_path": str(tiny_llama_dir)},
+            "device": "cpu",
+            "sft": {"rendered_path": str(rendered), "num_epochs": 3, "batch_size": 3, "lr": 0.01},
+        },
+    }
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
     assert run_sft(argparse.Namespace(config=str(tmp_path / "sft.yaml"), overrides=[])) == 0
-    history = [json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    history = [
+        json.loads(line) for line in (tmp_path / "run" / "sft" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert len(history) == 6
     assert history[-1]["train/sft/loss"] < history[0]["train/sft/loss"]
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / "sft_model")
@@ -61,3 +73,36 @@ def test_tandem_sft_on_rendered_samples_writes_hf_model(tiny_llama_dir, tmp_path
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(model.state_dict()[name], initial.state_dict()[name])
     assert (tmp_path / "run" / "sft_model" / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_tandem_sft_renders_demos_with_the_real_retriever(tiny_llama_dir, tmp_path):
+    """Knowledge base -> MiniLM/Qdrant index -> retrieval server -> rendered demos -> SFT -> HF model."""
+    from transformers import AutoTokenizer
+
+    from tandemrl.data.kb import generate_kb
+    from tandemrl.retrieval.build import build_index
+    from tandemrl.trainer.sft import run_sft
+
+    kb = generate_kb(tmp_path / "kb", seed=0, num_entities=80, num_train=40, num_val=5, num_test=5)
+    build_index(kb / "corpus.jsonl", tmp_path / "index", batch_size=64, show_progress=False)
+    config = {
+        "runner": {"output_dir": str(tmp_path / "run")},
+        "retrieval": {"index_dir": str(tmp_path / "index")},
+        "actor": {
+            "model": {"model_path": str(tiny_llama_dir)},
+            "device": "cpu",
+            "sft": {"demos_path": str(kb / "demos.jsonl"), "num_demos": 8, "batch_size": 4, "lr": 0.01},
+        },
+    }
+    (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
+    assert run_sft(argparse.Namespace(config=str(tmp_path / "sft.yaml"), overrides=[])) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "sft" / "rendered.jsonl").read_text().splitlines()]
+    assert rows
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    row = rows[0]
+    masked_out = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+    trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    assert "<information>" in masked_out and "Doc 1(Title:" in masked_out  # retrieved text is not trained on
+    assert "<search>" in trained and "<answer>" in trained and "<information>" not in trained
+    assert (tmp_path / "run" / "sft_model" / "config.json").is_file()

@@ -10,14 +10,23 @@ import torch
 from tandemrl.trainer.actor import Actor
 from tests.integration.trainer_helpers import actor_config, make_samples
 
-METRICS = ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy", "grad_norm", "lr",
-           "rollout_train_logprob_gap")
+METRICS = (
+    "loss",
+    "ratio_abs",
+    "clip_fraction",
+    "approx_kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+    "rollout_train_logprob_gap",
+)
 
 
 def _run(model_dir, *overrides: str, num_steps: int = 1):
     torch.set_num_threads(1)
-    actor = Actor(actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.recompute_logprobs=true",
-                               *overrides))
+    actor = Actor(
+        actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.recompute_logprobs=true", *overrides)
+    )
     metrics = [actor.train_step(make_samples(seed=s, num_samples=6)) for s in range(num_steps)]
     return actor, metrics, {n: t.clone() for n, t in actor.iter_full_weights()}
 
@@ -39,14 +48,21 @@ def test_micro_batch_budget_does_not_change_the_update(tiny_llama_dir):
 
 def test_gradient_checkpointing_gives_the_same_step(tiny_llama_dir):
     _, _, plain = _run(tiny_llama_dir, "algorithm.n_minibatches=1")
-    actor, _, checkpointed = _run(tiny_llama_dir, "algorithm.n_minibatches=1", "actor.gradient_checkpointing=true")
+    actor, _, checkpointed = _run(
+        tiny_llama_dir, "algorithm.n_minibatches=1", "actor.gradient_checkpointing=true"
+    )
     assert any(getattr(m, "gradient_checkpointing", False) for m in actor.hf_model.modules())
     assert _max_diff(plain, checkpointed) < 1e-5
 
 
 def test_kl_to_reference_starts_at_zero_then_grows(tiny_llama_dir):
-    actor, metrics, _ = _run(tiny_llama_dir, "algorithm.kl_coef=0.1", "algorithm.n_minibatches=1",
-                             "actor.optim.lr=0.01", num_steps=2)
+    actor, metrics, _ = _run(
+        tiny_llama_dir,
+        "algorithm.kl_coef=0.1",
+        "algorithm.n_minibatches=1",
+        "actor.optim.lr=0.01",
+        num_steps=2,
+    )
     assert actor.ref_policy is not None
     assert metrics[0]["train/actor/kl_ref"] < 1e-9  # policy == reference before the first update
     assert metrics[1]["train/actor/kl_ref"] > 1e-4

@@ -17,8 +17,14 @@ from tandemrl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_
 from tests.integration.trainer_helpers import actor_config, make_samples
 
 REPO = Path(__file__).resolve().parents[2]
-OVERRIDES = ("actor.optim.lr=0.001", "algorithm.n_minibatches=2", "actor.micro_batch_tokens=96",
-             "actor.optim.lr_schedule=cosine", "actor.optim.warmup_steps=3", "runner.max_steps=5")
+OVERRIDES = (
+    "actor.optim.lr=0.001",
+    "algorithm.n_minibatches=2",
+    "actor.micro_batch_tokens=96",
+    "actor.optim.lr_schedule=cosine",
+    "actor.optim.warmup_steps=3",
+    "runner.max_steps=5",
+)
 
 
 def _weights(actor: Actor) -> dict[str, torch.Tensor]:
@@ -31,7 +37,9 @@ def test_resume_at_step_3_equals_uninterrupted_step_4(tiny_llama_dir, tmp_path):
     straight = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
     for step in range(3):
         straight.train_step(data[step])
-    ckpt = straight.save_checkpoint(checkpoint_dir(tmp_path, 3), extra={"data/data.pt": {"epoch": 0, "index": 12}})
+    ckpt = straight.save_checkpoint(
+        checkpoint_dir(tmp_path, 3), extra={"data/data.pt": {"epoch": 0, "index": 12}}
+    )
     rng_after_save = torch.rand(4)
     last = straight.train_step(data[3])
 
@@ -50,9 +58,13 @@ def test_resume_at_step_3_equals_uninterrupted_step_4(tiny_llama_dir, tmp_path):
 
 def test_kill_during_save_leaves_previous_checkpoint_loadable(tiny_llama_dir, tmp_path):
     marker = tmp_path / "hanging"
-    code = ("from tests.integration.trainer_helpers import train_save_then_hang_mid_save as f; "
-            f"f({str(tiny_llama_dir)!r}, {str(tmp_path)!r}, {str(marker)!r})")
-    child = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+    code = (
+        "from tests.integration.trainer_helpers import train_save_then_hang_mid_save as f; "
+        f"f({str(tiny_llama_dir)!r}, {str(tmp_path)!r}, {str(marker)!r})"
+    )
+    child = subprocess.Popen(
+        [sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}
+    )
     try:
         deadline = time.monotonic() + 240
         while not marker.exists():
@@ -85,13 +97,23 @@ def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
     actor.train_step(make_samples(seed=0, num_samples=4))
     ckpt = actor.save_checkpoint(checkpoint_dir(tmp_path, 1))
     out = tmp_path / "hf"
-    result = subprocess.run([sys.executable, "-m", "tandemrl.cli", "export", str(ckpt), "--out", str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=240)
+    result = subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", "export", str(ckpt), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert result.returncode == 0, result.stderr
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     trained = _weights(actor)
     assert all(torch.equal(exported[k], trained[k].float()) for k in trained)
     assert (out / "tokenizer.json").is_file()
-    bad = subprocess.run([sys.executable, "-m", "tandemrl.cli", "export", str(tmp_path), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=240)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", "export", str(tmp_path), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert bad.returncode == 2 and "not an actor checkpoint" in bad.stderr

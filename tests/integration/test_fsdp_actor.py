@@ -1,4 +1,5 @@
-"""FSDP2 on CPU: 2 gloo ranks end 3 train steps with the same parameters as 1 rank on the same data."""
+"""FSDP2 on CPU: 2 gloo ranks end 3 train steps with the same parameters as 1 rank on the same data,
+and their sharded checkpoint loads into a 1-rank actor (DCP reshards on load)."""
 
 from __future__ import annotations
 
@@ -6,16 +7,25 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
+from tandemrl.trainer.actor import Actor
 from tests.conftest import free_port
-from tests.integration.trainer_helpers import rank_worker, train_steps
+from tests.integration.trainer_helpers import actor_config, rank_worker, train_steps
 
-OVERRIDES = ["actor.optim.lr=0.0001", "algorithm.n_minibatches=2", "actor.micro_batch_tokens=80",
-             "algorithm.recompute_logprobs=true"]
+OVERRIDES = [
+    "actor.optim.lr=0.0001",
+    "algorithm.n_minibatches=2",
+    "actor.micro_batch_tokens=80",
+    "algorithm.recompute_logprobs=true",
+]
 
 
 def _run(world_size: int, model_dir, out_file) -> dict:
-    mp.spawn(rank_worker, args=(world_size, free_port(), str(model_dir), str(out_file), 3, OVERRIDES),
-             nprocs=world_size, join=True)
+    mp.spawn(
+        rank_worker,
+        args=(world_size, free_port(), str(model_dir), str(out_file), 3, OVERRIDES),
+        nprocs=world_size,
+        join=True,
+    )
     return torch.load(out_file, weights_only=True)
 
 
@@ -29,6 +39,16 @@ def test_two_gloo_ranks_match_one_rank(tiny_llama_dir, tmp_path):
     max_diff = max((one["weights"][k] - two["weights"][k]).abs().max().item() for k in one["weights"])
     print(f"max |param(1 rank) - param(2 ranks)| after 3 steps: {max_diff:.2e}")
     assert max_diff <= 1e-5
-    for m1, m2 in zip(one["metrics"], two["metrics"]):
+    for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert abs(m1["train/actor/loss"] - m2["train/actor/loss"]) < 1e-5
         assert m1["train/actor/num_tokens"] == m2["train/actor/num_tokens"]
+    # the 2-rank checkpoint, resharded onto this process's single rank
+    actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    actor.load_checkpoint(tmp_path / "ckpt")
+    assert actor.weight_version == 3
+    loaded = {name: t for name, t in actor.iter_full_weights()}
+    assert all(torch.equal(loaded[k], two["weights"][k]) for k in two["weights"])
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "actor").glob("rng_rank*.pt")) == [
+        "rng_rank0.pt",
+        "rng_rank1.pt",
+    ]

@@ -33,8 +33,14 @@ def test_resume_in_a_new_process_replays_the_next_100_prompts(tmp_path):
     state_path = tmp_path / "data.json"
     state_path.write_text(json.dumps(first.state_dict()))
     repo_root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", RESUME_SCRIPT, json.dumps(paths), str(state_path)],
-                         capture_output=True, text=True, check=True, cwd=repo_root, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", RESUME_SCRIPT, json.dumps(paths), str(state_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=repo_root,
+        timeout=120,
+    )
     resumed = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(resumed) == 100
     assert resumed == expected[800:]

@@ -40,8 +40,14 @@ def test_prepare_model_is_idempotent(smollm2_dir):
 
 
 def _tandem(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandemrl.cli", *args], capture_output=True, text=True,
-                          cwd=REPO_ROOT, timeout=300, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=300,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_prepare_kb_cli(tmp_path):
@@ -56,11 +62,12 @@ def test_prepare_kb_cli(tmp_path):
 
 
 def test_demos_render_with_the_real_retriever(tmp_path):
+    from transformers import AutoTokenizer
+
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.data.prepare_model import prepare_model
     from tandemrl.retrieval.build import build_index
     from tandemrl.retrieval.server_process import RetrievalServerProcess
-    from transformers import AutoTokenizer
 
     kb = generate_kb(tmp_path / "kb", seed=0, num_entities=80, num_train=60, num_val=5, num_test=5)
     build_index(kb / "corpus.jsonl", tmp_path / "index", encoder="minilm", show_progress=False)
@@ -78,12 +85,12 @@ def test_demos_render_with_the_real_retriever(tmp_path):
 
     with RetrievalServerProcess(tmp_path / "index") as server:
         rendered, results = asyncio.run(render_all(server.addr))
-    hits = [hit for demo, result in zip(demos, results) for hit in info_hits(demo, result)]
+    hits = [hit for demo, result in zip(demos, results, strict=True) for hit in info_hits(demo, result)]
     print(f"demo searches whose top-3 state the fact: {sum(hits)}/{len(hits)}")
     assert sum(hits) >= 0.8 * len(hits)
-    for demo, (ids, mask) in zip(demos, rendered):
+    for demo, (ids, mask) in zip(demos, rendered, strict=True):
         text = tokenizer.decode(ids)
-        assert text.count("<information>") == len(demo["steps"]) and mask[-1] == 1
+        assert text.count("<information>Doc 1(Title: ") == len(demo["steps"]) and mask[-1] == 1
         assert text.endswith(f"<answer> {demo['answer']} </answer><|im_end|>")
 
 
@@ -99,7 +106,7 @@ def test_prepare_model_from_the_wheel_into_a_fresh_dir(tmp_path):
 def test_prepare_all_into_a_fresh_home(tmp_path):
     result = _tandem("prepare", "all", env={"TANDEM_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 0, result.stderr[-3000:]
-    paths = json.loads(result.stdout[result.stdout.index("{"):])
+    paths = json.loads(result.stdout[result.stdout.index("{") :])
     for key in ("model", "retriever", "kb", "index"):
         assert Path(paths[key]).is_dir(), key
     assert (Path(paths["index"]) / "index.json").is_file()

@@ -11,7 +11,7 @@ from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
 from tandemrl.runner.checkpoint import checkpoint_dir, load_resume_state
 from tandemrl.runner.launch import train
-from tests.integration.runner_helpers import account, build_small_kb, read_ledger, tiny_overrides
+from tests.integration.runner_helpers import account, read_ledger, small_kb_once, tiny_overrides
 
 SAVE_LINE = re.compile(
     r"checkpoint step (\d+) saved to .*skips (\d+) prompts issued before the save "
@@ -19,12 +19,16 @@ SAVE_LINE = re.compile(
 )
 
 
-def test_resume_skips_exactly_the_prompts_issued_before_the_save(tmp_path, tiny_llama_dir, caplog):
-    kb_dir, index_dir = build_small_kb(tmp_path / "kb")
+def test_resume_skips_exactly_the_prompts_issued_before_the_save(
+    tmp_path, tmp_path_factory, tiny_llama_dir, caplog
+):
+    """The actor runs as a Ray actor here (the default placement), so the default suite covers Ray."""
+    kb_dir, index_dir = small_kb_once(tmp_path_factory)
     base = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run1") + [
         "runner.async_mode=true",
         "runner.val_interval=0",
         "data.shuffle=false",
+        "cluster.use_ray=true",
     ]
     caplog.set_level(logging.INFO, logger="tandemrl")
     first = load_config(None, base + ["runner.max_steps=2", "runner.save_interval=2"])

@@ -4,10 +4,12 @@ async staleness >= 1 occurs, that every prompt is accounted for, and each pause 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -18,15 +20,15 @@ from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
     SPEC_METRICS,
     account,
-    build_small_kb,
     read_ledger,
+    small_kb_once,
     tiny_overrides,
 )
 
 
 @pytest.fixture(scope="module")
 def small_kb(tmp_path_factory):
-    return build_small_kb(tmp_path_factory.mktemp("runner_kb"))
+    return small_kb_once(tmp_path_factory)
 
 
 def run(tmp_path, tiny_llama_dir, small_kb, *overrides):
@@ -56,6 +58,11 @@ def check_run(config, ctx, expect_stale: bool):
     assert len(sets["trained"]) == 8
     assert len(sets["trained_prompts"]) == len(set(sets["trained_prompts"]))  # no prompt trained twice
     assert ctx.weight_version == 4
+    rows = [
+        json.loads(line)
+        for line in (Path(output_dir) / "trajectories" / "step_4.jsonl").read_text().splitlines()
+    ]
+    assert len(rows) == 4 and all(len(r["response_ids"]) == len(r["weight_versions"]) for r in rows)
     return scalars, sets
 
 
@@ -116,7 +123,11 @@ def _engine_pids() -> list[int]:
 def test_a_dead_engine_stops_the_run_within_seconds_naming_it(tmp_path, tiny_llama_dir, small_kb):
     kb_dir, index_dir = small_kb
     overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
-        "runner.async_mode=true", "runner.max_steps=50", "runner.val_interval=0", "retrieval.launch=false"]
+        "runner.async_mode=true",
+        "runner.max_steps=50",
+        "runner.val_interval=0",
+        "retrieval.launch=false",
+    ]
     config = load_config(None, overrides)
     killed_at = {}
 

@@ -13,8 +13,9 @@ from tandemrl.config.loader import load_config
 from tandemrl.trainer.batching import TrainSample
 
 
-def make_samples(seed: int = 0, num_samples: int = 8, vocab: int = 1000, min_len: int = 10,
-                 max_len: int = 40) -> list[TrainSample]:
+def make_samples(
+    seed: int = 0, num_samples: int = 8, vocab: int = 1000, min_len: int = 10, max_len: int = 40
+) -> list[TrainSample]:
     """Ragged random trajectories: a prompt (mask 0), then model tokens with a masked tool span."""
     rng = random.Random(seed)
     samples = []
@@ -25,34 +26,56 @@ def make_samples(seed: int = 0, num_samples: int = 8, vocab: int = 1000, min_len
         if n - num_prompt > 8:  # a tool-output span in the middle, as after a search
             for t in range(num_prompt + 3, num_prompt + 6):
                 mask[t] = 0
-        samples.append(TrainSample([rng.randrange(vocab) for _ in range(n)], mask,
-                                   [rng.uniform(-12.0, -9.0) * m for m in mask], rng.uniform(-1.5, 1.5)))
+        samples.append(
+            TrainSample(
+                [rng.randrange(vocab) for _ in range(n)],
+                mask,
+                [rng.uniform(-12.0, -9.0) * m for m in mask],
+                rng.uniform(-1.5, 1.5),
+            )
+        )
     return samples
 
 
 def actor_config(model_dir: Path, *overrides: str):
-    return load_config(None, [f"actor.model.model_path={model_dir}", "actor.device=cpu",
-                              "runner.output_dir=/tmp/tandem-unused", *overrides])
+    return load_config(
+        None,
+        [
+            f"actor.model.model_path={model_dir}",
+            "actor.device=cpu",
+            "runner.output_dir=/tmp/tandem-unused",
+            *overrides,
+        ],
+    )
 
 
-def rank_worker(rank: int, world_size: int, port: int, model_dir: str, out_file: str, num_steps: int,
-                overrides: list[str]) -> None:
+def rank_worker(
+    rank: int, world_size: int, port: int, model_dir: str, out_file: str, num_steps: int, overrides: list[str]
+) -> None:
     """One rank: `num_steps` train steps on the same samples, then rank 0 saves the full weights."""
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    result = train_steps(Path(model_dir), num_steps, overrides)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    result = train_steps(Path(model_dir), num_steps, overrides, Path(out_file).parent / "ckpt")
     if rank == 0:
         torch.save(result, out_file)
     torch.distributed.destroy_process_group()
 
 
-def train_steps(model_dir: Path, num_steps: int, overrides: list[str]) -> dict:
-    """A fresh actor's metrics and full weights after `num_steps` steps on make_samples(seed=step)."""
+def train_steps(model_dir: Path, num_steps: int, overrides: list[str], ckpt_dir: Path | None = None) -> dict:
+    """A fresh actor's metrics and full weights after `num_steps` steps on make_samples(seed=step),
+    checkpointed to `ckpt_dir` when given."""
     from tandemrl.trainer.actor import Actor
 
     actor = Actor(actor_config(model_dir, *overrides))
     metrics = [actor.train_step(make_samples(seed=step, num_samples=6)) for step in range(num_steps)]
+    if ckpt_dir is not None:
+        actor.save_checkpoint(ckpt_dir)
     return {"weights": {name: t.clone() for name, t in actor.iter_full_weights()}, "metrics": metrics}
 
 

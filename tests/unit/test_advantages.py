@@ -50,8 +50,10 @@ class FakeTrajectory:
 
 
 def test_samples_from_trajectories_aligns_prompt_and_response():
-    group = [FakeTrajectory([1, 2], [3, 4, 5], [1, 0, 1], [-0.5, 0.0, -0.25], 1.0),
-             FakeTrajectory([1, 2], [6], [1], [-2.0], 0.0)]
+    group = [
+        FakeTrajectory([1, 2], [3, 4, 5], [1, 0, 1], [-0.5, 0.0, -0.25], 1.0),
+        FakeTrajectory([1, 2], [6], [1], [-2.0], 0.0),
+    ]
     a, b = samples_from_trajectories([group], norm_by_std=False)
     assert a.input_ids == [1, 2, 3, 4, 5] and a.loss_mask == [0, 0, 1, 0, 1]
     assert a.old_logprobs == [0.0, 0.0, -0.5, 0.0, -0.25]

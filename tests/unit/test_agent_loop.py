@@ -13,7 +13,13 @@ import pytest
 
 from tandemrl.agent.loop import Trajectory, run_group, run_trajectory, sampling_params
 from tandemrl.agent.prompt import (
-    ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, build_prompt_ids, encode_text)
+    ANSWER_NOW_TEXT,
+    INFO_CLOSE,
+    INFO_OPEN,
+    INVALID_ACTION_TEXT,
+    build_prompt_ids,
+    encode_text,
+)
 from tandemrl.agent.search_tool import SearchError
 from tandemrl.config.schema import AgentLoopConfig
 from tandemrl.data.loader import Prompt
@@ -27,16 +33,29 @@ class FakeEngine:
     request id prefix) gets the scripted turns in order, tokenized with the real tokenizer, cut at
     a stop string and at `max_new_tokens` like a real engine; it records every request."""
 
-    def __init__(self, tokenizer, turns: list[str], weight_version: int = 3, per_token_versions: bool = True,
-                 finish_reason: str | None = None, honour_stops: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        turns: list[str],
+        weight_version: int = 3,
+        per_token_versions: bool = True,
+        finish_reason: str | None = None,
+        honour_stops: bool = True,
+    ):
         self.tokenizer, self.turns, self.weight_version = tokenizer, turns, weight_version
-        self.per_token_versions, self.finish_reason, self.honour_stops = per_token_versions, finish_reason, honour_stops
+        self.per_token_versions, self.finish_reason, self.honour_stops = (
+            per_token_versions,
+            finish_reason,
+            honour_stops,
+        )
         self.requests: list[dict] = []
         self.num_inflight = self.peak_inflight = 0
         self._turn_of: dict[str, int] = {}
 
     async def generate(self, input_ids, sampling_params, rid=None, extra=None) -> GenerateResult:
-        self.requests.append(dict(input_ids=list(input_ids), sampling_params=sampling_params, rid=rid, extra=extra))
+        self.requests.append(
+            dict(input_ids=list(input_ids), sampling_params=sampling_params, rid=rid, extra=extra)
+        )
         self.num_inflight += 1
         self.peak_inflight = max(self.peak_inflight, self.num_inflight)
         await asyncio.sleep(0.01)  # let the other trajectories of a group run meanwhile
@@ -54,9 +73,14 @@ class FakeEngine:
             ids, finish = ids[: sampling_params["max_new_tokens"]], "length"
         versions = [self.weight_version] * len(ids) if self.per_token_versions else None
         return GenerateResult(
-            output_ids=ids, output_logprobs=[-0.5 - 0.01 * i for i in range(len(ids))],
-            finish_reason=self.finish_reason or finish, matched_stop=None, weight_versions=versions,
-            weight_version=str(self.weight_version), prompt_tokens=len(input_ids))
+            output_ids=ids,
+            output_logprobs=[-0.5 - 0.01 * i for i in range(len(ids))],
+            finish_reason=self.finish_reason or finish,
+            matched_stop=None,
+            weight_versions=versions,
+            weight_version=str(self.weight_version),
+            prompt_tokens=len(input_ids),
+        )
 
 
 class FakeSearch:
@@ -70,14 +94,25 @@ class FakeSearch:
     async def search(self, queries: list[str]) -> list[list[dict]]:
         self.queries.extend(queries)
         if any("FAIL" in q for q in queries):
-            raise SearchError("search failed: retrieval server http://127.0.0.1:1/retrieve did not answer after "
-                              "4 attempts (ClientConnectorError).")
-        return [[{"document": {"id": str(i), "contents": f"\"Doc{i}\"\n{self.text} ({q})"}, "score": 1.0 - i / 10}
-                 for i in range(3)] for q in queries]
+            raise SearchError(
+                "search failed: retrieval server http://127.0.0.1:1/retrieve did not answer after "
+                "4 attempts (ClientConnectorError)."
+            )
+        return [
+            [
+                {
+                    "document": {"id": str(i), "contents": f'"Doc{i}"\n{self.text} ({q})'},
+                    "score": 1.0 - i / 10,
+                }
+                for i in range(3)
+            ]
+            for q in queries
+        ]
 
 
-PROMPT = Prompt(prompt_id="p1", question="What is the capital of France?", golden_answers=["Paris"],
-                data_source="kb_1hop")
+PROMPT = Prompt(
+    prompt_id="p1", question="What is the capital of France?", golden_answers=["Paris"], data_source="kb_1hop"
+)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +122,9 @@ def tokenizer(smollm2_dir):
     return AutoTokenizer.from_pretrained(smollm2_dir)
 
 
-def run(tokenizer, turns, cfg=None, search=None, **engine_kwargs) -> tuple[Trajectory, FakeEngine, FakeSearch]:
+def run(
+    tokenizer, turns, cfg=None, search=None, **engine_kwargs
+) -> tuple[Trajectory, FakeEngine, FakeSearch]:
     engine = FakeEngine(tokenizer, turns, **engine_kwargs)
     search = search or FakeSearch()
     cfg = cfg or AgentLoopConfig(task_name="searchr1", max_turns=2)
@@ -99,10 +136,14 @@ def run(tokenizer, turns, cfg=None, search=None, **engine_kwargs) -> tuple[Traje
 def check_alignment(traj: Trajectory, tokenizer) -> None:
     n = len(traj.response_ids)
     assert len(traj.loss_mask) == len(traj.rollout_logprobs) == len(traj.weight_versions) == n
-    for mask, logprob, version in zip(traj.loss_mask, traj.rollout_logprobs, traj.weight_versions, strict=True):
+    for mask, logprob, version in zip(
+        traj.loss_mask, traj.rollout_logprobs, traj.weight_versions, strict=True
+    ):
         assert (logprob < 0 and version >= 0) if mask else (logprob == 0.0 and version == -1)
-    assert tokenizer.decode(traj.prompt_ids + traj.response_ids) == tokenizer.decode(traj.prompt_ids) + \
-        traj.response_text
+    assert (
+        tokenizer.decode(traj.prompt_ids + traj.response_ids)
+        == tokenizer.decode(traj.prompt_ids) + traj.response_text
+    )
 
 
 def masked_segments(traj: Trajectory, tokenizer) -> list[tuple[int, str]]:
@@ -117,8 +158,10 @@ def masked_segments(traj: Trajectory, tokenizer) -> list[tuple[int, str]]:
 
 
 def test_search_then_answer(tokenizer):
-    turns = ["<think>I need facts.</think>\n<search> capital of France </search>",
-             "<think>Found it.</think>\n<answer> Paris </answer>"]
+    turns = [
+        "<think>I need facts.</think>\n<search> capital of France </search>",
+        "<think>Found it.</think>\n<answer> Paris </answer>",
+    ]
     traj, engine, search = run(tokenizer, turns)
     assert traj.finish_reason == "answer" and traj.num_turns == 2
     assert traj.searches == ["capital of France"] == search.queries
@@ -169,7 +212,9 @@ def test_tool_text_never_counts_as_the_answer(tokenizer):
 
 
 def test_unbalanced_tags(tokenizer):
-    traj, _, search = run(tokenizer, ["<search> a <search> b </search>", "<answer> x <answer> Paris </answer>"])
+    traj, _, search = run(
+        tokenizer, ["<search> a <search> b </search>", "<answer> x <answer> Paris </answer>"]
+    )
     assert search.queries == ["b"] and traj.answer == "Paris" and traj.reward == 1.0
 
 
@@ -195,8 +240,9 @@ def test_search_in_the_grace_turn_ends_the_trajectory(tokenizer):
 
 
 def test_zero_max_turns_never_searches(tokenizer):
-    traj, _, search = run(tokenizer, ["<search> q </search>", "<answer> Paris </answer>"],
-                          cfg=AgentLoopConfig(max_turns=0))
+    traj, _, search = run(
+        tokenizer, ["<search> q </search>", "<answer> Paris </answer>"], cfg=AgentLoopConfig(max_turns=0)
+    )
     assert search.queries == [] and traj.num_turns == 2 and traj.reward == 1.0
 
 
@@ -244,7 +290,9 @@ def test_sampling_params_greedy_and_sampled(tokenizer):
     cfg = AgentLoopConfig(temperature=0.7, top_p=0.9, top_k=20)
     sampled = sampling_params(cfg, tokenizer, 32, greedy=False)
     assert (sampled["temperature"], sampled["top_p"], sampled["top_k"]) == (0.7, 0.9, 20)
-    assert sampled["stop"] == ["</search>", "</answer>"] and sampled["stop_token_ids"] == [tokenizer.eos_token_id]
+    assert sampled["stop"] == ["</search>", "</answer>"] and sampled["stop_token_ids"] == [
+        tokenizer.eos_token_id
+    ]
     assert sampling_params(cfg, tokenizer, 32, greedy=True)["temperature"] == 0.0
 
 
@@ -263,7 +311,31 @@ def test_group_runs_concurrently(tokenizer):
 def test_trajectory_record_is_json_ready(tokenizer):
     import json
 
-    traj, _, _ = run(tokenizer, ["<answer> paris </answer>"], cfg=replace(AgentLoopConfig(), format_reward=True))
+    traj, _, _ = run(
+        tokenizer, ["<answer> paris </answer>"], cfg=replace(AgentLoopConfig(), format_reward=True)
+    )
     record = json.loads(json.dumps(traj.to_dict()))
     assert record["reward"] == pytest.approx(0.8) and record["em"] == 1.0  # correct, but no <think> first
     assert record["golden_answers"] == ["Paris"] and record["data_source"] == "kb_1hop"
+
+
+class FailingEngine(FakeEngine):
+    """Stands in for an engine process that errors on one trajectory's request (e.g. an HTTP 500)."""
+
+    async def generate(self, input_ids, sampling_params, rid=None, extra=None) -> GenerateResult:
+        if rid.startswith("agent-p1-1-"):  # sample 1 of prompt p1 (no task name: "agent")
+            raise RuntimeError("engine answered 500")
+        return await super().generate(input_ids, sampling_params, rid, extra)
+
+
+def test_group_failure_cancels_the_siblings(tokenizer):
+    engine = FailingEngine(tokenizer, ["<search> q </search>", "<answer> Paris </answer>"])
+
+    async def main():
+        with pytest.raises(RuntimeError, match="engine answered 500"):
+            await run_group(PROMPT, 4, engine, FakeSearch(), tokenizer, AgentLoopConfig(max_turns=2))
+        await asyncio.sleep(0.05)
+        return [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+
+    assert asyncio.run(main()) == []  # no sibling left running
+    assert len(engine.requests) < 8  # the siblings never reached their second turn

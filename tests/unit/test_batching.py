@@ -6,8 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandemrl.trainer.batching import (TrainSample, build_micro_batch, pack_indices, partition_for_ranks,
-                                       plan_rank_micro_batches, split_minibatches)
+from tandemrl.trainer.batching import (
+    TrainSample,
+    build_micro_batch,
+    pack_indices,
+    partition_for_ranks,
+    plan_rank_micro_batches,
+    split_minibatches,
+)
 
 
 def _sample(n: int, adv: float = 1.0, first_masked: int = 2) -> TrainSample:
@@ -93,13 +99,21 @@ def test_micro_batch_forward_equals_separate_forwards(tiny_llama_dir, padded):
     padded: right-padded rows with an attention mask. Both equal per-sample forwards."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
     samples = [_sample(n) for n in (9, 5, 12)]
     micro = build_micro_batch(samples, [0, 1, 2], padded=padded)
     with torch.no_grad():
-        logits = model(input_ids=micro.input_ids_RL, position_ids=micro.position_ids_RL,
-                       attention_mask=micro.attention_mask_RL, use_cache=False).logits
+        logits = model(
+            input_ids=micro.input_ids_RL,
+            position_ids=micro.position_ids_RL,
+            attention_mask=micro.attention_mask_RL,
+            use_cache=False,
+        ).logits
         flat = logits.reshape(-1, logits.shape[-1])
-        together = torch.cat([flat[o:o + s.num_tokens] for o, s in zip(micro.sample_offsets, samples)])
+        together = torch.cat(
+            [flat[o : o + s.num_tokens] for o, s in zip(micro.sample_offsets, samples, strict=True)]
+        )
         separate = torch.cat([model(input_ids=torch.tensor([s.input_ids])).logits[0] for s in samples])
     assert (together - separate).abs().max().item() < 1e-5

@@ -13,15 +13,31 @@ from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import SamplingParams, Sequence
 
 NUM_SAMPLES = 20_000
-CHUNK = 2_000
+CHUNK = 5_000
+SCALE = 9.0
 
 
 @pytest.fixture(scope="module")
-def first_token_logits(tiny_llama_dir) -> torch.Tensor:
-    """Next-token logits of a prompt under the tiny Llama, its final norm scaled so the distribution is peaky."""
-    engine = Engine(EngineConfig(str(tiny_llama_dir), max_context_len=64, max_running_requests=1))
+def small_vocab_llama_dir(tmp_path_factory, smollm2_dir):
+    """A 2-layer random Llama with a 4,096-token vocabulary: 20,000 draws stay cheap on CPU."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("small_vocab_llama")
+    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def first_token_logits(small_vocab_llama_dir) -> torch.Tensor:
+    """Next-token logits of a prompt under the tiny model, its final norm scaled so the distribution is peaky."""
+    engine = Engine(EngineConfig(str(small_vocab_llama_dir), max_context_len=64, max_running_requests=1))
     with torch.no_grad():
-        engine.model.model.norm.weight.mul_(40.0)
+        engine.model.model.norm.weight.mul_(SCALE)
     seq = engine.add_request("r", [1, 523, 2174, 28], SamplingParams())
     engine.scheduler.schedule()
     return engine.runner.forward_logits([seq])[0]

@@ -61,8 +61,13 @@ def test_world_has_look_alike_names():
     by_first: dict[str, list[str]] = {}
     for first, last in people:
         by_first.setdefault(first, []).append(last)
-    look_alikes = [(a, b) for lasts in by_first.values() for a in lasts for b in lasts
-                   if a < b and a[:3] == b[:3] and abs(len(a) - len(b)) <= 2]
+    look_alikes = [
+        (a, b)
+        for lasts in by_first.values()
+        for a in lasts
+        for b in lasts
+        if a < b and a[:3] == b[:3] and abs(len(a) - len(b)) <= 2
+    ]
     assert len(look_alikes) >= 5, look_alikes
 
 
@@ -80,7 +85,14 @@ def test_split_sizes_and_record_format(splits):
     for records in splits.values():
         assert {r["data_source"] for r in records} == {"kb_1hop", "kb_2hop"}
         for r in records:
-            assert {"id", "question", "golden_answers", "data_source", "gold_passage_ids", "gold_queries"} <= set(r)
+            assert {
+                "id",
+                "question",
+                "golden_answers",
+                "data_source",
+                "gold_passage_ids",
+                "gold_queries",
+            } <= set(r)
             assert r["golden_answers"] and all(isinstance(a, str) and a for a in r["golden_answers"])
             hops = 1 if r["data_source"] == "kb_1hop" else 2
             assert len(r["gold_passage_ids"]) == len(r["gold_queries"]) == hops
@@ -128,7 +140,9 @@ def test_splits_are_disjoint_in_questions_ids_and_facts(splits):
     ids = [r["id"] for records in splits.values() for r in records]
     assert len(ids) == len(set(ids))
     # one passage per fact: no held-out fact is seen in training
-    facts = {split: {pid for r in records for pid in r["gold_passage_ids"]} for split, records in splits.items()}
+    facts = {
+        split: {pid for r in records for pid in r["gold_passage_ids"]} for split, records in splits.items()
+    }
     assert not facts["train"] & (facts["val"] | facts["test"])
 
 
@@ -144,10 +158,10 @@ def test_demos_follow_the_gold_chain(kb, splits, corpus):
     demos = read_jsonl(kb / "demos.jsonl")
     train = splits["train"]
     assert [d["id"] for d in demos] == [r["id"] for r in train]
-    for demo, record in zip(demos, train):
+    for demo, record in zip(demos, train, strict=True):
         assert demo["answer"] == record["golden_answers"][0]
         assert [step["expect"] for step in demo["steps"]] == record["hop_answers"]
-        for step, passage_id in zip(demo["steps"], record["gold_passage_ids"]):
+        for step, passage_id in zip(demo["steps"], record["gold_passage_ids"], strict=True):
             assert corpus[passage_id][0] in step["query"], step  # each search names its hop's entity
             assert step["think"]
         if len(demo["steps"]) == 2:  # the second think states what the first search found

@@ -35,7 +35,12 @@ class FakeRetrievalServer:
         for query in body["queries"]:
             docs = [self.by_id[pid] for pid in self.hits.get(query, [])]
             docs += [p for p in self.padding if p not in docs]
-            result.append([{"document": doc, "score": 1.0 / (rank + 1)} for rank, doc in enumerate(docs[:body["topk"]])])
+            result.append(
+                [
+                    {"document": doc, "score": 1.0 / (rank + 1)}
+                    for rank, doc in enumerate(docs[: body["topk"]])
+                ]
+            )
         return web.json_response({"result": result})
 
     async def __aenter__(self) -> FakeRetrievalServer:
@@ -58,8 +63,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def kb(tmp_path_factory) -> Path:
-    return generate_kb(tmp_path_factory.mktemp("kb"), seed=5, num_entities=200, num_train=200, num_val=20,
-                       num_test=20)
+    return generate_kb(
+        tmp_path_factory.mktemp("kb"), seed=5, num_entities=200, num_train=200, num_val=20, num_test=20
+    )
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +80,7 @@ def oracle_hits(kb: Path) -> dict[str, list[str]]:
     records = {r["id"]: r for r in read_jsonl(kb / "train.jsonl")}
     hits = {}
     for demo in load_demos(kb / "demos.jsonl"):
-        for step, passage_id in zip(demo["steps"], records[demo["id"]]["gold_passage_ids"]):
+        for step, passage_id in zip(demo["steps"], records[demo["id"]]["gold_passage_ids"], strict=True):
             hits[step["query"]] = [passage_id]
     return hits
 
@@ -82,7 +88,7 @@ def oracle_hits(kb: Path) -> dict[str, list[str]]:
 def spans(ids: list[int], mask: list[int]) -> list[tuple[int, list[int]]]:
     """Maximal runs of equal mask value: [(mask value, ids), ...]."""
     runs: list[tuple[int, list[int]]] = []
-    for token, bit in zip(ids, mask):
+    for token, bit in zip(ids, mask, strict=True):
         if runs and runs[-1][0] == bit:
             runs[-1][1].append(token)
         else:
@@ -105,17 +111,17 @@ def test_render_matches_the_agent_loop_format(kb, tokenizer):
     two_hop = [d for d in demos if len(d["steps"]) == 2][:3]
     one_hop = [d for d in demos if len(d["steps"]) == 1][:3]
     rendered = asyncio.run(_render_all(kb, tokenizer, oracle_hits(kb), one_hop + two_hop))
-    for demo, (ids, mask) in zip(one_hop + two_hop, rendered):
+    for demo, (ids, mask) in zip(one_hop + two_hop, rendered, strict=True):
         assert len(ids) == len(mask)
         prompt = build_prompt_ids(tokenizer, demo["question"])
         assert ids[: len(prompt)] == prompt and not any(mask[: len(prompt)])
-        runs = spans(ids[len(prompt):], mask[len(prompt):])
+        runs = spans(ids[len(prompt) :], mask[len(prompt) :])
         turns = model_turn_texts(demo)
         assert [bit for bit, _ in runs] == [1, 0] * len(demo["steps"]) + [1]
         model_runs = [run for bit, run in runs if bit == 1]
         assert model_runs[:-1] == [encode_text(tokenizer, text) for text in turns[:-1]]
         assert model_runs[-1] == encode_text(tokenizer, turns[-1]) + [tokenizer.eos_token_id]
-        for (bit, run), step in zip(runs[1::2], demo["steps"]):
+        for (_, run), step in zip(runs[1::2], demo["steps"], strict=True):
             info = tokenizer.decode(run)
             assert info.startswith("\n\n<information>Doc 1(Title: ") and info.endswith("</information>\n\n")
             assert step["expect"] in info

@@ -15,18 +15,34 @@ from tandemrl.data.loader import Prompt, PromptLoader, load_prompts
 def write_jsonl(path: Path, num: int, prefix: str = "q") -> Path:
     with open(path, "w") as f:
         for i in range(num):
-            f.write(json.dumps({"id": f"{prefix}{i}", "question": f"{prefix} question {i}?",
-                                "golden_answers": [f"answer {i}"], "data_source": "kb_1hop"}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "id": f"{prefix}{i}",
+                        "question": f"{prefix} question {i}?",
+                        "golden_answers": [f"answer {i}"],
+                        "data_source": "kb_1hop",
+                    }
+                )
+                + "\n"
+            )
     return path
 
 
 def write_searchr1_parquet(path: Path, num: int) -> Path:
     """Search-R1's own layout: the question inside the instruction prompt, answers in reward_model."""
-    rows = [{"data_source": "nq",
-             "prompt": [{"role": "user", "content": f"Answer the given question. ... Question: who is {i}?\n"}],
-             "ability": "fact-reasoning",
-             "reward_model": {"style": "rule", "ground_truth": {"target": [f"person {i}", f"p{i}"]}},
-             "extra_info": {"split": "train", "index": i}} for i in range(num)]
+    rows = [
+        {
+            "data_source": "nq",
+            "prompt": [
+                {"role": "user", "content": f"Answer the given question. ... Question: who is {i}?\n"}
+            ],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": [f"person {i}", f"p{i}"]}},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(num)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
@@ -58,7 +74,9 @@ def test_same_seed_same_order_other_seed_other_order(files):
 
 def test_without_shuffle_the_order_is_file_order(files):
     loader = PromptLoader(files, seed=0, shuffle=False)
-    assert ids(loader.next_prompts(13)) == [f"a:a{i}" for i in range(7)] + [f"b:b{i}" for i in range(5)] + ["a:a0"]
+    assert ids(loader.next_prompts(13)) == [f"a:a{i}" for i in range(7)] + [f"b:b{i}" for i in range(5)] + [
+        "a:a0"
+    ]
 
 
 def test_restore_continues_exactly(files):

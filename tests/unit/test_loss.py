@@ -13,8 +13,9 @@ from tandemrl.trainer.loss import PolicyLossConfig, low_var_kl, masked_sums, ppo
 def _losses(ratios, advantages, cfg=None, ref=None):
     logprobs = torch.tensor([math.log(r) for r in ratios], dtype=torch.float64, requires_grad=True)
     old = torch.zeros_like(logprobs)
-    loss, stats = ppo_token_losses(logprobs, old, torch.tensor(advantages, dtype=torch.float64),
-                                   cfg or PolicyLossConfig(0.2, 0.2), ref)
+    loss, stats = ppo_token_losses(
+        logprobs, old, torch.tensor(advantages, dtype=torch.float64), cfg or PolicyLossConfig(0.2, 0.2), ref
+    )
     return logprobs, loss, stats
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tandemrl.agent.prompt import (
-    INFO_CLOSE, INFO_OPEN, INSTRUCTION, build_prompt_ids, build_prompt_text, encode_text, format_information,
-    format_message)
+    INFO_CLOSE,
+    INFO_OPEN,
+    INSTRUCTION,
+    build_prompt_ids,
+    build_prompt_text,
+    encode_text,
+    format_information,
+    format_message,
+)
 
 
 @pytest.fixture(scope="module")
@@ -17,16 +24,22 @@ def tokenizer(smollm2_dir):
 
 
 def docs(*texts: str) -> list[dict]:
-    return [{"document": {"id": str(i), "contents": f"\"Title {i}\"\n{text}"}, "score": 0.5}
-            for i, text in enumerate(texts)]
+    return [
+        {"document": {"id": str(i), "contents": f'"Title {i}"\n{text}'}, "score": 0.5}
+        for i, text in enumerate(texts)
+    ]
 
 
 def test_instruction_is_search_r1s():
     text = INSTRUCTION.format(question="Who wrote Hamlet?")
-    assert text.startswith("Answer the given question. You must conduct reasoning inside <think> and </think> "
-                           "first every time you get new information. After reasoning, if you find you lack")
-    assert "call a search engine by <search> query </search> and it will return the top searched results " \
-           "between <information> and </information>. You can search as many times as your want." in text
+    assert text.startswith(
+        "Answer the given question. You must conduct reasoning inside <think> and </think> "
+        "first every time you get new information. After reasoning, if you find you lack"
+    )
+    assert (
+        "call a search engine by <search> query </search> and it will return the top searched results "
+        "between <information> and </information>. You can search as many times as your want." in text
+    )
     assert text.endswith("For example, <answer> Beijing </answer>. Question: Who wrote Hamlet?\n")
 
 
@@ -49,8 +62,10 @@ def test_prompt_without_chat_template(tokenizer):
 
 def test_information_format():
     block = format_information(docs("first text", "second text"))
-    assert block == f"{INFO_OPEN}Doc 1(Title: \"Title 0\") first text\nDoc 2(Title: \"Title 1\") second text" \
-                    f"{INFO_CLOSE}"
+    assert (
+        block == f'{INFO_OPEN}Doc 1(Title: "Title 0") first text\nDoc 2(Title: "Title 1") second text'
+        f"{INFO_CLOSE}"
+    )
     assert block.startswith("\n\n<information>") and block.endswith("</information>\n\n")
 
 
@@ -61,7 +76,7 @@ def test_information_fits_its_budget(tokenizer):
     for budget in (120, 60, 30):
         block = format_information(long, tokenizer, budget)
         assert len(encode_text(tokenizer, block)) <= budget
-        assert block.startswith(INFO_OPEN + "Doc 1(Title: \"Title 0\")") and block.endswith(INFO_CLOSE)
+        assert block.startswith(INFO_OPEN + 'Doc 1(Title: "Title 0")') and block.endswith(INFO_CLOSE)
     # one common cap: the long documents are cut, the short one keeps its text
     block = format_information(long, tokenizer, 120)
     assert "short" in block and "alpha alpha" in block and "beta beta" in block
@@ -79,7 +94,11 @@ def test_equal_documents_are_cut_equally(tokenizer):
 
 def test_information_drops_documents_when_titles_alone_do_not_fit(tokenizer):
     block = format_information(docs("a", "b", "c"), tokenizer, 20)
-    assert len(encode_text(tokenizer, block)) <= 20 and block.startswith(INFO_OPEN) and block.endswith(INFO_CLOSE)
+    assert (
+        len(encode_text(tokenizer, block)) <= 20
+        and block.startswith(INFO_OPEN)
+        and block.endswith(INFO_CLOSE)
+    )
     assert "Doc 3" not in block
 
 

@@ -7,14 +7,17 @@ import pytest
 from tandemrl.agent.reward import compute_reward, em_check, is_valid_sequence, normalize_answer
 
 
-@pytest.mark.parametrize("raw, normalized", [
-    ("Paris", "paris"),
-    ("  The   Eiffel Tower. ", "eiffel tower"),
-    ("A cat, an owl & the dog!", "cat owl dog"),
-    ("theatre", "theatre"),  # articles only as whole words
-    ("Anne-Marie's", "annemaries"),
-    ("", ""),
-])
+@pytest.mark.parametrize(
+    "raw, normalized",
+    [
+        ("Paris", "paris"),
+        ("  The   Eiffel Tower. ", "eiffel tower"),
+        ("A cat, an owl & the dog!", "cat owl dog"),
+        ("theatre", "theatre"),  # articles only as whole words
+        ("Anne-Marie's", "annemaries"),
+        ("", ""),
+    ],
+)
 def test_normalize_answer(raw, normalized):
     assert normalize_answer(raw) == normalized
 
@@ -49,8 +52,10 @@ def test_prompt_example_answer_never_counts():
     assert compute_reward("<think>no idea</think><answer> Beijing </answer>", ["Beijing"]) == 1.0
 
 
-VALID = ("<think>look up</think>\n<search> q </search>\n\n<information>Doc 1(Title: Paris) x</information>\n\n"
-         "<think>found</think>\n<answer> Paris </answer>")
+VALID = (
+    "<think>look up</think>\n<search> q </search>\n\n<information>Doc 1(Title: Paris) x</information>\n\n"
+    "<think>found</think>\n<answer> Paris </answer>"
+)
 
 
 def test_structure_check():

@@ -1,0 +1,226 @@
+"""A fused forward of `model.CausalLM` for the CUDA fast path: few kernels per layer for small decode steps.
+
+At decode batch sizes a step is bound by kernel count as much as by bytes: the reference forward runs
+about 40 kernels per layer (RMSNorm alone is eight). This forward runs nine: fused residual-add + RMSNorm,
+one QKV GEMM, RoPE fused with the K/V cache write, the Triton attention, the output GEMM, add + RMSNorm,
+one gate/up GEMM, fused SiLU * up, the down GEMM. The fused GEMMs read concatenated weights; the HF-named
+parameters are re-pointed at slices of them (`fuse_projections`), so `load_weights` (in-place copies)
+keeps updating exactly the tensors this forward reads, and the parameter names stay HF's.
+Numerics follow the reference (bf16 rounding at the same places, fp32 inside the norms and RoPE), not
+bit for bit; `tests/gpu/test_engine_fast_paths.py` compares the two forwards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from tandemrl.engine.model import CausalLM
+from tandemrl.engine.triton_attention import FastMetadata, attend
+
+
+@triton.jit
+def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, N, eps,
+                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RES:
+        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(Out.dtype.element_ty)
+        tl.store(ResOut + row * stride_r + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / N + eps)
+    normed = (x32 * rstd).to(Out.dtype.element_ty).to(tl.float32)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(QKV, Cos, Sin, QOut, Cache, Slots, stride_t, stride_cos, stride_qo, stride_c_kv,
+                       stride_c_slot, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEADS_P2: tl.constexpr,
+                       KV_P2: tl.constexpr, HALF: tl.constexpr):
+    """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
+    t = tl.program_id(0)
+    half = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + t * stride_cos + half).to(tl.float32)
+    cos2 = tl.load(Cos + t * stride_cos + HALF + half).to(tl.float32)
+    sin1 = tl.load(Sin + t * stride_cos + half).to(tl.float32)
+    sin2 = tl.load(Sin + t * stride_cos + HALF + half).to(tl.float32)
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    hmask = heads < NUM_HEADS
+    base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
+    tl.store(out, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(QOut.dtype.element_ty), mask=hmask)
+    tl.store(out + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(QOut.dtype.element_ty), mask=hmask)
+    slot = tl.load(Slots + t)
+    kv = tl.arange(0, KV_P2)[:, None]
+    kmask = (kv < NUM_KV) & (slot >= 0)
+    kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
+    k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+    cache = Cache + slot * stride_c_slot + kv * (2 * HALF) + half[None, :]
+    tl.store(cache, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(Cache.dtype.element_ty), mask=kmask)
+    tl.store(cache + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(Cache.dtype.element_ty), mask=kmask)
+    vbase = kbase + NUM_KV * 2 * HALF
+    v1 = tl.load(vbase, mask=kmask, other=0.0)
+    v2 = tl.load(vbase + HALF, mask=kmask, other=0.0)
+    tl.store(cache + stride_c_kv, v1, mask=kmask)
+    tl.store(cache + stride_c_kv + HALF, v2, mask=kmask)
+
+
+@triton.jit
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < N
+    gate = tl.load(GU + row * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(GU + row * stride_gu + N + cols, mask=mask, other=0.0)
+    silu = (gate / (1.0 + tl.exp(-gate))).to(Out.dtype.element_ty)  # rounded like F.silu's bf16 output
+    tl.store(Out + row * stride_o + cols, silu * up, mask=mask)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual."""
+    num_rows, dim = x.shape
+    out = torch.empty_like(x)
+    new_res = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    _add_rmsnorm_kernel[(num_rows,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0), dim,
+                                     eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim),
+                                     num_warps=4)
+    return out, new_res
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    num_rows, width = gate_up.shape
+    out = torch.empty(num_rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(num_rows, triton.cdiv(width // 2, block))](gate_up, out, gate_up.stride(0), out.stride(0),
+                                                                 width // 2, BLOCK=block)
+    return out
+
+
+@dataclass
+class FusedWeights:
+    qkv_w: torch.Tensor
+    qkv_b: torch.Tensor | None
+    gate_up_w: torch.Tensor
+    gate_up_b: torch.Tensor | None
+
+
+def _fuse(modules: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
+    params = [getattr(m, attr) for m in modules]
+    if any(p is None for p in params):
+        assert all(p is None for p in params), f"mixed {attr} presence in fused projections"
+        return None
+    fused = torch.cat([p.data for p in params])
+    start = 0
+    for p in params:  # the HF-named parameters become views of the fused tensor
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+    return fused
+
+
+def fuse_projections(model: CausalLM) -> list[FusedWeights]:
+    fused = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
+        gate_up = [mlp.gate_proj, mlp.up_proj]
+        fused.append(FusedWeights(_fuse(qkv, "weight"), _fuse(qkv, "bias"), _fuse(gate_up, "weight"),
+                                  _fuse(gate_up, "bias")))
+    return fused
+
+
+def fast_forward(model: CausalLM, fused: list[FusedWeights], input_ids_T: torch.Tensor, positions_T: torch.Tensor,
+                 kv_caches: list[torch.Tensor], meta: FastMetadata) -> torch.Tensor:
+    """Same contract as `CausalLM.forward` (last-token logits, fp32) over the Triton path."""
+    x = model.model.embed_tokens(input_ids_T)
+    cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
+    residual = None
+    for layer, weights, kv_cache in zip(model.model.layers, fused, kv_caches, strict=True):
+        attn = layer.self_attn
+        h, residual = add_rmsnorm(x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
+        x = _attention(attn, weights, h, cos, sin, kv_cache, meta)
+        h, residual = add_rmsnorm(x, residual, layer.post_attention_layernorm.weight,
+                                  layer.post_attention_layernorm.eps)
+        gate_up = F.linear(h, weights.gate_up_w, weights.gate_up_b)
+        x = layer.mlp.down_proj(silu_mul(gate_up))
+    h, _ = add_rmsnorm(x[meta.last_token_index], residual[meta.last_token_index], model.model.norm.weight,
+                       model.model.norm.eps)
+    return model.lm_head(h).float()
+
+
+def _attention(attn, weights: FusedWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               kv_cache: torch.Tensor, meta: FastMetadata) -> torch.Tensor:
+    num_tokens, dim = h.shape[0], attn.head_dim
+    qkv = F.linear(h, weights.qkv_w, weights.qkv_b)
+    if attn.has_qk_norm:  # Qwen3: per-head RMSNorm before RoPE (the modules' own, unfused)
+        q_size, k_size = attn.num_heads * dim, attn.num_kv_heads * dim
+        q, k, v = qkv.split([q_size, k_size, k_size], dim=-1)
+        q = attn.q_norm(q.reshape(num_tokens, attn.num_heads, dim)).reshape(num_tokens, q_size)
+        k = attn.k_norm(k.reshape(num_tokens, attn.num_kv_heads, dim)).reshape(num_tokens, k_size)
+        qkv = torch.cat([q, k, v], dim=-1)
+    q = torch.empty(num_tokens, attn.num_heads, dim, dtype=h.dtype, device=h.device)
+    _rope_store_kernel[(num_tokens,)](
+        qkv, cos, sin, q, kv_cache, meta.slot_mapping_T, qkv.stride(0), cos.stride(0), q.stride(0),
+        kv_cache.stride(0), kv_cache.stride(1), NUM_HEADS=attn.num_heads, NUM_KV=attn.num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(attn.num_heads), KV_P2=triton.next_power_of_2(attn.num_kv_heads),
+        HALF=dim // 2, num_warps=4)
+    out = attend(q, kv_cache, meta.block_tables_BW, meta.query_start_B, meta.query_lens_B, meta.context_lens_B,
+                 meta.max_query_len, meta.block_size, dim**-0.5)
+    return attn.o_proj(out.reshape(num_tokens, attn.num_heads * dim))
+
+
+@triton.jit
+def _sample_kernel(Logits, Temps, Seed, OutIds, OutLogprobs, stride, V, BLOCK: tl.constexpr):
+    """One pass over a row: log-sum-exp of logits / T and argmax of logits / T + Gumbel noise."""
+    row = tl.program_id(0)
+    temp = tl.load(Temps + row)
+    greedy = temp == 0.0
+    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
+    seed = tl.load(Seed)
+    run_max = tl.full([], float("-inf"), tl.float32)
+    run_sum = tl.zeros([], tl.float32)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = tl.zeros([], tl.int32)
+    best_x = tl.zeros([], tl.float32)
+    for start in range(0, V, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < V
+        x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
+        new_max = tl.maximum(run_max, tl.max(x, 0))
+        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
+        run_max = new_max
+        u = tl.rand(seed, row * V + cols)
+        gumbel = -tl.log(-tl.log(u))  # u = 0 gives -inf: never chosen
+        score = tl.where(mask, tl.where(greedy, x, x + gumbel), float("-inf"))
+        chunk_best = tl.max(score, 0)
+        chunk_idx = tl.argmax(score, 0)
+        take = chunk_best > best
+        best_x = tl.where(take, tl.sum(tl.where(cols == start + chunk_idx, x, 0.0), 0), best_x)
+        best_idx = tl.where(take, start + chunk_idx, best_idx)
+        best = tl.maximum(best, chunk_best)
+    tl.store(OutIds + row, best_idx.to(tl.int64))
+    tl.store(OutLogprobs + row, best_x - run_max - tl.log(run_sum))
+
+
+def fused_sample(logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seed: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy / temperature sampling in one kernel, no host sync; same logprob convention as
+    `sampler.sample` (greedy rows report the T = 1 log-softmax). Gumbel-max draws i with prob p_i."""
+    num_rows, vocab = logits_BV.shape
+    ids = torch.empty(num_rows, dtype=torch.long, device=logits_BV.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_BV.device)
+    _sample_kernel[(num_rows,)](logits_BV, temperatures_B, seed, ids, logprobs, logits_BV.stride(0), vocab,
+                                BLOCK=4096, num_warps=8)
+    return ids, logprobs

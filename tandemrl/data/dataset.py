@@ -27,6 +27,8 @@ def read_raw_records(path: str | Path) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
+    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
+        return list(json.loads(path.read_text(encoding="utf-8")))  # one JSON array of records
     if path.suffix in (".jsonl", ".json"):
         records = []
         with open(path, encoding="utf-8") as f:

@@ -26,6 +26,8 @@ from tandemrl.data.kb_templates import FILLERS, PASSAGES, fact_key
 log = logging.getLogger(__name__)
 
 SPLIT_FILES = ("train.jsonl", "val.jsonl", "test.jsonl")
+# bump when the generated text changes, so that `tandem prepare all` regenerates an older default KB
+KB_VERSION = 2
 
 
 def passage_text(world: dict[str, Entity], entity: Entity, relation: str, rng: random.Random) -> str:
@@ -104,6 +106,7 @@ def generate_kb(
             ]
     _write_jsonl(out_dir / "demos.jsonl", demos)
     meta = {
+        "kb_version": KB_VERSION,
         "seed": seed,
         "num_entities": num_entities,
         "two_hop_fraction": two_hop_fraction,
@@ -117,7 +120,9 @@ def generate_kb(
 
 
 def kb_is_complete(kb_dir: str | Path) -> bool:
-    """Whether a generated KB is present (the meta file is written last)."""
+    """Whether a KB of this generator version is present (the meta file is written last)."""
     kb_dir = Path(kb_dir)
     names = ("corpus.jsonl", *SPLIT_FILES, "demos.jsonl", "kb_meta.json")
-    return all((kb_dir / name).is_file() for name in names)
+    if not all((kb_dir / name).is_file() for name in names):
+        return False
+    return json.loads((kb_dir / "kb_meta.json").read_text()).get("kb_version") == KB_VERSION

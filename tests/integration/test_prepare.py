@@ -51,12 +51,15 @@ def _tandem(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 
 def test_prepare_kb_cli(tmp_path):
-    result = _tandem("prepare", "kb", "--seed", "2", "--num-entities", "300", "--out", str(tmp_path / "kb"))
+    args = ["prepare", "kb", "--seed", "2", "--num-entities", "300", "--out", str(tmp_path / "kb")]
+    # another process, with other string hashing, must write the same bytes
+    result = _tandem(*args, env={"PYTHONHASHSEED": "12345"})
     assert result.returncode == 0, result.stderr
     stats = json.loads(result.stdout)
     assert stats["num_passages"] > 1000 and stats["num_questions"]["train"] > 0
+    here = generate_kb(tmp_path / "here", seed=2, num_entities=300)
     for name in ("corpus.jsonl", "train.jsonl", "val.jsonl", "test.jsonl", "demos.jsonl", "kb_meta.json"):
-        assert (tmp_path / "kb" / name).is_file()
+        assert (tmp_path / "kb" / name).read_bytes() == (here / name).read_bytes(), name
     bad = _tandem("prepare", "kb", "--num-entities", "3", "--out", str(tmp_path / "bad"))
     assert bad.returncode == 2 and "at least 20" in bad.stderr
 
@@ -92,6 +95,23 @@ def test_demos_render_with_the_real_retriever(tmp_path):
         text = tokenizer.decode(ids)
         assert text.count("<information>Doc 1(Title: ") == len(demo["steps"]) and mask[-1] == 1
         assert text.endswith(f"<answer> {demo['answer']} </answer><|im_end|>")
+
+
+def test_default_index_is_rebuilt_when_the_corpus_changes(tmp_path, monkeypatch):
+    from tandemrl.data.prepare import prepare_default_index
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    big = generate_kb(tmp_path / "big", seed=0, num_entities=60, num_train=20, num_val=2, num_test=2)
+    small = generate_kb(tmp_path / "small", seed=1, num_entities=40, num_train=20, num_val=2, num_test=2)
+    num_big, num_small = (len((kb / "corpus.jsonl").read_text().splitlines()) for kb in (big, small))
+    assert num_small < num_big
+    index_dir = prepare_default_index(big)
+    assert index_dir.is_relative_to(tmp_path / "home")
+    assert json.loads((index_dir / "index.json").read_text())["num_passages"] == num_big
+    assert prepare_default_index(big) == index_dir  # same corpus: resumed, nothing to add
+    # a resumed build would keep the big corpus's extra passages; the stamp forces a clean rebuild
+    prepare_default_index(small)
+    assert json.loads((index_dir / "index.json").read_text())["num_passages"] == num_small
 
 
 @pytest.mark.slow

@@ -131,6 +131,12 @@ def test_reads_searchr1_parquet_and_jsonl_together(tmp_path):
     assert ids(prompts)[3:] == ["kb:q0", "kb:q1"]
 
 
+def test_reads_a_json_array_file(tmp_path):
+    path = tmp_path / "dev.json"
+    path.write_text(json.dumps([{"id": 7, "question": "q?", "golden_answers": "a"}]))
+    assert load_prompts([path]) == [Prompt("dev:7", "q?", ["a"], "dev")]
+
+
 def test_missing_file_and_empty_paths_say_what_to_do(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_prompts([tmp_path / "nope.jsonl"])

@@ -54,6 +54,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--info-len", type=int, default=300)
     p.add_argument("--turn-trajectories", type=int, default=None, help="multi-turn trajectories (default 128)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    p.add_argument("--no-multi-turn", action="store_true", help="skip the multi-turn prefix-reuse workload")
+    p.add_argument("--profile-host", action="store_true", help="print a cProfile of 20 decode steps")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine.json"))
     args = p.parse_args()
     tiny = args.tiny
@@ -156,18 +158,39 @@ def throughput(engine: Engine, args, vocab: int, device) -> dict:
     return result
 
 
+def profile_host(engine: Engine, args, vocab: int) -> None:
+    """cProfile of 20 full-batch decode steps: where the host time of a step goes (sync wait included)."""
+    import cProfile
+    import pstats
+
+    params = SamplingParams(max_new_tokens=40, temperature=1.0, ignore_eos=True)
+    for i, ids in enumerate(random_prompts(args.num_requests, args.prompt_len, vocab, 9)):
+        engine.add_request(f"p{i}", ids, params)
+    for _ in range(10):
+        engine.step()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(20):
+        engine.step()
+    profiler.disable()
+    while engine.has_work():
+        engine.step()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
 def decode_breakdown(engine: Engine, args) -> dict:
     """GPU time of one replay of the largest decode graph (inputs as the throughput run left them, i.e.
     full contexts) and of the sampler on its logits; the rest of a decode step is host time."""
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is None:
         return {}
-    from tandemrl.engine.cuda_graphs import sample_untruncated
+    from tandemrl.engine.fast_layers import fused_sample
 
     size = max(graphs.sizes)
+    temps, seed = torch.ones(size, device=engine.device), torch.zeros(1, dtype=torch.long, device=engine.device)
     timings = {}
     for name, fn in (("graph_replay_ms", graphs.graphs[size].replay),
-                     ("sampling_ms", lambda: sample_untruncated(graphs.logits[size], 1.0, engine.runner.generator))):
+                     ("sampling_ms", lambda: fused_sample(graphs.logits[size], temps, seed))):
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -177,7 +200,22 @@ def decode_breakdown(engine: Engine, args) -> dict:
         end.synchronize()
         timings[name] = start.elapsed_time(end) / 10
     timings["batch"] = size
+    timings["kernels_us"] = kernel_profile(graphs.graphs[size].replay)
+    timings["decode_attention_config"] = str(engine.runner.decode_config)
+    timings["decode_attention_tuning_ms"] = engine.runner.decode_timings
     return timings
+
+
+def kernel_profile(fn, repeats: int = 5, top: int = 12) -> dict[str, float]:
+    """GPU time per call of the `top` costliest kernels of `fn` (microseconds), by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    return {e.key[:90]: e.device_time_total / repeats for e in events[:top]}
 
 
 def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device, dtype) -> dict:
@@ -232,6 +270,19 @@ def multi_turn(engine: Engine, args, vocab: int, device) -> dict:
     return dict(prefill_tokens=prefill, wall_s=wall_s)
 
 
+def compare_prefix_reuse(engine: Engine, model_dir: Path, args, vocab: int, device) -> dict:
+    """The multi-turn workload on `engine` (prefix reuse on), then on a fresh engine with it off."""
+    with_reuse = multi_turn(engine, args, vocab, device)
+    release(engine)
+    plain_engine = make_engine(model_dir, device, args, prefix_caching=False)
+    without = multi_turn(plain_engine, args, vocab, device)
+    release(plain_engine)
+    return dict(multi_turn=dict(trajectories=args.turn_trajectories, turns=args.turns, info_len=args.info_len,
+                                with_reuse=with_reuse, without_reuse=without),
+                prefix_reuse_prefill_cut=1 - with_reuse["prefill_tokens"] / without["prefill_tokens"],
+                prefix_reuse_wall_cut=1 - with_reuse["wall_s"] / without["wall_s"])
+
+
 def release(engine: Engine) -> None:
     del engine.runner, engine.model
     gc.collect()
@@ -255,19 +306,16 @@ def main() -> int:
         tp = throughput(engine, args, shape["vocab_size"], device)
         report.update(roofline(engine, args, bandwidth))
         report["decode_breakdown"] = decode_breakdown(engine, args) if device.type == "cuda" else {}
+        if args.profile_host:
+            profile_host(engine, args, shape["vocab_size"])
         report.update(tokens_per_s=tp["tokens_per_s"], engine_wall_s=tp["wall_s"], engine_steps=tp["num_steps"],
                       engine_decode_s=tp["decode_s"], engine_prefill_tokens=tp["prefill_tokens"],
                       decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"])
-        with_reuse = multi_turn(engine, args, shape["vocab_size"], device)
-        release(engine)
-        plain_engine = make_engine(model_dir, device, args, prefix_caching=False)
-        without = multi_turn(plain_engine, args, shape["vocab_size"], device)
-        release(plain_engine)
-        report["multi_turn"] = dict(trajectories=args.turn_trajectories, turns=args.turns, info_len=args.info_len,
-                                    with_reuse=with_reuse, without_reuse=without)
-        report["prefix_reuse_prefill_cut"] = 1 - with_reuse["prefill_tokens"] / without["prefill_tokens"]
-        report["prefix_reuse_wall_cut"] = 1 - with_reuse["wall_s"] / without["wall_s"]
-        print(f"engine {report['tokens_per_s']:.0f} tokens/s; multi-turn {report['multi_turn']}", flush=True)
+        if args.no_multi_turn:
+            release(engine)
+        else:
+            report.update(compare_prefix_reuse(engine, model_dir, args, shape["vocab_size"], device))
+        print(f"engine {report['tokens_per_s']:.0f} tokens/s; multi-turn {report.get('multi_turn')}", flush=True)
         if not args.no_hf:
             hf = hf_static(model_dir, tp["prompts"], args.new_tokens, device, dtype)
             report.update(hf_static_tokens_per_s=hf["tokens_per_s"], hf_static_wall_s=hf["wall_s"],
@@ -293,13 +341,17 @@ def print_report(r: dict) -> None:
         step_ms = 1e3 * r["engine_decode_s"] / max(1, r["workload"]["new_tokens"] - 1)
         print(f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms, sampling "
               f"{b['sampling_ms']:.2f} ms (batch {b['batch']}, full contexts), the rest host")
+        print(f"decode attention {b['decode_attention_config']}; tuning {b['decode_attention_tuning_ms']}")
+        for name, us in b["kernels_us"].items():
+            print(f"  {us:9.1f} us/replay  {name}")
     if "roofline_tokens_per_s" in r:
         print(f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "
               f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> fraction {r['roofline_fraction']:.3f}")
-    mt = r["multi_turn"]
-    print(f"multi-turn prefill tokens: {mt['with_reuse']['prefill_tokens']} with reuse vs "
-          f"{mt['without_reuse']['prefill_tokens']} without (cut {r['prefix_reuse_prefill_cut']:.1%}); wall "
-          f"{mt['with_reuse']['wall_s']:.2f} s vs {mt['without_reuse']['wall_s']:.2f} s")
+    mt = r.get("multi_turn")
+    if mt:
+        print(f"multi-turn prefill tokens: {mt['with_reuse']['prefill_tokens']} with reuse vs "
+              f"{mt['without_reuse']['prefill_tokens']} without (cut {r['prefix_reuse_prefill_cut']:.1%}); wall "
+              f"{mt['with_reuse']['wall_s']:.2f} s vs {mt['without_reuse']['wall_s']:.2f} s")
 
 
 if __name__ == "__main__":

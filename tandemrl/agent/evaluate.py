@@ -157,7 +157,7 @@ def run_eval(args) -> int:
     prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
     start_s = time.monotonic()
-    with engine_url(config) as url, retrieval_addr(config) as addr:
+    with retrieval_addr(config) as addr, engine_url(config) as url:
         model_path = config.rollout.model.model_path or _default_model_path()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         log.info("evaluating %d %s questions (engine %s, retrieval %s)", len(prompts), args.split, url, addr)

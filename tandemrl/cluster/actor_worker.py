@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -16,8 +17,13 @@ log = logging.getLogger(__name__)
 
 class ActorWorker:
     def __init__(self, config: Any):
+        import torch
+
         from tandemrl.trainer.actor import Actor
 
+        if config.actor.device == "cpu" or (config.actor.device == "auto" and not torch.cuda.is_available()):
+            # Ray gives a worker OMP_NUM_THREADS=1 (its CPU share); a CPU actor trains on every core
+            torch.set_num_threads(os.cpu_count() or 1)
         self.actor = Actor(config)
         self._loop = asyncio.new_event_loop()
         self._sender: Any = None

@@ -108,8 +108,10 @@ class RolloutConfig:
     weight_sync: str = "auto"  # auto | gloo | nccl | cuda_ipc
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
+    kv_cache_gb: float | None = None  # embedded engine KV cache; None: auto (CPU 1 GiB, CUDA 40% of free)
 
     def __post_init__(self):
+        _check_positive("rollout.kv_cache_gb", self.kv_cache_gb, allow_none=True)
         _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))

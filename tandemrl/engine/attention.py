@@ -28,8 +28,13 @@ class AttentionMetadata:
     query_scatter_T: torch.Tensor  # flat token -> row of the padded [B * Qmax] query batch
 
 
-def build_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                   block_size: int, device: torch.device) -> AttentionMetadata:
+def build_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
     """Index tensors shared by all layers of one step (built once per step, on the host)."""
     num_seqs = len(query_lens)
     max_q, max_ctx = max(query_lens), max(context_lens)
@@ -45,19 +50,31 @@ def build_metadata(query_lens: list[int], context_lens: list[int], block_tables:
     q_pos = (ctx - qlen)[:, None] + torch.arange(max_q)[None, :]  # [B, Qmax] absolute query positions
     mask = (pos_L[None, None, :] <= q_pos[:, :, None]) & (pos_L[None, None, :] < ctx[:, None, None])
     starts = torch.cumsum(qlen, 0) - qlen
-    new_pos = [torch.arange(c - q, c) for q, c in zip(query_lens, context_lens)]
-    slot_mapping = torch.cat([tables[i, p // block_size] * block_size + p % block_size
-                              for i, p in enumerate(new_pos)])
+    new_pos = [torch.arange(c - q, c) for q, c in zip(query_lens, context_lens, strict=True)]
+    slot_mapping = torch.cat(
+        [tables[i, p // block_size] * block_size + p % block_size for i, p in enumerate(new_pos)]
+    )
     scatter = torch.cat([i * max_q + torch.arange(q) for i, q in enumerate(query_lens)])
     return AttentionMetadata(
-        slot_mapping_T=slot_mapping.to(device), query_lens=query_lens, context_lens=context_lens,
-        block_tables_BN=tables.to(device), last_token_index=(starts + qlen - 1).to(device),
-        gather_slots_BL=gather_slots.to(device), attn_mask_B1QL=mask[:, None].to(device),
-        query_scatter_T=scatter.to(device))
+        slot_mapping_T=slot_mapping.to(device),
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_tables_BN=tables.to(device),
+        last_token_index=(starts + qlen - 1).to(device),
+        gather_slots_BL=gather_slots.to(device),
+        attn_mask_B1QL=mask[:, None].to(device),
+        query_scatter_T=scatter.to(device),
+    )
 
 
-def paged_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q_THD: torch.Tensor,
+    k_TKD: torch.Tensor,
+    v_TKD: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """Write this step's K/V into the cache, then attend; returns `[T, heads, head_dim]`."""
     if not isinstance(meta, AttentionMetadata):  # the CUDA fast path's metadata brings its kernel (issue 9)
         return meta.attend(q_THD, k_TKD, v_TKD, kv_cache, scale)
@@ -69,12 +86,14 @@ def paged_attention(q_THD: torch.Tensor, k_TKD: torch.Tensor, v_TKD: torch.Tenso
     num_kv_heads = k_TKD.shape[1]
     keys = kv_cache[0, meta.gather_slots_BL].transpose(1, 2)  # [B, Hkv, L, D]
     values = kv_cache[1, meta.gather_slots_BL].transpose(1, 2)
-    if num_heads != num_kv_heads:
-        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    group = num_heads // num_kv_heads
     q_pad = q_THD.new_zeros(num_seqs * max_q, num_heads, head_dim)
     q_pad[meta.query_scatter_T] = q_THD
-    q_pad = q_pad.view(num_seqs, max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, Qmax, D]
-    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=meta.attn_mask_B1QL, scale=scale)
-    out = out.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)
-    return out[meta.query_scatter_T]
+    # Fold the query heads sharing a KV head into the query axis ([B, Hkv, G * Qmax, D]), so K/V are
+    # never repeated: row (g, i) is query i of head kv * G + g and uses query i's mask.
+    q_pad = q_pad.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q_pad = q_pad.reshape(num_seqs, num_kv_heads, group * max_q, head_dim)
+    mask = meta.attn_mask_B1QL.repeat(1, 1, group, 1) if group > 1 else meta.attn_mask_B1QL
+    out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=scale)
+    out = out.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    return out.reshape(num_seqs * max_q, num_heads, head_dim)[meta.query_scatter_T]

@@ -4,7 +4,7 @@
 tokens but the new one in the cache) and replaces how a step executes: decode steps replay a CUDA graph
 captured for the smallest captured batch size >= the batch (padding rows write no KV and attend to
 nothing), prefill steps run eagerly with the same Triton kernel. All of a step's host inputs go to the
-GPU in one copy from a pinned buffer, and the sampled tokens and logprobs come back in one copy: that
+GPU in one copy from a pinned buffer, sampling is one fused kernel, and the sampled tokens and logprobs come back in one copy: that
 copy is the step's only host sync. Weight updates copy into the parameters in place, so captured graphs
 stay valid across them.
 """
@@ -24,11 +24,17 @@ from tandemrl.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
+_TUNE_CONTEXT = 512  # decode attention kernels are timed at this context length (or the max, if smaller)
+
 
 def fast_path_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Triton kernels run on CUDA in half precision with power-of-two head sizes; else the reference path."""
-    return (device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
-            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    return (
+        device.type == "cuda"
+        and dtype in (torch.bfloat16, torch.float16)
+        and head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+    )
 
 
 def graph_batch_sizes(max_batch: int) -> list[int]:
@@ -39,9 +45,18 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """One captured decode forward per batch size, sharing static inputs and one memory pool."""
 
-    def __init__(self, forward, kv_caches: list[torch.Tensor], max_batch: int, max_blocks_per_seq: int,
-                 block_size: int, device: torch.device):
+    def __init__(
+        self,
+        forward,
+        kv_caches: list[torch.Tensor],
+        max_batch: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+        decode_config,
+    ):
         self.forward, self.kv_caches, self.block_size = forward, kv_caches, block_size
+        self.decode_config = decode_config
         self.max_batch, self.width = max_batch, max_blocks_per_seq
         self.sizes = graph_batch_sizes(max_batch)
         # ids | positions | slots | context lens | block tables, all int64, copied to the GPU in one go
@@ -49,9 +64,9 @@ class DecodeGraphs:
         self.host_np = self.host.numpy()
         self.dev = torch.zeros_like(self.host, device=device)
         m = max_batch
-        self.ids, self.positions = self.dev[:m], self.dev[m:2 * m]
-        self.slots, self.context_lens = self.dev[2 * m:3 * m], self.dev[3 * m:4 * m]
-        self.tables = self.dev[4 * m:].view(m, max_blocks_per_seq)
+        self.ids, self.positions = self.dev[:m], self.dev[m : 2 * m]
+        self.slots, self.context_lens = self.dev[2 * m : 3 * m], self.dev[3 * m : 4 * m]
+        self.tables = self.dev[4 * m :].view(m, max_blocks_per_seq)
         self.rows = torch.arange(m, dtype=torch.long, device=device)
         self.ones = torch.ones(m, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -64,10 +79,18 @@ class DecodeGraphs:
     def _meta(self, size: int):
         from tandemrl.engine.triton_attention import FastMetadata
 
-        return FastMetadata(slot_mapping_T=self.slots[:size], query_start_B=self.rows[:size],
-                            query_lens_B=self.ones[:size], context_lens_B=self.context_lens[:size],
-                            block_tables_BW=self.tables[:size], last_token_index=self.rows[:size],
-                            max_query_len=1, block_size=self.block_size)
+        return FastMetadata(
+            slot_mapping_T=self.slots[:size],
+            query_start_B=self.rows[:size],
+            query_lens_B=self.ones[:size],
+            context_lens_B=self.context_lens[:size],
+            block_tables_BW=self.tables[:size],
+            last_token_index=self.rows[:size],
+            max_query_len=1,
+            block_size=self.block_size,
+            max_context_len=self.width * self.block_size,
+            decode=self.decode_config,
+        )
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -90,7 +113,8 @@ class DecodeGraphs:
 
     def can_run(self, seqs: list[Sequence]) -> bool:
         return len(seqs) <= self.max_batch and all(
-            s.num_tokens - s.num_cached_tokens == 1 and len(s.block_table) <= self.width for s in seqs)
+            s.num_tokens - s.num_cached_tokens == 1 and len(s.block_table) <= self.width for s in seqs
+        )
 
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
         """Replay the graph for this decode batch; returns its logits `[B, V]` (a view of a static buffer)."""
@@ -100,16 +124,18 @@ class DecodeGraphs:
         h = self.host_np
         positions = [s.num_tokens - 1 for s in seqs]
         h[:num_seqs] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        h[m:m + num_seqs] = positions
-        h[2 * m:2 * m + num_seqs] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)]
-        h[3 * m:3 * m + num_seqs] = [s.num_tokens for s in seqs]
-        h[2 * m + num_seqs:2 * m + size] = -1  # padding rows: no KV write
-        h[3 * m + num_seqs:3 * m + size] = 0  # and no keys
-        tables = h[4 * m:].reshape(m, self.width)
+        h[m : m + num_seqs] = positions
+        h[2 * m : 2 * m + num_seqs] = [
+            s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)
+        ]
+        h[3 * m : 3 * m + num_seqs] = [s.num_tokens for s in seqs]
+        h[2 * m + num_seqs : 2 * m + size] = -1  # padding rows: no KV write
+        h[3 * m + num_seqs : 3 * m + size] = 0  # and no keys
+        tables = h[4 * m :].reshape(m, self.width)
         for i, seq in enumerate(seqs):  # rewrite a row only when its table changed (tables only grow)
             key = (len(seq.block_table), seq.num_retractions)
             if self.row_owner[i] is not seq or self.row_key[i] != key:
-                tables[i, :key[0]] = seq.block_table
+                tables[i, : key[0]] = seq.block_table
                 self.row_owner[i], self.row_key[i] = seq, key
         self.dev.copy_(self.host, non_blocking=True)
         self.graphs[size].replay()
@@ -118,16 +144,47 @@ class DecodeGraphs:
 
 
 class FastModelRunner(ModelRunner):
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int, max_batch: int, max_context_len: int, use_cuda_graphs: bool = True):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+        max_batch: int,
+        max_context_len: int,
+        use_cuda_graphs: bool = True,
+    ):
         super().__init__(model, num_blocks, block_size, device, dtype, seed)
         from tandemrl.engine.fast_layers import fast_forward, fuse_projections
 
         fused = fuse_projections(model)
         self.forward = lambda ids, pos, kv_caches, meta: fast_forward(model, fused, ids, pos, kv_caches, meta)
+        from tandemrl.engine.triton_attention import tune_decode
+
+        self.decode_config, self.decode_timings = tune_decode(
+            self.kv_caches[0],
+            model.cfg["num_heads"],
+            max_batch,
+            min(max_context_len, _TUNE_CONTEXT),
+            block_size,
+        )
+        logger.info("decode attention: %s (timings ms %s)", self.decode_config, self.decode_timings)
         max_blocks_per_seq = -(-max_context_len // block_size)
-        self.graphs = (DecodeGraphs(self.forward, self.kv_caches, max_batch, max_blocks_per_seq, block_size, device)
-                       if use_cuda_graphs else None)
+        self.graphs = (
+            DecodeGraphs(
+                self.forward,
+                self.kv_caches,
+                max_batch,
+                max_blocks_per_seq,
+                block_size,
+                device,
+                self.decode_config,
+            )
+            if use_cuda_graphs
+            else None
+        )
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -150,56 +207,51 @@ class FastModelRunner(ModelRunner):
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
-        meta = build_fast_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
-                                   self.device)
+        meta = build_fast_metadata(
+            query_lens,
+            context_lens,
+            [s.block_table for s in seqs],
+            self.block_size,
+            self.device,
+            self.decode_config,
+        )
         host = torch.tensor(np.stack([input_ids, positions]), dtype=torch.long)
         ids, pos = host.to(self.device)
         return self.forward(ids, pos, self.kv_caches, meta)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+        from tandemrl.engine.fast_layers import fused_sample
+
         params = [s.params for s in seqs]
         if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
             return super().run(seqs)  # truncated sampling: the reference sampler (a few host syncs)
         temps = [p.temperature for p in params]
-        uniform = len(set(temps)) == 1
-        temps_B = None if uniform else torch.tensor(temps, dtype=torch.float32).to(self.device, non_blocking=True)
+        if len(set(temps)) == 1:
+            temps_B = torch.full((len(seqs),), float(temps[0]), dtype=torch.float32, device=self.device)
+        else:
+            temps_B = torch.tensor(temps, dtype=torch.float32).to(self.device, non_blocking=True)
         logits = self.forward_logits(seqs)
-        token_ids, logprobs = sample_untruncated(logits, temps[0] if uniform else temps_B, self.generator)
+        seed = torch.randint(0, 2**31 - 1, (1,), device=self.device, generator=self.generator)
+        token_ids, logprobs = fused_sample(logits, temps_B, seed)
         both = torch.stack([token_ids.double(), logprobs.double()]).cpu()  # the step's one host sync
         return [int(t) for t in both[0].tolist()], both[1].tolist()
 
 
-def sample_untruncated(logits_BV: torch.Tensor, temperature: float | torch.Tensor,
-                       generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy or temperature sampling without host syncs, same logprob convention as `sampler.sample`.
-
-    Sampling uses argmax(log p - log E) with E ~ Exp(1), which draws index i with probability p_i; greedy
-    rows (temperature 0) add no noise and report the T = 1 log-softmax, as the reference sampler does.
-    """
-    logits_BV = logits_BV.float()
-    if isinstance(temperature, float | int):
-        if temperature == 0:
-            logp = torch.log_softmax(logits_BV, dim=-1)
-            chosen = logp.argmax(-1)
-            return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
-        logp = torch.log_softmax(logits_BV / temperature, dim=-1)
-        noise = torch.empty_like(logp).exponential_(generator=generator).log_()
-    else:
-        greedy = temperature == 0
-        safe = torch.where(greedy, torch.ones_like(temperature), temperature)
-        logp = torch.log_softmax(logits_BV / safe[:, None], dim=-1)
-        noise = torch.empty_like(logp).exponential_(generator=generator).log_()
-        noise.masked_fill_(greedy[:, None], 0.0)
-    chosen = (logp - noise).argmax(-1)
-    return chosen, logp.gather(-1, chosen[:, None]).squeeze(-1)
-
-
-def build_runner(model: CausalLM, num_blocks: int, config, device: torch.device, dtype: torch.dtype
-                 ) -> ModelRunner:
+def build_runner(
+    model: CausalLM, num_blocks: int, config, device: torch.device, dtype: torch.dtype
+) -> ModelRunner:
     """The reference runner on CPU (and fp32 CUDA), the fast one on CUDA in bf16/fp16."""
     if not fast_path_supported(device, dtype, model.cfg["head_dim"]):
         return ModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed)
-    return FastModelRunner(model, num_blocks, config.block_size, device, dtype, config.seed,
-                           max_batch=config.max_running_requests, max_context_len=config.max_context_len,
-                           use_cuda_graphs=config.enable_cuda_graphs)
+    return FastModelRunner(
+        model,
+        num_blocks,
+        config.block_size,
+        device,
+        dtype,
+        config.seed,
+        max_batch=config.max_running_requests,
+        max_context_len=config.max_context_len,
+        use_cuda_graphs=config.enable_cuda_graphs,
+    )

@@ -49,7 +49,10 @@ def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.d
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    return torch.device(device), getattr(torch, dtype)
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved, getattr(torch, dtype)
 
 
 class Engine:
@@ -64,8 +67,9 @@ class Engine:
         num_blocks = self._num_blocks()
         if config.enable_prefix_caching:
             self.blocks = PrefixCachingBlockManager(num_blocks, config.block_size)
-            self.scheduler = PrefixCachingScheduler(self.blocks, config.max_running_requests,
-                                                    config.max_prefill_tokens)
+            self.scheduler = PrefixCachingScheduler(
+                self.blocks, config.max_running_requests, config.max_prefill_tokens
+            )
         else:
             self.blocks = BlockManager(num_blocks, config.block_size)
             self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
@@ -77,8 +81,14 @@ class Engine:
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.requests: dict[str, Sequence] = {}
-        logger.info("engine ready: %s on %s/%s, %d KV blocks of %d tokens", config.model_path, self.device,
-                    self.dtype, num_blocks, config.block_size)
+        logger.info(
+            "engine ready: %s on %s/%s, %d KV blocks of %d tokens",
+            config.model_path,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+        )
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -103,17 +113,25 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         if len(prompt_ids) >= self.config.max_context_len:
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens but the context is "
-                             f"{self.config.max_context_len} (max_context_len); shorten the prompt or raise "
-                             "rollout.max_context_len")
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is "
+                f"{self.config.max_context_len} (max_context_len); shorten the prompt or raise "
+                "rollout.max_context_len"
+            )
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams, extra: dict | None = None
-                    ) -> Sequence:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, extra: dict | None = None
+    ) -> Sequence:
         self.validate(prompt_ids, params)
         if rid in self.requests:
             raise ValueError(f"request id {rid!r} is already in flight; request ids must be unique")
-        seq = Sequence(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                       max_total_len=self.config.max_context_len, extra=dict(extra or {}))
+        seq = Sequence(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            max_total_len=self.config.max_context_len,
+            extra=dict(extra or {}),
+        )
         self.requests[rid] = seq
         self.scheduler.add(seq)
         self.num_requests_added += 1
@@ -135,7 +153,7 @@ class Engine:
         else:
             self.num_decode_tokens += num_new
         self.num_steps += 1
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs):
+        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
             seq.append(token_id, logprob, self.weight_version)
             reason = self.stops.check(seq)
             if reason is not None:
@@ -184,12 +202,19 @@ class Engine:
         return True
 
     def stats(self) -> dict:
-        return dict(num_prefill_tokens=self.num_prefill_tokens, num_decode_tokens=self.num_decode_tokens,
-                    num_steps=self.num_steps, num_requests_added=self.num_requests_added,
-                    num_requests_finished=self.num_requests_finished, num_running=len(self.scheduler.running),
-                    num_waiting=len(self.scheduler.waiting), num_preemptions=self.scheduler.num_preemptions,
-                    num_free_blocks=self.blocks.num_free_blocks, num_blocks=self.blocks.num_blocks,
-                    weight_version=self.weight_version)
+        return dict(
+            num_prefill_tokens=self.num_prefill_tokens,
+            num_decode_tokens=self.num_decode_tokens,
+            num_steps=self.num_steps,
+            num_requests_added=self.num_requests_added,
+            num_requests_finished=self.num_requests_finished,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_free_blocks=self.blocks.num_free_blocks,
+            num_blocks=self.blocks.num_blocks,
+            weight_version=self.weight_version,
+        )
 
 
 def _eos_ids(model_path: str, hf_config, tokenizer) -> set[int]:

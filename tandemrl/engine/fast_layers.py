@@ -20,18 +20,19 @@ import triton
 import triton.language as tl
 
 from tandemrl.engine.model import CausalLM
-from tandemrl.engine.triton_attention import FastMetadata, attend
+from tandemrl.engine.triton_attention import FastMetadata
 
 
 @triton.jit
-def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, N, eps,
-                        HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+def _add_rmsnorm_kernel(
+    X, R, W, Out, ResOut, stride_x, stride_r, stride_o, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RES:
-        x = (x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(Out.dtype.element_ty)
         tl.store(ResOut + row * stride_r + cols, x, mask=mask)
     x32 = x.to(tl.float32)
@@ -42,9 +43,24 @@ def _add_rmsnorm_kernel(X, R, W, Out, ResOut, stride_x, stride_r, stride_o, N, e
 
 
 @triton.jit
-def _rope_store_kernel(QKV, Cos, Sin, QOut, Cache, Slots, stride_t, stride_cos, stride_qo, stride_c_kv,
-                       stride_c_slot, NUM_HEADS: tl.constexpr, NUM_KV: tl.constexpr, HEADS_P2: tl.constexpr,
-                       KV_P2: tl.constexpr, HALF: tl.constexpr):
+def _rope_store_kernel(
+    QKV,
+    Cos,
+    Sin,
+    QOut,
+    Cache,
+    Slots,
+    stride_t,
+    stride_cos,
+    stride_qo,
+    stride_c_kv,
+    stride_c_slot,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_P2: tl.constexpr,
+    HALF: tl.constexpr,
+):
     """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
     t = tl.program_id(0)
     half = tl.arange(0, HALF)
@@ -87,16 +103,29 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr):
     tl.store(Out + row * stride_o + cols, silu * up, mask=mask)
 
 
-def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual."""
     num_rows, dim = x.shape
     out = torch.empty_like(x)
     new_res = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
-    _add_rmsnorm_kernel[(num_rows,)](x, res, weight, out, new_res, x.stride(0), res.stride(0), out.stride(0), dim,
-                                     eps, HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(dim),
-                                     num_warps=4)
+    _add_rmsnorm_kernel[(num_rows,)](
+        x,
+        res,
+        weight,
+        out,
+        new_res,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        dim,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=triton.next_power_of_2(dim),
+        num_warps=4,
+    )
     return out, new_res
 
 
@@ -104,8 +133,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, width = gate_up.shape
     out = torch.empty(num_rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
-    _silu_mul_kernel[(num_rows, triton.cdiv(width // 2, block))](gate_up, out, gate_up.stride(0), out.stride(0),
-                                                                 width // 2, BLOCK=block)
+    _silu_mul_kernel[(num_rows, triton.cdiv(width // 2, block))](
+        gate_up, out, gate_up.stride(0), out.stride(0), width // 2, BLOCK=block
+    )
     return out
 
 
@@ -125,7 +155,7 @@ def _fuse(modules: list[torch.nn.Linear], attr: str) -> torch.Tensor | None:
     fused = torch.cat([p.data for p in params])
     start = 0
     for p in params:  # the HF-named parameters become views of the fused tensor
-        p.data = fused[start:start + p.shape[0]]
+        p.data = fused[start : start + p.shape[0]]
         start += p.shape[0]
     return fused
 
@@ -136,13 +166,22 @@ def fuse_projections(model: CausalLM) -> list[FusedWeights]:
         attn, mlp = layer.self_attn, layer.mlp
         qkv = [attn.q_proj, attn.k_proj, attn.v_proj]
         gate_up = [mlp.gate_proj, mlp.up_proj]
-        fused.append(FusedWeights(_fuse(qkv, "weight"), _fuse(qkv, "bias"), _fuse(gate_up, "weight"),
-                                  _fuse(gate_up, "bias")))
+        fused.append(
+            FusedWeights(
+                _fuse(qkv, "weight"), _fuse(qkv, "bias"), _fuse(gate_up, "weight"), _fuse(gate_up, "bias")
+            )
+        )
     return fused
 
 
-def fast_forward(model: CausalLM, fused: list[FusedWeights], input_ids_T: torch.Tensor, positions_T: torch.Tensor,
-                 kv_caches: list[torch.Tensor], meta: FastMetadata) -> torch.Tensor:
+def fast_forward(
+    model: CausalLM,
+    fused: list[FusedWeights],
+    input_ids_T: torch.Tensor,
+    positions_T: torch.Tensor,
+    kv_caches: list[torch.Tensor],
+    meta: FastMetadata,
+) -> torch.Tensor:
     """Same contract as `CausalLM.forward` (last-token logits, fp32) over the Triton path."""
     x = model.model.embed_tokens(input_ids_T)
     cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
@@ -151,17 +190,29 @@ def fast_forward(model: CausalLM, fused: list[FusedWeights], input_ids_T: torch.
         attn = layer.self_attn
         h, residual = add_rmsnorm(x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
         x = _attention(attn, weights, h, cos, sin, kv_cache, meta)
-        h, residual = add_rmsnorm(x, residual, layer.post_attention_layernorm.weight,
-                                  layer.post_attention_layernorm.eps)
+        h, residual = add_rmsnorm(
+            x, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
+        )
         gate_up = F.linear(h, weights.gate_up_w, weights.gate_up_b)
         x = layer.mlp.down_proj(silu_mul(gate_up))
-    h, _ = add_rmsnorm(x[meta.last_token_index], residual[meta.last_token_index], model.model.norm.weight,
-                       model.model.norm.eps)
+    h, _ = add_rmsnorm(
+        x[meta.last_token_index],
+        residual[meta.last_token_index],
+        model.model.norm.weight,
+        model.model.norm.eps,
+    )
     return model.lm_head(h).float()
 
 
-def _attention(attn, weights: FusedWeights, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               kv_cache: torch.Tensor, meta: FastMetadata) -> torch.Tensor:
+def _attention(
+    attn,
+    weights: FusedWeights,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: FastMetadata,
+) -> torch.Tensor:
     num_tokens, dim = h.shape[0], attn.head_dim
     qkv = F.linear(h, weights.qkv_w, weights.qkv_b)
     if attn.has_qk_norm:  # Qwen3: per-head RMSNorm before RoPE (the modules' own, unfused)
@@ -172,12 +223,25 @@ def _attention(attn, weights: FusedWeights, h: torch.Tensor, cos: torch.Tensor, 
         qkv = torch.cat([q, k, v], dim=-1)
     q = torch.empty(num_tokens, attn.num_heads, dim, dtype=h.dtype, device=h.device)
     _rope_store_kernel[(num_tokens,)](
-        qkv, cos, sin, q, kv_cache, meta.slot_mapping_T, qkv.stride(0), cos.stride(0), q.stride(0),
-        kv_cache.stride(0), kv_cache.stride(1), NUM_HEADS=attn.num_heads, NUM_KV=attn.num_kv_heads,
-        HEADS_P2=triton.next_power_of_2(attn.num_heads), KV_P2=triton.next_power_of_2(attn.num_kv_heads),
-        HALF=dim // 2, num_warps=4)
-    out = attend(q, kv_cache, meta.block_tables_BW, meta.query_start_B, meta.query_lens_B, meta.context_lens_B,
-                 meta.max_query_len, meta.block_size, dim**-0.5)
+        qkv,
+        cos,
+        sin,
+        q,
+        kv_cache,
+        meta.slot_mapping_T,
+        qkv.stride(0),
+        cos.stride(0),
+        q.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        NUM_HEADS=attn.num_heads,
+        NUM_KV=attn.num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(attn.num_heads),
+        KV_P2=triton.next_power_of_2(attn.num_kv_heads),
+        HALF=dim // 2,
+        num_warps=4,
+    )
+    out = meta.attend_stored(q, kv_cache, dim**-0.5)
     return attn.o_proj(out.reshape(num_tokens, attn.num_heads * dim))
 
 
@@ -214,13 +278,15 @@ def _sample_kernel(Logits, Temps, Seed, OutIds, OutLogprobs, stride, V, BLOCK: t
     tl.store(OutLogprobs + row, best_x - run_max - tl.log(run_sum))
 
 
-def fused_sample(logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seed: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_sample(
+    logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy / temperature sampling in one kernel, no host sync; same logprob convention as
     `sampler.sample` (greedy rows report the T = 1 log-softmax). Gumbel-max draws i with prob p_i."""
     num_rows, vocab = logits_BV.shape
     ids = torch.empty(num_rows, dtype=torch.long, device=logits_BV.device)
     logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_BV.device)
-    _sample_kernel[(num_rows,)](logits_BV, temperatures_B, seed, ids, logprobs, logits_BV.stride(0), vocab,
-                                BLOCK=4096, num_warps=8)
+    _sample_kernel[(num_rows,)](
+        logits_BV, temperatures_B, seed, ids, logprobs, logits_BV.stride(0), vocab, BLOCK=4096, num_warps=8
+    )
     return ids, logprobs

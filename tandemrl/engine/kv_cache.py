@@ -50,8 +50,9 @@ def kv_bytes_per_token(cfg: dict, dtype: torch.dtype) -> int:
     return 2 * cfg["num_layers"] * cfg["num_kv_heads"] * cfg["head_dim"] * element
 
 
-def allocate_kv_caches(cfg: dict, num_blocks: int, block_size: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+def allocate_kv_caches(
+    cfg: dict, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
     """One `[2, num_slots, num_kv_heads, head_dim]` tensor per layer (zeros: padded gathers stay finite)."""
     shape = (2, num_blocks * block_size, cfg["num_kv_heads"], cfg["head_dim"])
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg["num_layers"])]

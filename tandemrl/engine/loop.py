@@ -48,9 +48,16 @@ class EngineLoop:
             self._commands.put((fn, future))
         return future
 
-    def submit(self, rid: str, prompt_ids: list[int], params: SamplingParams, extra: dict | None,
-               on_finish: Callable[[Sequence], None]) -> Future:
+    def submit(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        extra: dict | None,
+        on_finish: Callable[[Sequence], None],
+    ) -> Future:
         """Queue a request; the future resolves once it is admitted (or raises ValueError if refused)."""
+
         def add(engine: Engine) -> None:
             engine.add_request(rid, prompt_ids, params, extra)
             self._callbacks[rid] = on_finish
@@ -81,6 +88,7 @@ class EngineLoop:
 
     def abort(self, rid: str | None) -> Future:
         """Abort one request, or all when `rid` is None; does not pause the engine."""
+
         def do_abort(engine: Engine) -> int:
             if rid is None:
                 finished = engine.abort_all("aborted by abort_request(abort_all)")

@@ -55,8 +55,14 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
             self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
 
-    def forward(self, x_TD: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                kv_cache: torch.Tensor, meta: AttentionMetadata, rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self,
+        x_TD: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rope: RotaryEmbedding,
+    ) -> torch.Tensor:
         num_tokens = x_TD.shape[0]
         q = self.q_proj(x_TD).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x_TD).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -114,11 +120,16 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(hf_config, cfg["head_dim"])
 
-    def forward(self, input_ids_T: torch.Tensor, positions_T: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids_T: torch.Tensor,
+        positions_T: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids_T)
         cos_sin = self.rope.cos_sin(positions_T, x.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, cos_sin, kv_cache, meta, self.rope)
         last = self.model.norm(x[meta.last_token_index])
         return self.lm_head(last).float()
@@ -132,12 +143,15 @@ class CausalLM(nn.Module):
             if name not in params:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # older checkpoints store the RoPE buffer; we compute it from the config
-                raise ValueError(f"weight {name!r} is not a parameter of this {self.cfg['model_type']} model; "
-                                 "weight updates must use the HF parameter names of the served model")
+                raise ValueError(
+                    f"weight {name!r} is not a parameter of this {self.cfg['model_type']} model; "
+                    "weight updates must use the HF parameter names of the served model"
+                )
             param = params[name]
             if tuple(param.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                )
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
             loaded.append(name)
         return loaded
@@ -147,15 +161,24 @@ def model_dims(hf_config) -> dict:
     """The few config values the engine needs, with HF's defaults for optional ones."""
     model_type = hf_config.model_type
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {model_type!r} is not supported by the embedded engine; supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)}. Use rollout.backend=sglang or vllm for others.")
+        raise ValueError(
+            f"model_type {model_type!r} is not supported by the embedded engine; supported: "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}. Use rollout.backend=sglang or vllm for others."
+        )
     num_heads = hf_config.num_attention_heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-    return dict(model_type=model_type, hidden_size=hf_config.hidden_size, num_heads=num_heads,
-                num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads, head_dim=head_dim,
-                intermediate_size=hf_config.intermediate_size, num_layers=hf_config.num_hidden_layers,
-                vocab_size=hf_config.vocab_size, rms_norm_eps=hf_config.rms_norm_eps,
-                tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)))
+    return dict(
+        model_type=model_type,
+        hidden_size=hf_config.hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or num_heads,
+        head_dim=head_dim,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        vocab_size=hf_config.vocab_size,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
 
 
 def _safetensors_files(model_dir: Path) -> list[Path]:
@@ -164,7 +187,9 @@ def _safetensors_files(model_dir: Path) -> list[Path]:
         return sorted({model_dir / f for f in json.loads(index.read_text())["weight_map"].values()})
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}; the engine loads HF safetensors checkpoints")
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir}; the engine loads HF safetensors checkpoints"
+        )
     return files
 
 
@@ -188,9 +213,16 @@ def load_model(model_dir: str | Path, device: torch.device, dtype: torch.dtype) 
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt") as f:
-            loaded.update(model.load_weights((name, f.get_tensor(name)) for name in f.keys()
-                                             if not (name == "lm_head.weight" and model.cfg["tie_word_embeddings"])))
+            loaded.update(
+                model.load_weights(
+                    (name, f.get_tensor(name))
+                    for name in f.keys()
+                    if not (name == "lm_head.weight" and model.cfg["tie_word_embeddings"])
+                )
+            )
     missing = {name for name, _ in model.named_parameters()} - loaded
     if missing:
-        raise ValueError(f"checkpoint {model_dir} lacks weights {sorted(missing)[:5]} (of {len(missing)} missing)")
+        raise ValueError(
+            f"checkpoint {model_dir} lacks weights {sorted(missing)[:5]} (of {len(missing)} missing)"
+        )
     return model.eval(), hf_config

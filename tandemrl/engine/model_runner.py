@@ -17,8 +17,15 @@ from tandemrl.engine.sequence import Sequence
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, seed: int):
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int,
+    ):
         self.model, self.block_size, self.device = model, block_size, device
         self.kv_caches = allocate_kv_caches(model.cfg, num_blocks, block_size, dtype, device)
         self.generator = torch.Generator(device=device)
@@ -35,8 +42,9 @@ class ModelRunner:
             positions.extend(range(start, end))
             query_lens.append(end - start)
             context_lens.append(end)
-        meta = build_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size,
-                              self.device)
+        meta = build_metadata(
+            query_lens, context_lens, [s.block_table for s in seqs], self.block_size, self.device
+        )
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, pos, self.kv_caches, meta)

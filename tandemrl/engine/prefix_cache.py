@@ -66,7 +66,7 @@ class PrefixCachingBlockManager(BlockManager):
         ids, size = seq.all_ids, self.block_size
         parent = _ROOT_HASH
         for index in range((len(ids) - 1) // size):  # leave >= 1 token to compute (its logits are needed)
-            parent = hash((parent, tuple(ids[index * size:(index + 1) * size])))
+            parent = hash((parent, tuple(ids[index * size : (index + 1) * size])))
             block = self.hash_to_block.get(parent)
             if block is None:
                 break
@@ -84,7 +84,7 @@ class PrefixCachingBlockManager(BlockManager):
         for index, block in enumerate(block_table):
             register = register and block not in self.stale and (index + 1) * size <= len(cached_ids)
             if register:
-                parent = hash((parent, tuple(cached_ids[index * size:(index + 1) * size])))
+                parent = hash((parent, tuple(cached_ids[index * size : (index + 1) * size])))
                 self._register(block, parent)
             self.ref_counts[block] -= 1
             assert self.ref_counts[block] >= 0, f"block {block} freed twice"

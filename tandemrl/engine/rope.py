@@ -33,11 +33,15 @@ class RotaryEmbedding:
         params = _rope_params(hf_config)
         rope_type = params.get("rope_type", "default")
         if rope_type in _LENGTH_DEPENDENT_TYPES:
-            raise ValueError(f"rope_type {rope_type!r} changes with the sequence length and is not supported "
-                             "by the embedded engine; use rollout.backend=sglang for this model")
+            raise ValueError(
+                f"rope_type {rope_type!r} changes with the sequence length and is not supported "
+                "by the embedded engine; use rollout.backend=sglang for this model"
+            )
         if rope_type == "default":
             base = params["rope_theta"]
-            self.inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim))
+            self.inv_freq = 1.0 / (
+                base ** (torch.arange(0, head_dim, 2, dtype=torch.float, device="cpu") / head_dim)
+            )
             self.attention_scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

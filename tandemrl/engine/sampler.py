@@ -26,8 +26,9 @@ def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def _truncated_sample(probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-                      generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _truncated_sample(
+    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
     vocab = probs_BV.shape[-1]
     k_limits = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, vocab))
@@ -49,8 +50,13 @@ def _truncated_sample(probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torc
     return token_ids, logprobs
 
 
-def sample(logits_BV: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor,
-           generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample(
+    logits_BV: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_ps: torch.Tensor,
+    top_ks: torch.Tensor,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row; returns (token_ids [B], logprobs [B]) as described in the module doc."""
     logits_BV = logits_BV.float()
     token_ids = torch.empty(logits_BV.shape[0], dtype=torch.long, device=logits_BV.device)

@@ -10,12 +10,33 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-SAMPLING_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos",
-                 "min_p", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n",
-                 "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens"}
+SAMPLING_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_p",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_new_tokens",
+}
 # Accepted for SGLang compatibility only at their neutral value; anything else is refused, not ignored.
-_NEUTRAL = {"min_p": 0.0, "n": 1, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-            "repetition_penalty": 1.0, "min_new_tokens": 0}
+_NEUTRAL = {
+    "min_p": 0.0,
+    "n": 1,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+}
 
 
 @dataclass
@@ -39,8 +60,10 @@ class SamplingParams:
             raise ValueError(f"unknown sampling_params {sorted(unknown)}; supported: {sorted(SAMPLING_KEYS)}")
         for key, neutral in _NEUTRAL.items():
             if key in raw and raw.pop(key) not in (neutral, None):
-                raise ValueError(f"sampling_params.{key} is not supported by the embedded engine "
-                                 f"(only {neutral!r}); remove it or use an SGLang server")
+                raise ValueError(
+                    f"sampling_params.{key} is not supported by the embedded engine "
+                    f"(only {neutral!r}); remove it or use an SGLang server"
+                )
         raw.pop("spaces_between_special_tokens", None)
         stop = raw.pop("stop", None) or []
         raw["stop"] = [stop] if isinstance(stop, str) else list(stop)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 
+import torch
 from aiohttp import web
 
 from tandemrl.engine.engine import Engine, EngineConfig
@@ -24,18 +26,36 @@ from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read
 logger = logging.getLogger(__name__)
 
 # SGLang's documented /generate fields we honour, plus our request metadata (`task_name`, `metadata`).
-GENERATE_FIELDS = {"input_ids", "text", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "stream", "task_name", "metadata"}
+GENERATE_FIELDS = {
+    "input_ids",
+    "text",
+    "sampling_params",
+    "rid",
+    "return_logprob",
+    "logprob_start_len",
+    "top_logprobs_num",
+    "return_text_in_logprobs",
+    "stream",
+    "task_name",
+    "metadata",
+}
 
 
 def response_body(seq: Sequence, text: str, weight_version: int, return_logprob: bool) -> dict:
-    meta = {"id": seq.rid, "finish_reason": seq.finish_reason, "prompt_tokens": len(seq.prompt_ids),
-            "completion_tokens": len(seq.output_ids), "cached_tokens": 0,
-            "weight_version": str(weight_version),
-            "output_token_weight_versions": list(seq.output_weight_versions),
-            "num_retractions": seq.num_retractions}
+    meta = {
+        "id": seq.rid,
+        "finish_reason": seq.finish_reason,
+        "prompt_tokens": len(seq.prompt_ids),
+        "completion_tokens": len(seq.output_ids),
+        "cached_tokens": 0,
+        "weight_version": str(weight_version),
+        "output_token_weight_versions": list(seq.output_weight_versions),
+        "num_retractions": seq.num_retractions,
+    }
     if return_logprob:
-        meta["output_token_logprobs"] = [[lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)]
+        meta["output_token_logprobs"] = [
+            [lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids, strict=True)
+        ]
     meta.update({k: v for k, v in seq.extra.items()})
     return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
 
@@ -145,28 +165,50 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         stats = await asyncio.wrap_future(self.loop.call(lambda engine: engine.stats()))
-        return web.json_response({**stats, "is_paused": self.loop.is_paused, "model_path": self.model_path,
-                                  "uptime_s": time.time() - self.started_s})
+        return web.json_response(
+            {
+                **stats,
+                "is_paused": self.loop.is_paused,
+                "model_path": self.model_path,
+                "uptime_s": time.time() - self.started_s,
+            }
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
         engine = self.loop.engine
-        return web.json_response({"model_path": self.model_path, "is_generation": True,
-                                  "model_type": engine.model.cfg["model_type"],
-                                  "max_context_len": engine.config.max_context_len})
+        return web.json_response(
+            {
+                "model_path": self.model_path,
+                "is_generation": True,
+                "model_type": engine.model.cfg["model_type"],
+                "max_context_len": engine.config.max_context_len,
+            }
+        )
 
 
 def run_serve(args) -> int:
     """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
-    config = EngineConfig(model_path=str(args.model), device=args.device, dtype=args.dtype,
-                          max_running_requests=args.max_running_requests, max_context_len=args.max_context_len,
-                          seed=args.seed, kv_cache_gb=getattr(args, "kv_cache_gb", None))
+    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
+        # slow both down by an order of magnitude, so take half the cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    config = EngineConfig(
+        model_path=str(args.model),
+        device=args.device,
+        dtype=args.dtype,
+        max_running_requests=args.max_running_requests,
+        max_context_len=args.max_context_len,
+        seed=args.seed,
+        kv_cache_gb=getattr(args, "kv_cache_gb", None),
+    )
     engine = Engine(config)
     loop = EngineLoop(engine)
     loop.start()
     app = EngineServer(loop, str(args.model)).build_app()
     try:
-        web.run_app(app, host=args.host, port=args.port, handler_cancellation=True, print=None,
-                    access_log=None)
+        web.run_app(
+            app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None
+        )
     finally:
         loop.stop()
     return 0

@@ -22,7 +22,7 @@ class StopChecker:
             return {"type": "stop", "matched": token_id}
         if params.stop:
             longest = max(len(s) for s in params.stop)
-            tail = self.tokenizer.decode(seq.output_ids[-(longest + 1):])
+            tail = self.tokenizer.decode(seq.output_ids[-(longest + 1) :])
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}

@@ -14,8 +14,10 @@ import datetime
 import torch
 import torch.distributed as dist
 
-DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64",
-                                                   "int32", "int8", "uint8", "bool")}
+DTYPES = {
+    name: getattr(torch, name)
+    for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int8", "uint8", "bool")
+}
 BACKENDS = ("gloo", "nccl")
 
 
@@ -30,8 +32,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def new_process_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                      backend: str, timeout_s: float = 600.0):
+def new_process_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 600.0,
+):
     """A process group of its own (not the default one): rank 0 hosts the store, the others connect."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -66,13 +75,38 @@ def describe_cuda_tensor(tensor: torch.Tensor) -> dict:
 
     rebuild, args = reduce_tensor(tensor.detach())
     assert rebuild.__name__ == "rebuild_cuda_tensor", "only CUDA tensors travel by IPC"
-    (_, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset, _,
-     ref_handle, ref_offset, event_handle, event_sync) = args
-    return dict(size=list(size), stride=list(stride), offset=int(offset), storage_cls=storage_cls.__name__,
-                dtype=dtype_name(dtype), device=int(device), handle=_b64(handle),
-                storage_size_bytes=int(storage_size), storage_offset_bytes=int(storage_offset),
-                ref_counter_handle=_b64(ref_handle), ref_counter_offset=int(ref_offset),
-                event_handle=_b64(event_handle), event_sync_required=bool(event_sync))
+    (
+        _,
+        size,
+        stride,
+        offset,
+        storage_cls,
+        dtype,
+        device,
+        handle,
+        storage_size,
+        storage_offset,
+        _,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = args
+    return dict(
+        size=list(size),
+        stride=list(stride),
+        offset=int(offset),
+        storage_cls=storage_cls.__name__,
+        dtype=dtype_name(dtype),
+        device=int(device),
+        handle=_b64(handle),
+        storage_size_bytes=int(storage_size),
+        storage_offset_bytes=int(storage_offset),
+        ref_counter_handle=_b64(ref_handle),
+        ref_counter_offset=int(ref_offset),
+        event_handle=_b64(event_handle),
+        event_sync_required=bool(event_sync),
+    )
 
 
 def _int_list(value, what: str) -> list[int]:
@@ -98,8 +132,19 @@ def rebuild_cuda_tensor(desc: dict) -> torch.Tensor:
             raise ValueError(f"IPC handle field {key!r} must be base64 text or null")
         handles[key] = None if value is None else base64.b64decode(value, validate=True)
     return torch_rebuild(
-        torch.Tensor, torch.Size(_int_list(desc.get("size"), "size")),
-        tuple(_int_list(desc.get("stride"), "stride")), desc["offset"], _STORAGE_CLASSES[desc["storage_cls"]],
-        parse_dtype(desc.get("dtype")), desc["device"], handles["handle"], desc["storage_size_bytes"],
-        desc["storage_offset_bytes"], False, handles["ref_counter_handle"], desc["ref_counter_offset"],
-        handles["event_handle"], bool(desc.get("event_sync_required", False)))
+        torch.Tensor,
+        torch.Size(_int_list(desc.get("size"), "size")),
+        tuple(_int_list(desc.get("stride"), "stride")),
+        desc["offset"],
+        _STORAGE_CLASSES[desc["storage_cls"]],
+        parse_dtype(desc.get("dtype")),
+        desc["device"],
+        handles["handle"],
+        desc["storage_size_bytes"],
+        desc["storage_offset_bytes"],
+        False,
+        handles["ref_counter_handle"],
+        desc["ref_counter_offset"],
+        handles["event_handle"],
+        bool(desc.get("event_sync_required", False)),
+    )

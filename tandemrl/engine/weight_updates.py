@@ -59,13 +59,21 @@ class WeightUpdateRoutes:
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
-            body = await read_json(request, {"master_address", "master_port", "rank_offset", "world_size",
-                                             "group_name", "backend"})
+            body = await read_json(
+                request,
+                {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+            )
             group_name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "gloo")
             if backend == "nccl" and self.loop.engine.device.type != "cuda":
                 raise ValueError("backend nccl needs an engine on CUDA; use gloo for a CPU engine")
-            args = (body["master_address"], int(body["master_port"]), int(body["rank_offset"]),
-                    int(body["world_size"]), group_name, backend)
+            args = (
+                body["master_address"],
+                int(body["master_port"]),
+                int(body["rank_offset"]),
+                int(body["world_size"]),
+                group_name,
+                backend,
+            )
         except (ValueError, KeyError, TypeError) as error:
             return bad_request(f"init_weights_update_group: {error!r}")
         if self.loop.engine.device.type == "cuda":
@@ -73,9 +81,13 @@ class WeightUpdateRoutes:
         try:
             group = await asyncio.to_thread(new_process_group, *args)
         except Exception as error:  # the rendezvous failed: report, keep serving
-            return web.json_response({"success": False, "message": f"group setup failed: {error!r}"}, status=500)
+            return web.json_response(
+                {"success": False, "message": f"group setup failed: {error!r}"}, status=500
+            )
         self.groups[group_name] = (group, backend)
-        logger.info("joined weight update group %s (%s) as rank %d of %d", group_name, backend, args[2], args[3])
+        logger.info(
+            "joined weight update group %s (%s) as rank %d of %d", group_name, backend, args[2], args[3]
+        )
         return web.json_response({"success": True, "message": f"joined {group_name}"})
 
     async def destroy_group(self, request: web.Request) -> web.Response:
@@ -84,20 +96,38 @@ class WeightUpdateRoutes:
         except ValueError as error:
             return bad_request(str(error))
         removed = self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        return web.json_response({"success": removed is not None, "message": "destroyed" if removed else "unknown"})
+        return web.json_response(
+            {"success": removed is not None, "message": "destroyed" if removed else "unknown"}
+        )
 
     async def update_from_distributed(self, request: web.Request) -> web.Response:
         try:
-            body = await read_json(request, {"names", "dtypes", "shapes", "group_name", "flush_cache",
-                                             "weight_version", "abort_all_requests", "load_format"})
+            body = await read_json(
+                request,
+                {
+                    "names",
+                    "dtypes",
+                    "shapes",
+                    "group_name",
+                    "flush_cache",
+                    "weight_version",
+                    "abort_all_requests",
+                    "load_format",
+                },
+            )
             names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
             if not (len(names) == len(dtypes) == len(shapes)):
                 raise ValueError("names, dtypes and shapes must have the same length")
-            specs = [(n, parse_dtype(d), [int(x) for x in s]) for n, d, s in zip(names, dtypes, shapes)]
+            specs = [
+                (n, parse_dtype(d), [int(x) for x in s])
+                for n, d, s in zip(names, dtypes, shapes, strict=True)
+            ]
             version = parse_weight_version(body.get("weight_version"))
             group_name = body.get("group_name", "weight_update_group")
             if group_name not in self.groups:
-                raise ValueError(f"no weight update group {group_name!r}; call /init_weights_update_group first")
+                raise ValueError(
+                    f"no weight update group {group_name!r}; call /init_weights_update_group first"
+                )
         except (ValueError, KeyError, TypeError) as error:
             return bad_request(f"update_weights_from_distributed: {error!r}")
         group, backend = self.groups[group_name]
@@ -118,11 +148,14 @@ class WeightUpdateRoutes:
             body = await read_json(request, {"named_tensors", "weight_version", "flush_cache", "load_format"})
             version = parse_weight_version(body.get("weight_version"))
             items = body["named_tensors"]
-            if not isinstance(items, list) or not all(isinstance(i, dict) and {"name", "tensor"} <= set(i)
-                                                      for i in items):
+            if not isinstance(items, list) or not all(
+                isinstance(i, dict) and {"name", "tensor"} <= set(i) for i in items
+            ):
                 raise ValueError('named_tensors must be a list of {"name", "tensor"} IPC descriptions')
             if self.loop.engine.device.type != "cuda":
-                raise ValueError("update_weights_from_tensor carries CUDA IPC handles; the engine is not on CUDA")
+                raise ValueError(
+                    "update_weights_from_tensor carries CUDA IPC handles; the engine is not on CUDA"
+                )
         except (ValueError, KeyError, TypeError) as error:
             return bad_request(f"update_weights_from_tensor: {error!r}")
 
@@ -140,4 +173,6 @@ class WeightUpdateRoutes:
             version = await asyncio.wrap_future(self.loop.call(fn))
         except ValueError as error:
             return bad_request(str(error))
-        return web.json_response({"success": True, "message": "weights updated", "weight_version": str(version)})
+        return web.json_response(
+            {"success": True, "message": "weights updated", "weight_version": str(version)}
+        )

@@ -88,17 +88,10 @@ def build_index(
     show_progress: bool = True,
 ) -> dict:
     """Index (or finish indexing) `corpus` into `index_dir`; returns the build statistics."""
-    from tqdm import tqdm
-
     from tandemrl.retrieval.encoders import Encoder
 
     corpus, index_dir = Path(corpus), Path(index_dir)
-    if not corpus.is_file():
-        raise FileNotFoundError(f'corpus {corpus} not found (expected a jsonl of {{"id", "contents"}}).')
-    if sparse not in (None, "bm25"):
-        raise ValueError(f"sparse={sparse!r}: the only sparse vectors supported are 'bm25' (or None).")
-    if batch_size <= 0:
-        raise ValueError(f"batch_size={batch_size}: must be > 0.")
+    _check_inputs(corpus, sparse, batch_size)
     index_dir.mkdir(parents=True, exist_ok=True)
     model = Encoder.from_name(encoder, device=device, batch_size=min(batch_size, 128))
     meta = _open_meta(index_dir, corpus, encoder, model.dim, sparse, qdrant_url)
@@ -107,26 +100,12 @@ def build_index(
         if not store.exists():
             store.create(meta.dim, has_sparse=sparse == "bm25")
         meta.save(index_dir)
-        num_total = sum(1 for _ in read_corpus(corpus))
-        stats = _index_batches(
-            corpus,
-            store,
-            model,
-            meta,
-            batch_size,
-            tqdm(total=num_total, unit="passage", desc="indexing", disable=not show_progress),
-        )
+        stats = _index_batches(corpus, store, model, meta, batch_size, show_progress)
         meta.num_passages = store.count()
         meta.save(index_dir)
     finally:
         store.close()
-    stats.update(
-        num_passages=num_total,
-        num_in_index=meta.num_passages,
-        index_dir=str(index_dir),
-        encoder=encoder,
-        sparse=sparse,
-    )
+    stats.update(num_in_index=meta.num_passages, index_dir=str(index_dir), encoder=encoder, sparse=sparse)
     log.info(
         "indexed %d new passages (%d already there) at %.1f passages/s; %d in the index",
         stats["num_indexed"],
@@ -137,9 +116,22 @@ def build_index(
     return stats
 
 
+def _check_inputs(corpus: Path, sparse: str | None, batch_size: int) -> None:
+    if not corpus.is_file():
+        raise FileNotFoundError(f'corpus {corpus} not found (expected a jsonl of {{"id", "contents"}}).')
+    if sparse not in (None, "bm25"):
+        raise ValueError(f"sparse={sparse!r}: the only sparse vectors supported are 'bm25' (or None).")
+    if batch_size <= 0:
+        raise ValueError(f"batch_size={batch_size}: must be > 0.")
+
+
 def _index_batches(
-    corpus: Path, store: QdrantStore, model, meta: IndexMeta, batch_size: int, progress
+    corpus: Path, store: QdrantStore, model, meta: IndexMeta, batch_size: int, show_progress: bool
 ) -> dict:
+    from tqdm import tqdm
+
+    num_total = sum(1 for _ in read_corpus(corpus))
+    progress = tqdm(total=num_total, unit="passage", desc="indexing", disable=not show_progress)
     params = meta.bm25_params() if meta.sparse == "bm25" else None
     num_indexed = num_skipped = 0
     start = time.perf_counter()
@@ -163,6 +155,7 @@ def _index_batches(
             progress.set_postfix(new=num_indexed, skipped=num_skipped, refresh=False)
     seconds = time.perf_counter() - start
     return {
+        "num_passages": num_total,
         "num_indexed": num_indexed,
         "num_skipped": num_skipped,
         "seconds": round(seconds, 3),

@@ -63,7 +63,11 @@ def default_mode(meta: IndexMeta) -> str:
 
 
 class Retriever:
-    """Batch search in one of `dense | bm25 | hybrid`; not thread-safe (call it from one thread)."""
+    """Batch search in one of `dense | bm25 | hybrid`; not thread-safe (call it from one thread).
+
+    `in_memory` (default: on for local mode, off for a Qdrant server) searches a `MemoryIndex` loaded
+    from the collection instead of asking Qdrant, whose local mode is too slow past a few thousand points.
+    """
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class Retriever:
         qdrant_url: str | None = None,
         device: str | None = None,
         fusion: FusionParams = FusionParams(),
+        in_memory: bool | None = None,
     ):
         self.index_dir = Path(index_dir)
         self.meta = IndexMeta.load(self.index_dir)
@@ -85,6 +90,11 @@ class Retriever:
 
             self.encoder = Encoder.from_name(self.meta.encoder, device=device)
         self.num_passages = self.store.count()
+        self.memory = None
+        if in_memory if in_memory is not None else self.store.is_local:
+            from tandemrl.retrieval.memory import MemoryIndex
+
+            self.memory = MemoryIndex.from_store(self.store)
         log.info("retriever on %s: mode %s, %d passages", self.store.location, self.mode, self.num_passages)
 
     def _check_mode(self, mode: str, need_encoder: bool = True) -> None:
@@ -119,7 +129,8 @@ class Retriever:
         queries = [query[: self.max_query_chars] for query in queries]
         dense = self.encoder.encode_queries(queries) if mode != "bm25" else None
         sparse = [bm25.query_vector(query) for query in queries] if mode != "dense" else None
-        return self.store.search(mode, topks, dense=dense, sparse=sparse, fusion=self.fusion)
+        searcher = self.memory or self.store
+        return searcher.search(mode, topks, dense=dense, sparse=sparse, fusion=self.fusion)
 
     def close(self) -> None:
         self.store.close()

@@ -11,6 +11,7 @@ field, a failed search a 500 for that request only.
 from __future__ import annotations
 
 import logging
+import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -115,7 +116,11 @@ def run_serve(args) -> int:
 
     from tandemrl.retrieval.retriever import Retriever
 
-    retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url)
+    try:
+        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url)
+    except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
+        print(f"tandem serve-retrieval: {error}", file=sys.stderr)
+        return 2
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
     info = {
         "mode": retriever.mode,

@@ -2,7 +2,9 @@
 server (`QdrantClient(url=...)`) through the same calls.
 
 Invariant: a passage's point id is a UUID derived from its passage id, so re-indexing the same corpus
-finds the points already there and skips them. Qdrant local mode lets one process open a path; the
+finds the points already there and skips them. `search` uses Qdrant's query API (prefetch + RRF
+fusion), fast on a Qdrant server; in local mode the retriever searches a `MemoryIndex` instead (see
+memory.py), which scores identically. Qdrant local mode lets one process open a path; the
 retrieval server owns its index while it runs, everyone else goes through HTTP.
 """
 
@@ -53,6 +55,7 @@ class QdrantStore:
         if qdrant_url is None and index_dir is None:
             raise ValueError("QdrantStore needs an index directory (local mode) or a Qdrant server URL.")
         self.collection = collection
+        self.is_local = qdrant_url is None
         self.location = qdrant_url or str(Path(index_dir) / "qdrant")
         try:
             self.client = QdrantClient(url=qdrant_url) if qdrant_url else QdrantClient(path=self.location)
@@ -93,10 +96,6 @@ class QdrantStore:
             sparse_vectors_config=sparse,
         )
         self._relax_local_fsync()
-
-    def has_sparse(self) -> bool:
-        info = self.client.get_collection(self.collection)
-        return SPARSE in (info.config.params.sparse_vectors or {})
 
     def count(self) -> int:
         return self.client.count(self.collection, exact=True).count
@@ -156,7 +155,7 @@ class QdrantStore:
 
         dense_query = dense[i].tolist() if dense is not None else None
         sparse_query = None
-        if sparse is not None and sparse[i].indices:  # a query of stop words only has no sparse terms
+        if sparse is not None and sparse[i].indices:  # a query of punctuation only has no terms
             sparse_query = models.SparseVector(indices=sparse[i].indices, values=sparse[i].values)
         if mode == "dense" or (mode == "hybrid" and sparse_query is None):
             return models.QueryRequest(query=dense_query, using=DENSE, limit=topk, with_payload=True)

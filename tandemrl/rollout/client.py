@@ -7,6 +7,7 @@ present and is None otherwise. Invariant: `generate` returns exactly the tokens 
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 import aiohttp
@@ -33,14 +34,21 @@ class GenerateResult:
         output_ids = list(body.get("output_ids") or [])
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(logprobs) != len(output_ids):
-            raise EngineError(f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs; "
-                              "send return_logprob=true")
+            raise EngineError(
+                f"engine returned {len(output_ids)} tokens but {len(logprobs)} logprobs; "
+                "send return_logprob=true"
+            )
         versions = meta.get("output_token_weight_versions")
         weight_version = meta.get("weight_version")
-        return cls(output_ids=output_ids, output_logprobs=logprobs, finish_reason=reason.get("type", "abort"),
-                   matched_stop=reason.get("matched"), weight_versions=None if versions is None else list(versions),
-                   weight_version=None if weight_version is None else str(weight_version),
-                   prompt_tokens=int(meta.get("prompt_tokens", 0)))
+        return cls(
+            output_ids=output_ids,
+            output_logprobs=logprobs,
+            finish_reason=reason.get("type", "abort"),
+            matched_stop=reason.get("matched"),
+            weight_versions=None if versions is None else list(versions),
+            weight_version=None if weight_version is None else str(weight_version),
+            prompt_tokens=int(meta.get("prompt_tokens", 0)),
+        )
 
 
 class EngineClient:
@@ -48,12 +56,18 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
         self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
 
     def _http(self) -> aiohttp.ClientSession:
+        # A session belongs to one event loop; a client reused under a new loop opens a new session.
+        if self._session is not None and self._session_loop is not asyncio.get_running_loop():
+            self._session = None
         if self._session is None or self._session.closed:
+            self._session_loop = asyncio.get_running_loop()
             connector = aiohttp.TCPConnector(limit=0)  # the engine batches; do not queue on our side
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
         return self._session
 
     async def _post(self, path: str, body: dict | None = None) -> dict | str:
@@ -72,9 +86,14 @@ class EngineClient:
             return await resp.json()
         return text
 
-    async def generate(self, input_ids: list[int], sampling_params: dict, rid: str | None = None,
-                       extra: dict | None = None) -> GenerateResult:
-        body = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params), "return_logprob": True}
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
+    ) -> GenerateResult:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": dict(sampling_params),
+            "return_logprob": True,
+        }
         if rid is not None:
             body["rid"] = rid
         body.update(extra or {})
@@ -98,8 +117,9 @@ class EngineClient:
 
     async def health(self) -> bool:
         try:
-            async with self._http().get(self.base_url + "/health",
-                                        timeout=aiohttp.ClientTimeout(total=5.0)) as resp:
+            async with self._http().get(
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False

@@ -23,10 +23,19 @@ def _free_port() -> int:
 
 
 class EngineProcess:
-    def __init__(self, model_path: str | Path, port: int | None = None, device: str = "cpu",
-                 dtype: str = "float32", max_running_requests: int = 64, max_context_len: int = 4096,
-                 seed: int = 0, kv_cache_gb: float | None = None, startup_timeout_s: float = 300.0,
-                 env: dict | None = None):
+    def __init__(
+        self,
+        model_path: str | Path,
+        port: int | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_running_requests: int = 64,
+        max_context_len: int = 4096,
+        seed: int = 0,
+        kv_cache_gb: float | None = None,
+        startup_timeout_s: float = 300.0,
+        env: dict | None = None,
+    ):
         self.model_path = str(model_path)
         self.port = port or _free_port()
         self.device, self.dtype, self.seed = device, dtype, seed
@@ -41,10 +50,28 @@ class EngineProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "tandemrl.cli", "serve-engine", "--model", self.model_path,
-               "--host", "127.0.0.1", "--port", str(self.port), "--device", self.device, "--dtype", self.dtype,
-               "--max-running-requests", str(self.max_running_requests),
-               "--max-context-len", str(self.max_context_len), "--seed", str(self.seed)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "tandemrl.cli",
+            "serve-engine",
+            "--model",
+            self.model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--device",
+            self.device,
+            "--dtype",
+            self.dtype,
+            "--max-running-requests",
+            str(self.max_running_requests),
+            "--max-context-len",
+            str(self.max_context_len),
+            "--seed",
+            str(self.seed),
+        ]
         if self.kv_cache_gb is not None:
             cmd += ["--kv-cache-gb", str(self.kv_cache_gb)]
         return cmd
@@ -56,14 +83,17 @@ class EngineProcess:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"engine process exited with code {self.proc.returncode} during startup "
-                                   f"({' '.join(self.command())}):\n{self.log_tail()}")
+                raise RuntimeError(
+                    f"engine process exited with code {self.proc.returncode} during startup "
+                    f"({' '.join(self.command())}):\n{self.log_tail()}"
+                )
             if self._is_healthy():
                 return self
             time.sleep(0.2)
         self.stop()
-        raise TimeoutError(f"engine on port {self.port} not healthy after {self.startup_timeout_s} s:\n"
-                           f"{self.log_tail()}")
+        raise TimeoutError(
+            f"engine on port {self.port} not healthy after {self.startup_timeout_s} s:\n{self.log_tail()}"
+        )
 
     def _is_healthy(self) -> bool:
         try:

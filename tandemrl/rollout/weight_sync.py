@@ -21,8 +21,9 @@ from tandemrl.rollout.client import EngineClient, EngineError
 BACKENDS = ("gloo", "nccl", "cuda_ipc")
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Consecutive groups of tensors of about `bucket_bytes` (a larger tensor forms its own bucket)."""
     bucket, size = [], 0
     for name, tensor in named_tensors:
@@ -36,9 +37,15 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
 
 
 class WeightSender:
-    def __init__(self, clients: list[EngineClient], backend: str, bucket_mb: int = 256,
-                 master_address: str = "127.0.0.1", master_port: int | None = None,
-                 group_name: str = "tandem_weight_sync"):
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        backend: str,
+        bucket_mb: int = 256,
+        master_address: str = "127.0.0.1",
+        master_port: int | None = None,
+        group_name: str = "tandem_weight_sync",
+    ):
         if backend not in BACKENDS:
             raise ValueError(f"weight sync backend must be one of {BACKENDS}, got {backend!r}")
         if bucket_mb <= 0:
@@ -57,12 +64,31 @@ class WeightSender:
 
             self.master_port = _free_port()
         world_size = 1 + len(self.clients)
-        joins = [asyncio.create_task(client.post("/init_weights_update_group", {
-            "master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1 + i,
-            "world_size": world_size, "group_name": self.group_name, "backend": self.backend}))
-            for i, client in enumerate(self.clients)]
-        create = asyncio.to_thread(new_process_group, self.master_address, self.master_port, 0, world_size,
-                                   self.group_name, self.backend)
+        joins = [
+            asyncio.create_task(
+                client.post(
+                    "/init_weights_update_group",
+                    {
+                        "master_address": self.master_address,
+                        "master_port": self.master_port,
+                        "rank_offset": 1 + i,
+                        "world_size": world_size,
+                        "group_name": self.group_name,
+                        "backend": self.backend,
+                    },
+                )
+            )
+            for i, client in enumerate(self.clients)
+        ]
+        create = asyncio.to_thread(
+            new_process_group,
+            self.master_address,
+            self.master_port,
+            0,
+            world_size,
+            self.group_name,
+            self.backend,
+        )
         self.group, *_ = await asyncio.gather(create, *joins)
 
     async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict:
@@ -89,9 +115,14 @@ class WeightSender:
         return tensor.contiguous()
 
     async def _send_broadcast(self, bucket: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
-        body = {"names": [n for n, _ in bucket], "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-                "shapes": [list(t.shape) for _, t in bucket], "group_name": self.group_name,
-                "flush_cache": False, "weight_version": str(weight_version)}
+        body = {
+            "names": [n for n, _ in bucket],
+            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
+            "shapes": [list(t.shape) for _, t in bucket],
+            "group_name": self.group_name,
+            "flush_cache": False,
+            "weight_version": str(weight_version),
+        }
         posts = [asyncio.create_task(c.post("/update_weights_from_distributed", body)) for c in self.clients]
 
         def send_all() -> None:
@@ -107,7 +138,10 @@ class WeightSender:
 
     async def _send_ipc(self, bucket: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
         torch.cuda.current_stream().synchronize()  # the engine reads the memory as soon as it opens it
-        body = {"named_tensors": [{"name": n, "tensor": describe_cuda_tensor(t)} for n, t in bucket],
-                "weight_version": str(weight_version), "flush_cache": False}
+        body = {
+            "named_tensors": [{"name": n, "tensor": describe_cuda_tensor(t)} for n, t in bucket],
+            "weight_version": str(weight_version),
+            "flush_cache": False,
+        }
         await asyncio.gather(*(c.post("/update_weights_from_tensor", body) for c in self.clients))
         del bucket  # the engines have copied: the IPC memory may be freed now

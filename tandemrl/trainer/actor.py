@@ -30,6 +30,7 @@ from tandemrl.trainer.optim import build_optimizer
 from tandemrl.trainer.policy import (
     PolicyModel,
     init_distributed,
+    reshard,
     resolve_attn_implementation,
     resolve_compute_dtype,
     resolve_device,
@@ -291,7 +292,7 @@ class Actor:
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) in state-dict order, tied weights once; each parameter is all-gathered
         from its shards, so every rank must consume the iterator (only one needs to send)."""
-        self.policy.reshard()
+        reshard(self.policy)
         persistent = set(self.policy.hf.state_dict().keys())
         named = list(self.policy.hf.named_parameters()) + [
             (n, b) for n, b in self.policy.hf.named_buffers() if n in persistent

@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tandemrl.trainer.policy import reshard
+
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -58,7 +60,7 @@ def save_checkpoint(actor, ckpt_dir: str | Path, extra: dict[str, object] | None
         shutil.rmtree(tmp, ignore_errors=True)  # left by a crashed save
         (tmp / "actor").mkdir(parents=True)
     _barrier()
-    actor.policy.reshard()
+    reshard(actor.policy)
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "actor"))
     torch.save(_rng_state(), tmp / "actor" / f"rng_rank{actor.rank}.pt")
@@ -114,7 +116,7 @@ def load_checkpoint(actor, ckpt_dir: str | Path) -> None:
             "global_step_N directory written by the actor, e.g. runs/<name>/checkpoints/"
             "global_step_10."
         )
-    actor.policy.reshard()
+    reshard(actor.policy)
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=str(actor_dir))

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
@@ -156,9 +156,29 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
+def is_sharded(policy: nn.Module) -> bool:
+    return isinstance(policy, FSDPModule)
+
+
+def reshard(policy: nn.Module) -> None:
+    """Free the gathered parameters (after a no-grad forward the root keeps them), so that
+    `parameters()` are the sharded masters again."""
+    if is_sharded(policy):
+        policy.reshard()
+
+
 def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch.dtype) -> None:
     """FSDP2: one unit per decoder layer, the wrapper as root; fp32 master weights, `compute_dtype`
-    for forward/backward, fp32 gradient reduction."""
+    for forward/backward, fp32 gradient reduction.
+
+    A single rank computing in fp32 (the CPU default) keeps the plain module: there FSDP would only
+    copy every parameter in and out around each forward and backward (~40% of a CPU step, measured
+    on SmolLM2-135M), with nothing to shard or cast. Everything else (loss scaling, clipping, DCP
+    checkpoints, full weights) is the same code for both.
+    """
+    if dist.get_world_size() == 1 and compute_dtype == torch.float32:
+        policy.to(device)
+        return
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(
         param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32

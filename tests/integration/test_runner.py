@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
 from tandemrl.runner.launch import train
@@ -93,9 +94,30 @@ def test_async_runner_other_pause_modes(tmp_path, tiny_llama_dir, small_kb, paus
         small_kb,
         "runner.async_mode=true",
         f"rollout.pause_mode={pause_mode}",
-        "runner.val_interval=4",
+        "agentloop.max_actor_accept_staleness=1",
     )
-    check_run(config, ctx, expect_stale=True)
+    scalars, sets = check_run(config, ctx, expect_stale=True)
+    assert max(v for _, v in scalars["rollout/data_staleness/max"]) <= 1.0  # staler groups were dropped
+    print(f"{pause_mode}: dropped {len(sets['dropped'])} stale groups, trained {len(sets['trained'])}")
+
+
+def test_equal_reward_drops_hit_the_safety_limit_and_fail_the_run(tmp_path, tiny_llama_dir, small_kb):
+    """A random tiny model never answers right: every group has equal (zero) rewards and is dropped."""
+    kb_dir, index_dir = small_kb
+    overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
+        "runner.async_mode=true",
+        "runner.val_interval=0",
+        "retrieval.launch=false",
+        "down_sampling.down_sampling_config.reject_equal_reward=true",
+        "rollout_buffer.max_dropped_groups_per_step=3",
+    ]
+    with pytest.raises(DroppedGroupsLimitError) as error:
+        train(load_config(None, overrides), write_plots=False)
+    message = str(error.value)
+    assert "rollout_buffer.max_dropped_groups_per_step=3 exceeded: 4 groups" in message
+    assert "4 with equal rewards" in message
+    dropped = [e for e in read_ledger(tmp_path / "run") if e["event"] == "dropped"]
+    assert len(dropped) == 4 and all(e["reason"] == "equal_reward" for e in dropped)
 
 
 @pytest.mark.slow

@@ -66,7 +66,9 @@ def _run(engine: Engine, prompts: dict[str, list[int]], max_new_tokens: int) -> 
 def _multi_turn(engine: Engine, num_trajectories: int = 4, num_turns: int = 3) -> dict[str, list[int]]:
     """Agent-like turns: each turn resends the whole context plus an information block."""
     rng = random.Random(0)
-    contexts = {f"t{i}": [rng.randrange(100, 5000) for _ in range(30 + 7 * i)] for i in range(num_trajectories)}
+    contexts = {
+        f"t{i}": [rng.randrange(100, 5000) for _ in range(30 + 7 * i)] for i in range(num_trajectories)
+    }
     for turn in range(num_turns):
         outputs = _run(engine, {f"{rid}-{turn}": ids for rid, ids in contexts.items()}, max_new_tokens=6)
         for rid in contexts:
@@ -78,8 +80,15 @@ def _multi_turn(engine: Engine, num_trajectories: int = 4, num_turns: int = 3) -
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
     def make(prefix: bool) -> Engine:
-        return Engine(EngineConfig(str(tiny_llama_dir), max_context_len=512, max_running_requests=8,
-                                   block_size=BLOCK, enable_prefix_caching=prefix))
+        return Engine(
+            EngineConfig(
+                str(tiny_llama_dir),
+                max_context_len=512,
+                max_running_requests=8,
+                block_size=BLOCK,
+                enable_prefix_caching=prefix,
+            )
+        )
 
     return make(True), make(False)
 
@@ -90,7 +99,10 @@ def test_multi_turn_reuse_cuts_prefill_and_keeps_greedy_outputs(engines):
     contexts_plain = _multi_turn(without)
     assert contexts_reuse == contexts_plain  # every turn's greedy output identical
     assert with_reuse.num_prefill_tokens < 0.6 * without.num_prefill_tokens
-    assert with_reuse.scheduler.num_prefix_hit_tokens == without.num_prefill_tokens - with_reuse.num_prefill_tokens
+    assert (
+        with_reuse.scheduler.num_prefix_hit_tokens
+        == without.num_prefill_tokens - with_reuse.num_prefill_tokens
+    )
 
 
 def test_weight_update_invalidates_cached_prefixes(engines):

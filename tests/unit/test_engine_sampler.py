@@ -17,15 +17,33 @@ CHUNK = 5_000
 SCALE = 9.0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """In-process engine + HF on a shared 2-core machine: one thread avoids OpenMP oversubscription."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def small_vocab_llama_dir(tmp_path_factory, smollm2_dir):
     """A 2-layer random Llama with a 4,096-token vocabulary: 20,000 draws stay cheap on CPU."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     out = tmp_path_factory.mktemp("small_vocab_llama")
-    config = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(out)
@@ -48,8 +66,13 @@ def draw(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: in
     tokens, logprobs = [], []
     for _ in range(NUM_SAMPLES // CHUNK):
         batch = logits[None, :].expand(CHUNK, -1)
-        t, lp = sample(batch, torch.full((CHUNK,), temperature), torch.full((CHUNK,), top_p),
-                       torch.full((CHUNK,), top_k, dtype=torch.long), generator)
+        t, lp = sample(
+            batch,
+            torch.full((CHUNK,), temperature),
+            torch.full((CHUNK,), top_p),
+            torch.full((CHUNK,), top_k, dtype=torch.long),
+            generator,
+        )
         tokens.append(t)
         logprobs.append(lp)
     return torch.cat(tokens), torch.cat(logprobs)
@@ -106,8 +129,13 @@ def test_top_p_truncates_to_the_nucleus(first_token_logits):
 def test_top_k_and_greedy_rows_in_one_batch(first_token_logits):
     logits = first_token_logits[None, :].expand(4, -1)
     generator = torch.Generator().manual_seed(0)
-    tokens, logprobs = sample(logits, torch.tensor([0.0, 1.0, 1.0, 1.0]), torch.tensor([1.0, 1.0, 1.0, 0.5]),
-                              torch.tensor([-1, 1, 3, -1]), generator)
+    tokens, logprobs = sample(
+        logits,
+        torch.tensor([0.0, 1.0, 1.0, 1.0]),
+        torch.tensor([1.0, 1.0, 1.0, 0.5]),
+        torch.tensor([-1, 1, 3, -1]),
+        generator,
+    )
     top3 = first_token_logits.topk(3).indices
     assert tokens[0] == top3[0] and tokens[1] == top3[0]
     assert tokens[2] in top3

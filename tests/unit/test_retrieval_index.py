@@ -14,7 +14,7 @@ from tandemrl.retrieval import bm25
 from tandemrl.retrieval.build import build_index, read_corpus
 from tandemrl.retrieval.encoders import Encoder, EncoderSpec, resolve_encoder
 from tandemrl.retrieval.retriever import IndexMeta, Retriever
-from tandemrl.retrieval.store import QdrantStore
+from tandemrl.retrieval.store import FusionParams, QdrantStore
 
 PASSAGES = [
     ("p0", "Alaric Venn", "Alaric Venn was born in Marrowdale in 1903. He worked as a cartographer."),
@@ -110,6 +110,23 @@ def test_hybrid_scores_are_reciprocal_rank_fusion(retriever):
     hits = retriever.search(["Northwind Guild brewing company"], [2], mode="hybrid")[0]
     assert hits[0].document["id"] == "p5"
     assert hits[0].score == pytest.approx(2 / 60)  # first in both lists: 1/(k + 0-based rank), k=60
+
+
+@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
+def test_in_memory_search_matches_qdrant_query_api(retriever, mode):
+    """The local-mode fast path must rank and score exactly like Qdrant's own query API."""
+    queries = ["Where was Alaric Venn born?", "Northwind Guild founder", "Veltaria", "novel published 1987",
+               "river town salt traders", "zzz unknown words"]
+    dense = retriever.encoder.encode_queries(queries)
+    sparse = [bm25.query_vector(query) for query in queries]
+    topks = [3, 8, 2, 5, 1, 4]
+    fusion = FusionParams(rrf_k=60, prefetch=8)
+    ours = retriever.memory.search(mode, topks, dense=dense, sparse=sparse, fusion=fusion)
+    qdrant = retriever.store.search(mode, topks, dense=dense, sparse=sparse, fusion=fusion)
+    for mine, theirs in zip(ours, qdrant, strict=True):
+        assert [hit.document["id"] for hit in mine] == [hit.document["id"] for hit in theirs]
+        assert [hit.score for hit in mine] == pytest.approx([hit.score for hit in theirs], rel=1e-4, abs=1e-6)
+    assert retriever.memory is not None and retriever.store.is_local
 
 
 def test_queries_without_terms_and_overlong_queries(retriever):

@@ -1,0 +1,117 @@
+"""Block pool, scheduler and stop conditions, without a model (the real SmolLM2 tokenizer for stops)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from tandemrl.engine.attention import build_metadata
+from tandemrl.engine.kv_cache import BlockManager
+from tandemrl.engine.scheduler import Scheduler
+from tandemrl.engine.sequence import SamplingParams, Sequence, Status
+from tandemrl.engine.stops import StopChecker
+
+
+def seq(rid: str, num_prompt: int, max_new: int = 8, **params) -> Sequence:
+    return Sequence(
+        rid, list(range(3, 3 + num_prompt)), SamplingParams(max_new_tokens=max_new, **params), 4096
+    )
+
+
+def test_block_manager_allocates_and_frees():
+    blocks = BlockManager(num_blocks=4, block_size=16)
+    table: list[int] = []
+    blocks.allocate(table, 17)
+    assert len(table) == 2 and blocks.num_free_blocks == 2
+    blocks.allocate(table, 32)  # still fits in two blocks
+    assert len(table) == 2
+    assert not blocks.can_allocate(table, 65)
+    blocks.free(table)
+    assert table == [] and blocks.num_free_blocks == 4
+
+
+def test_scheduler_respects_running_limit_and_prefill_budget():
+    scheduler = Scheduler(BlockManager(64, 16), max_running_requests=3, max_prefill_tokens=50)
+    for i, n in enumerate([30, 30, 10, 10]):
+        scheduler.add(seq(str(i), n))
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and [s.rid for s in batch] == ["0"]  # the second would exceed the 50-token budget
+    for s in batch:
+        s.num_cached_tokens = s.num_tokens
+    batch, _ = scheduler.schedule()
+    assert [s.rid for s in batch] == ["1", "2"]  # 40 tokens; the running limit (3) stops "3"
+    for s in batch:
+        s.num_cached_tokens = s.num_tokens
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and len(batch) == 3 and [s.rid for s in scheduler.waiting] == ["3"]
+
+
+def test_decode_retracts_newest_when_out_of_blocks():
+    scheduler = Scheduler(BlockManager(3, 4), max_running_requests=4, max_prefill_tokens=100)
+    a, b = seq("a", 4), seq("b", 4)
+    scheduler.add(a)
+    scheduler.add(b)
+    batch, _ = scheduler.schedule()
+    assert len(batch) == 2 and scheduler.blocks.num_free_blocks == 1
+    for s in batch:
+        s.num_cached_tokens = s.num_tokens
+        s.append(99, -1.0, 0)  # each now needs a second block; only one is free
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and batch == [a]
+    assert list(scheduler.waiting) == [b] and b.block_table == [] and b.num_cached_tokens == 0
+    assert b.output_ids == [99] and b.num_retractions == 1 and scheduler.num_preemptions == 1
+
+
+def test_retract_all_keeps_order_and_tokens():
+    scheduler = Scheduler(BlockManager(16, 4), max_running_requests=8, max_prefill_tokens=100)
+    seqs = [seq(str(i), 3) for i in range(3)]
+    for s in seqs:
+        scheduler.add(s)
+    scheduler.schedule()
+    assert scheduler.retract_all() == 3
+    assert list(scheduler.waiting) == seqs and all(s.status is Status.WAITING for s in seqs)
+    assert scheduler.blocks.num_free_blocks == 16
+
+
+def test_attention_metadata_masks_and_slots():
+    meta = build_metadata(
+        query_lens=[3, 1], context_lens=[3, 6], block_tables=[[2], [0, 5]], block_size=4, device="cpu"
+    )
+    assert meta.slot_mapping_T.tolist() == [8, 9, 10, 21]  # seq 2's 6th token: block 5, offset 1
+    assert meta.last_token_index.tolist() == [2, 3]
+    mask = meta.attn_mask_B1QL[:, 0]
+    assert mask[0, :3, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    assert mask[1, 0].tolist() == [True] * 6  # decode sees its whole context
+    assert meta.gather_slots_BL[1].tolist() == [0, 1, 2, 3, 20, 21]
+
+
+@pytest.fixture(scope="module")
+def stops(smollm2_dir) -> StopChecker:
+    return StopChecker(AutoTokenizer.from_pretrained(smollm2_dir), eos_ids={2})
+
+
+def test_stop_string_token_id_eos_and_length(stops):
+    tokenizer = stops.tokenizer
+    s = seq("s", 2, max_new=50, stop=["</search>"])
+    ids = tokenizer.encode("I will look it up <search> capital of France </search> and more")
+    for token in ids:
+        s.append(token, 0.0, 0)
+        reason = stops.check(s)
+        if reason:
+            break
+    assert reason == {"type": "stop", "matched": "</search>"}
+    assert tokenizer.decode(s.output_ids).endswith("</search>")
+    s.finish_reason = reason
+    assert stops.output_text(s) == "I will look it up <search> capital of France "
+
+    s = seq("t", 2, stop_token_ids=[7])
+    s.append(7, 0.0, 0)
+    assert stops.check(s) == {"type": "stop", "matched": 7}
+    s = seq("e", 2)
+    s.append(2, 0.0, 0)
+    assert stops.check(s) == {"type": "stop", "matched": 2}
+    s = seq("i", 2, max_new=2, ignore_eos=True)
+    s.append(2, 0.0, 0)
+    assert stops.check(s) is None
+    s.append(5, 0.0, 0)
+    assert stops.check(s) == {"type": "length", "length": 2}

@@ -36,12 +36,31 @@ from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.kv_cache import kv_bytes_per_token  # noqa: E402
 from tandemrl.engine.sequence import SamplingParams  # noqa: E402
 
-QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                  num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                  rope_theta=1000000.0, tie_word_embeddings=True, rms_norm_eps=1e-6, use_sliding_window=False)
-TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-            use_sliding_window=False)
+QWEN25_15B = dict(
+    vocab_size=151936,
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
+TINY = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+    use_sliding_window=False,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,7 +71,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=None, help="default 256 (tiny 16)")
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--info-len", type=int, default=300)
-    p.add_argument("--turn-trajectories", type=int, default=None, help="multi-turn trajectories (default 128)")
+    p.add_argument(
+        "--turn-trajectories", type=int, default=None, help="multi-turn trajectories (default 128)"
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--no-multi-turn", action="store_true", help="skip the multi-turn prefix-reuse workload")
     p.add_argument("--profile-host", action="store_true", help="print a cProfile of 20 decode steps")
@@ -80,7 +101,9 @@ def write_model_dir(shape: dict, out_dir: Path, device: torch.device, dtype: tor
     vocab = {"<unk>": 0, "<eos>": 1, **{f"w{i}": i + 2 for i in range(254)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(out_dir)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>").save_pretrained(
+        out_dir
+    )
     del model
     return out_dir
 
@@ -114,13 +137,23 @@ def random_prompts(num: int, length: int, vocab: int, seed: int) -> list[list[in
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(num)]
 
 
-def make_engine(model_dir: Path, device: torch.device, args, prefix_caching: bool = True,
-                cuda_graphs: bool = True) -> Engine:
+def make_engine(
+    model_dir: Path, device: torch.device, args, prefix_caching: bool = True, cuda_graphs: bool = True
+) -> Engine:
     max_context = args.prompt_len + args.turns * (args.new_tokens + args.info_len) + 16
-    return Engine(EngineConfig(str(model_dir), device=str(device), dtype="auto",
-                               max_running_requests=args.num_requests, max_context_len=max_context,
-                               kv_cache_gb=None if device.type == "cuda" else 0.25, max_prefill_tokens=16384,
-                               enable_prefix_caching=prefix_caching, enable_cuda_graphs=cuda_graphs))
+    return Engine(
+        EngineConfig(
+            str(model_dir),
+            device=str(device),
+            dtype="auto",
+            max_running_requests=args.num_requests,
+            max_context_len=max_context,
+            kv_cache_gb=None if device.type == "cuda" else 0.25,
+            max_prefill_tokens=16384,
+            enable_prefix_caching=prefix_caching,
+            enable_cuda_graphs=cuda_graphs,
+        )
+    )
 
 
 def run_batch(engine: Engine, prompts: dict[str, list[int]], new_tokens: int, device) -> dict:
@@ -141,13 +174,19 @@ def run_batch(engine: Engine, prompts: dict[str, list[int]], new_tokens: int, de
             outputs[seq.rid] = seq.output_ids
     sync(device)
     wall_s = time.perf_counter() - start
-    return dict(outputs=outputs, wall_s=wall_s, decode_s=decode_s, output_tokens=sum(len(o) for o in outputs.values()),
-                prefill_tokens=engine.num_prefill_tokens - prefill_before)
+    return dict(
+        outputs=outputs,
+        wall_s=wall_s,
+        decode_s=decode_s,
+        output_tokens=sum(len(o) for o in outputs.values()),
+        prefill_tokens=engine.num_prefill_tokens - prefill_before,
+    )
 
 
 def throughput(engine: Engine, args, vocab: int, device) -> dict:
-    run_batch(engine, {f"w{i}": p for i, p in enumerate(random_prompts(args.num_requests, 64, vocab, 1))},
-              8, device)  # warm-up: Triton compiles, allocator settles
+    run_batch(
+        engine, {f"w{i}": p for i, p in enumerate(random_prompts(args.num_requests, 64, vocab, 1))}, 8, device
+    )  # warm-up: Triton compiles, allocator settles
     prompts = random_prompts(args.num_requests, args.prompt_len, vocab, 2)
     steps_before = engine.num_steps
     result = run_batch(engine, {f"r{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
@@ -187,10 +226,15 @@ def decode_breakdown(engine: Engine, args) -> dict:
     from tandemrl.engine.fast_layers import fused_sample
 
     size = max(graphs.sizes)
-    temps, seed = torch.ones(size, device=engine.device), torch.zeros(1, dtype=torch.long, device=engine.device)
+    temps, seed = (
+        torch.ones(size, device=engine.device),
+        torch.zeros(1, dtype=torch.long, device=engine.device),
+    )
     timings = {}
-    for name, fn in (("graph_replay_ms", graphs.graphs[size].replay),
-                     ("sampling_ms", lambda: fused_sample(graphs.logits[size], temps, seed))):
+    for name, fn in (
+        ("graph_replay_ms", graphs.graphs[size].replay),
+        ("sampling_ms", lambda: fused_sample(graphs.logits[size], temps, seed)),
+    ):
         fn()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -224,8 +268,15 @@ def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = None  # run every request to length, as ignore_eos does
     ids = torch.tensor(prompts, device=device)
-    kwargs = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, cache_implementation="static",
-                  pad_token_id=0, attention_mask=torch.ones_like(ids))
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        cache_implementation="static",
+        pad_token_id=0,
+        attention_mask=torch.ones_like(ids),
+    )
     with torch.inference_mode():
         model.generate(ids, max_new_tokens=4, **kwargs)  # warm-up
         sync(device)
@@ -241,14 +292,19 @@ def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device
 
 def roofline(engine: Engine, args, bandwidth: float | None) -> dict:
     """Bytes every decode step must move (weights once + K/V of every context token) over the bandwidth."""
-    weight_bytes = sum({p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}.values())
+    weight_bytes = sum(
+        {p.data_ptr(): p.numel() * p.element_size() for p in engine.model.parameters()}.values()
+    )
     per_token_kv = kv_bytes_per_token(engine.model.cfg, engine.dtype)
     total_bytes = 0
     for step in range(args.new_tokens):  # step s reads the prompt and s generated tokens, writes one
         context = args.prompt_len + step + 1
         total_bytes += weight_bytes + args.num_requests * context * per_token_kv
-    out = dict(weight_bytes=weight_bytes, kv_bytes_per_token=per_token_kv,
-               bytes_per_step_mean=total_bytes / args.new_tokens)
+    out = dict(
+        weight_bytes=weight_bytes,
+        kv_bytes_per_token=per_token_kv,
+        bytes_per_step_mean=total_bytes / args.new_tokens,
+    )
     if bandwidth:
         out["roofline_tokens_per_s"] = args.num_requests * args.new_tokens / (total_bytes / bandwidth)
     return out
@@ -257,10 +313,14 @@ def roofline(engine: Engine, args, bandwidth: float | None) -> dict:
 def multi_turn(engine: Engine, args, vocab: int, device) -> dict:
     """4 turns per trajectory; an information block is appended after each turn but the last."""
     rng = random.Random(3)
-    contexts = {f"t{i}": p for i, p in enumerate(random_prompts(args.turn_trajectories, args.prompt_len, vocab, 4))}
+    contexts = {
+        f"t{i}": p for i, p in enumerate(random_prompts(args.turn_trajectories, args.prompt_len, vocab, 4))
+    }
     prefill, wall_s = 0, 0.0
     for turn in range(args.turns):
-        result = run_batch(engine, {f"{rid}-{turn}": ids for rid, ids in contexts.items()}, args.new_tokens, device)
+        result = run_batch(
+            engine, {f"{rid}-{turn}": ids for rid, ids in contexts.items()}, args.new_tokens, device
+        )
         prefill += result["prefill_tokens"]
         wall_s += result["wall_s"]
         if turn < args.turns - 1:
@@ -277,10 +337,17 @@ def compare_prefix_reuse(engine: Engine, model_dir: Path, args, vocab: int, devi
     plain_engine = make_engine(model_dir, device, args, prefix_caching=False)
     without = multi_turn(plain_engine, args, vocab, device)
     release(plain_engine)
-    return dict(multi_turn=dict(trajectories=args.turn_trajectories, turns=args.turns, info_len=args.info_len,
-                                with_reuse=with_reuse, without_reuse=without),
-                prefix_reuse_prefill_cut=1 - with_reuse["prefill_tokens"] / without["prefill_tokens"],
-                prefix_reuse_wall_cut=1 - with_reuse["wall_s"] / without["wall_s"])
+    return dict(
+        multi_turn=dict(
+            trajectories=args.turn_trajectories,
+            turns=args.turns,
+            info_len=args.info_len,
+            with_reuse=with_reuse,
+            without_reuse=without,
+        ),
+        prefix_reuse_prefill_cut=1 - with_reuse["prefill_tokens"] / without["prefill_tokens"],
+        prefix_reuse_wall_cut=1 - with_reuse["wall_s"] / without["wall_s"],
+    )
 
 
 def release(engine: Engine) -> None:
@@ -295,10 +362,18 @@ def main() -> int:
     device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     shape = TINY if args.tiny else QWEN25_15B
-    report: dict = dict(command=" ".join([Path(sys.executable).name, *sys.argv]), host=platform.node(),
-                        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                        torch=torch.__version__, workload=dict(num_requests=args.num_requests,
-                        prompt_len=args.prompt_len, new_tokens=args.new_tokens, temperature=1.0))
+    report: dict = dict(
+        command=" ".join([Path(sys.executable).name, *sys.argv]),
+        host=platform.node(),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        torch=torch.__version__,
+        workload=dict(
+            num_requests=args.num_requests,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            temperature=1.0,
+        ),
+    )
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(shape, Path(tmp) / "model", device, dtype)
         report["copy_bandwidth_bytes_per_s"] = bandwidth = copy_bandwidth(device)
@@ -308,18 +383,28 @@ def main() -> int:
         report["decode_breakdown"] = decode_breakdown(engine, args) if device.type == "cuda" else {}
         if args.profile_host:
             profile_host(engine, args, shape["vocab_size"])
-        report.update(tokens_per_s=tp["tokens_per_s"], engine_wall_s=tp["wall_s"], engine_steps=tp["num_steps"],
-                      engine_decode_s=tp["decode_s"], engine_prefill_tokens=tp["prefill_tokens"],
-                      decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"])
+        report.update(
+            tokens_per_s=tp["tokens_per_s"],
+            engine_wall_s=tp["wall_s"],
+            engine_steps=tp["num_steps"],
+            engine_decode_s=tp["decode_s"],
+            engine_prefill_tokens=tp["prefill_tokens"],
+            decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"],
+        )
         if args.no_multi_turn:
             release(engine)
         else:
             report.update(compare_prefix_reuse(engine, model_dir, args, shape["vocab_size"], device))
-        print(f"engine {report['tokens_per_s']:.0f} tokens/s; multi-turn {report.get('multi_turn')}", flush=True)
+        print(
+            f"engine {report['tokens_per_s']:.0f} tokens/s; multi-turn {report.get('multi_turn')}", flush=True
+        )
         if not args.no_hf:
             hf = hf_static(model_dir, tp["prompts"], args.new_tokens, device, dtype)
-            report.update(hf_static_tokens_per_s=hf["tokens_per_s"], hf_static_wall_s=hf["wall_s"],
-                          ratio_to_hf=tp["tokens_per_s"] / hf["tokens_per_s"])
+            report.update(
+                hf_static_tokens_per_s=hf["tokens_per_s"],
+                hf_static_wall_s=hf["wall_s"],
+                ratio_to_hf=tp["tokens_per_s"] / hf["tokens_per_s"],
+            )
     if "roofline_tokens_per_s" in report:
         report["roofline_fraction"] = report["tokens_per_s"] / report["roofline_tokens_per_s"]
         report["decode_roofline_fraction"] = report["decode_tokens_per_s"] / report["roofline_tokens_per_s"]
@@ -332,26 +417,36 @@ def main() -> int:
 
 def print_report(r: dict) -> None:
     print(json.dumps(r, indent=2))
-    print(f"engine: {r['tokens_per_s']:.0f} output tokens/s ({r['engine_wall_s']:.2f} s, {r['engine_steps']} steps; "
-          f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s)")
+    print(
+        f"engine: {r['tokens_per_s']:.0f} output tokens/s ({r['engine_wall_s']:.2f} s, {r['engine_steps']} steps; "
+        f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s)"
+    )
     if "hf_static_tokens_per_s" in r:
-        print(f"HF static generate: {r['hf_static_tokens_per_s']:.0f} tokens/s -> ratio {r['ratio_to_hf']:.2f}x")
+        print(
+            f"HF static generate: {r['hf_static_tokens_per_s']:.0f} tokens/s -> ratio {r['ratio_to_hf']:.2f}x"
+        )
     if r.get("decode_breakdown"):
         b = r["decode_breakdown"]
         step_ms = 1e3 * r["engine_decode_s"] / max(1, r["workload"]["new_tokens"] - 1)
-        print(f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms, sampling "
-              f"{b['sampling_ms']:.2f} ms (batch {b['batch']}, full contexts), the rest host")
+        print(
+            f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms, sampling "
+            f"{b['sampling_ms']:.2f} ms (batch {b['batch']}, full contexts), the rest host"
+        )
         print(f"decode attention {b['decode_attention_config']}; tuning {b['decode_attention_tuning_ms']}")
         for name, us in b["kernels_us"].items():
             print(f"  {us:9.1f} us/replay  {name}")
     if "roofline_tokens_per_s" in r:
-        print(f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "
-              f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> fraction {r['roofline_fraction']:.3f}")
+        print(
+            f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "
+            f"{r['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s -> fraction {r['roofline_fraction']:.3f}"
+        )
     mt = r.get("multi_turn")
     if mt:
-        print(f"multi-turn prefill tokens: {mt['with_reuse']['prefill_tokens']} with reuse vs "
-              f"{mt['without_reuse']['prefill_tokens']} without (cut {r['prefix_reuse_prefill_cut']:.1%}); wall "
-              f"{mt['with_reuse']['wall_s']:.2f} s vs {mt['without_reuse']['wall_s']:.2f} s")
+        print(
+            f"multi-turn prefill tokens: {mt['with_reuse']['prefill_tokens']} with reuse vs "
+            f"{mt['without_reuse']['prefill_tokens']} without (cut {r['prefix_reuse_prefill_cut']:.1%}); wall "
+            f"{mt['with_reuse']['wall_s']:.2f} s vs {mt['without_reuse']['wall_s']:.2f} s"
+        )
 
 
 if __name__ == "__main__":

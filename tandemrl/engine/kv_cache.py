@@ -2,7 +2,7 @@
 
 Invariant: a block belongs to at most one request at a time; a request's block table covers exactly
 ceil(num_cached_tokens / block_size) blocks, and freed blocks return to the pool at once. Prefix reuse
-(issue 9) will add reference counts and content hashes here without changing the callers.
+(`prefix_cache.PrefixCachingBlockManager`) subclasses this with reference counts and content hashes.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ import logging
 import os
 import time
 import uuid
+from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -188,6 +189,11 @@ class EngineServer:
 
 def run_serve(args) -> int:
     """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    if not (Path(args.model) / "config.json").exists():
+        raise FileNotFoundError(
+            f"--model {args.model}: no config.json there; pass a Hugging Face model "
+            "directory (e.g. from `tandem prepare model`)"
+        )
     if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
         # slow both down by an order of magnitude, so take half the cores.

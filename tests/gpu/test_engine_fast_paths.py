@@ -78,11 +78,11 @@ def test_padding_rows_write_nothing():
     assert cache.count_nonzero().item() == 2 * 2 * 2 * 64
 
 
-def _model_dir(root: Path, init_std: float = 0.2) -> Path:
+def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = Qwen2Config(
         vocab_size=2048,
         hidden_size=256,
@@ -150,6 +150,40 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
     assert reused[:16] == graphed[:16]
     first_agree = sum(r[0][0] == g[0][0] for r, g in zip(reused[16:], graphed[16:], strict=True))
     assert first_agree >= 14
+
+
+def _serve(engine, prompts: list[list[int]], tag: str) -> list[tuple[list[int], list[float]]]:
+    from tandemrl.engine.sequence import SamplingParams
+
+    params = SamplingParams(max_new_tokens=24, temperature=0.0, ignore_eos=True)
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i:02d}", ids, params)
+    outputs = {}
+    while engine.has_work():
+        for seq in engine.step():
+            outputs[seq.rid] = (seq.output_ids, seq.output_logprobs)
+    return [outputs[k] for k in sorted(outputs)]
+
+
+def test_cuda_graphs_follow_weight_updates(tmp_path, monkeypatch):
+    """Captured graphs read the parameters in place: after `load_weights` they decode with the new weights."""
+    from safetensors.torch import load_file
+
+    from tandemrl.engine import triton_attention
+
+    monkeypatch.setattr(triton_attention, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
+    model_dir = _model_dir(tmp_path / "model")
+    new_weights = load_file(str(_model_dir(tmp_path / "other", seed=1) / "model.safetensors"))
+    rng = random.Random(3)
+    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 60))] for _ in range(16)]
+    _, graphed = _greedy(model_dir, prompts, graphs=True, prefix=True)
+    _, eager = _greedy(model_dir, prompts, graphs=False, prefix=True)
+    before = _serve(graphed, prompts, "old")
+    for engine in (graphed, eager):
+        engine.load_weights(new_weights.items())
+    after_graphed, after_eager = _serve(graphed, prompts, "new"), _serve(eager, prompts, "new")
+    assert [o for o, _ in after_graphed] == [o for o, _ in after_eager]
+    assert [o for o, _ in after_graphed] != [o for o, _ in before]
 
 
 def test_fused_forward_matches_reference_forward(tmp_path):

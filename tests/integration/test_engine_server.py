@@ -247,3 +247,8 @@ def test_client_errors_carry_the_reason(engine):
 
     with pytest.raises(EngineError, match="max_new_tokens must be"):
         asyncio.run(run())
+
+
+def test_engine_process_startup_failure_shows_stderr(tmp_path):
+    with pytest.raises(RuntimeError, match="no config.json there"):
+        EngineProcess(tmp_path / "missing-model", startup_timeout_s=60).start()

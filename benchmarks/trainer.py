@@ -1,12 +1,14 @@
 """Trainer benchmark: training tokens/s and MFU of the Actor against a plain HF forward/backward loop on
-the same packed micro-batches in the same run, and the time of a full weight sync into an engine process.
+the same micro-batches in the same run, and the time of a full weight sync into an engine process.
 
     python benchmarks/trainer.py                 # H200: Qwen2.5-1.5B-shaped model, random weights, bf16
     python benchmarks/trainer.py --tiny          # CPU smoke check of the same code (no figures)
 
 The model is built from a config (no download). Both loops see identical micro-batches (the Actor's
-token-budget packing) and do one AdamW update per minibatch; the HF loop is the textbook one (autocast
-bf16 over fp32 weights, `labels=` loss over the full logits, clip, step). Measured steps alternate
+token-budget grouping: one packed row with flash-attn, length-sorted padded rows with sdpa) and do one
+AdamW update per minibatch; the HF loop is the textbook one (autocast bf16 over fp32 weights, `labels=`
+loss over the full logits, clip, step). Both models stay resident (~50 GB of weights and optimizer
+state at 1.5B); lower --micro-batch-tokens if activations do not fit. Measured steps alternate
 between the two so clock drift hits both alike; the median step is reported. Weight sync: CUDA IPC into
 a `tandem serve-engine` process on the same GPU (gloo on CPU), median of a few pushes.
 MFU = (6 N T + 6 L d sum(len^2)) / time / peak, N = all parameters (lm_head included), T = tokens.
@@ -19,6 +21,7 @@ import asyncio
 import copy
 import gc
 import json
+import math
 import os
 import platform
 import random
@@ -77,7 +80,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-sync", action="store_true", help="skip the weight-sync measurement")
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer.json"))
     args = p.parse_args()
-    defaults = (8, 16, 64, 128) if args.tiny else (64, 512, 2048, 16384)
+    defaults = (8, 16, 64, 128) if args.tiny else (64, 512, 2048, 8192)
     for name, value in zip(
         ("num_samples", "min_len", "max_len", "micro_batch_tokens"), defaults, strict=True
     ):
@@ -87,7 +90,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[TrainSample]:
-    """Random trajectories: a quarter prompt (mask 0), the rest model tokens with rollout-like logprobs."""
+    """Random trajectories: a quarter prompt (mask 0), the rest model tokens whose rollout logprobs sit
+    near a random-weight model's (about -log(vocab)), so PPO ratios stay near 1 as in real training."""
     rng = random.Random(seed)
     out = []
     for _ in range(num):
@@ -97,7 +101,7 @@ def make_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int) ->
             TrainSample(
                 [rng.randrange(vocab) for _ in range(n)],
                 mask,
-                [-rng.uniform(0.5, 3.0) * m for m in mask],
+                [(-math.log(vocab) + rng.uniform(-0.3, 0.3)) * m for m in mask],
                 rng.uniform(-1, 1),
             )
         )
@@ -250,29 +254,11 @@ def run_sync(actor, engine_model, args, device: torch.device) -> dict:
     }
 
 
-def main() -> int:
-    args = parse_args()
-    from tandemrl.trainer.actor import Actor
-
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda", 0)
-    if device.type == "cpu":
-        device = torch.device("cpu")
-    shape = TINY if args.tiny else QWEN25_15B
-    model = build_model(shape, seed=0)
-    num_params = sum(p.numel() for p in model.parameters())
-    baseline_model, engine_model = copy.deepcopy(model), copy.deepcopy(model) if not args.no_sync else None
-    config = load_config(
-        None,
-        [
-            f"actor.device={device.type}",
-            "actor.optim.lr=0.000001",
-            f"algorithm.n_minibatches={args.n_minibatches}",
-            f"actor.micro_batch_tokens={args.micro_batch_tokens}",
-            "runner.output_dir=/tmp/tandem-bench-trainer",
-        ],
-    )
-    actor = Actor(config, hf_model=model)
-    baseline = HFBaseline(baseline_model, device, lr=1e-6)
+def throughput(args, device: torch.device, shape: dict, actor) -> dict:
+    """Actor vs HF loop on the same samples; tokens/s and MFU of each."""
+    baseline = HFBaseline(
+        build_model(shape, seed=0), device, lr=1e-6
+    )  # same seed: the actor's initial weights
     samples = make_samples(args.num_samples, args.min_len, args.max_len, shape["vocab_size"], seed=0)
     tokens = sum(s.num_tokens for s in samples)
     actor_s, hf_s = time_steps(actor, baseline, samples, args, device)
@@ -280,24 +266,11 @@ def main() -> int:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    peak, flops = peak_flops(device), model_flops(args.num_params, shape, samples)
     actor_tps, hf_tps = tokens / statistics.median(actor_s), tokens / statistics.median(hf_s)
-    peak = peak_flops(device)
-    flops = model_flops(num_params, shape, samples)
-    result = {
-        "gpu": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu ({platform.processor()})",
-        "command": " ".join([sys.executable, *sys.argv]),
-        "tiny": args.tiny,
-        "model": "Qwen2.5-1.5B-shaped (random weights)" if not args.tiny else "tiny qwen2 (random)",
-        "num_params": num_params,
+    return {
         "num_samples": len(samples),
         "tokens_per_step": tokens,
-        "micro_batch_tokens": args.micro_batch_tokens,
-        "n_minibatches": args.n_minibatches,
-        "actor_dtype": str(actor.compute_dtype),
-        "attn_implementation": actor.hf_model.config._attn_implementation,
-        "layout": "padded rows" if actor.is_padded else "packed row",
         "processed_tokens_per_step": processed_tokens(samples, args, actor.is_padded),
         "train_step_s": actor_s,
         "hf_baseline_step_s": hf_s,
@@ -306,18 +279,51 @@ def main() -> int:
         "ratio_vs_hf": actor_tps / hf_tps,
         "mfu": flops / statistics.median(actor_s) / peak if peak else None,
         "hf_baseline_mfu": flops / statistics.median(hf_s) / peak if peak else None,
-        "torch": torch.__version__,
+        "num_skipped_updates": actor.num_skipped_updates,
     }
-    if not args.no_sync:
+
+
+def main() -> int:
+    args = parse_args()
+    from tandemrl.trainer.actor import Actor
+
+    use_cuda = not args.tiny and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    shape = TINY if args.tiny else QWEN25_15B
+    model = build_model(shape, seed=0)
+    args.num_params = sum(p.numel() for p in model.parameters())
+    engine_model = None if args.no_sync else copy.deepcopy(model)
+    overrides = [
+        f"actor.device={device.type}",
+        "actor.optim.lr=0.000001",
+        "runner.output_dir=/tmp/tandem-bench",
+        f"algorithm.n_minibatches={args.n_minibatches}",
+        f"actor.micro_batch_tokens={args.micro_batch_tokens}",
+    ]
+    actor = Actor(load_config(None, overrides), hf_model=model)
+    result = {
+        "gpu": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({platform.processor()})",
+        "command": " ".join([sys.executable, *sys.argv]),
+        "tiny": args.tiny,
+        "model": "tiny qwen2 (random)" if args.tiny else "Qwen2.5-1.5B-shaped (random weights)",
+        "num_params": args.num_params,
+        "micro_batch_tokens": args.micro_batch_tokens,
+        "n_minibatches": args.n_minibatches,
+        "actor_dtype": str(actor.compute_dtype),
+        "attn_implementation": actor.hf_model.config._attn_implementation,
+        "layout": "padded rows" if actor.is_padded else "packed row",
+        "torch": torch.__version__,
+        **throughput(args, device, shape, actor),
+        "weight_sync_s": None,
+    }
+    if engine_model is not None:
         result.update(run_sync(actor, engine_model, args, device))
-    else:
-        result["weight_sync_s"] = None
     print(json.dumps(result, indent=2))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(
-        f"train {actor_tps:.0f} tok/s vs HF {hf_tps:.0f} tok/s ({actor_tps / hf_tps:.2f}x), "
-        f"MFU {result['mfu']}, weight sync {result.get('weight_sync_s')} s -> {args.out}"
+        f"train {result['train_tokens_per_s']:.0f} tok/s vs HF {result['hf_baseline_tokens_per_s']:.0f} tok/s "
+        f"({result['ratio_vs_hf']:.2f}x), MFU {result['mfu']}, weight sync {result['weight_sync_s']} s -> {args.out}"
     )
     return 0
 

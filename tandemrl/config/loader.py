@@ -119,6 +119,11 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
     if hint is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         _type_error(key, value, "a number")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):

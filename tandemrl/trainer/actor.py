@@ -100,7 +100,6 @@ class Actor:
         ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
         if config.actor.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
-        hf_model.config.use_cache = False
         self.policy = self._place(PolicyModel(hf_model.train(), temperature))
         self.ref_policy = None
         if ref_hf is not None:
@@ -291,7 +290,8 @@ class Actor:
     # ----------------------------------------------------------------- weights, checkpoints
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) in state-dict order, tied weights once; each parameter is all-gathered
-        from its shards, so every rank must consume the iterator (only one needs to send)."""
+        from its shards, so every rank must consume the iterator (only one needs to send). A tensor may
+        alias the live parameter (unsharded fp32 actor): clone it to keep it past the next update."""
         reshard(self.policy)
         persistent = set(self.policy.hf.state_dict().keys())
         named = list(self.policy.hf.named_parameters()) + [

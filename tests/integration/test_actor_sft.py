@@ -97,11 +97,15 @@ def test_tandem_sft_renders_demos_with_the_real_retriever(tiny_llama_dir, tmp_pa
     }
     (tmp_path / "sft.yaml").write_text(yaml.safe_dump(config))
     assert run_sft(argparse.Namespace(config=str(tmp_path / "sft.yaml"), overrides=[])) == 0
-    rows = [json.loads(line) for line in (tmp_path / "run" / "sft" / "rendered.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "run" / "sft" / "rendered.jsonl").read_text().splitlines()
+    ]
     assert rows
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     row = rows[0]
-    masked_out = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m])
+    masked_out = tokenizer.decode(
+        [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m]
+    )
     trained = tokenizer.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
     assert "<information>" in masked_out and "Doc 1(Title:" in masked_out  # retrieved text is not trained on
     assert "<search>" in trained and "<answer>" in trained and "<information>" not in trained

@@ -175,6 +175,12 @@ def test_overrides_parse_yaml_values():
         apply_override(raw, "data.rollout_batch_size")
 
 
+def test_float_keys_accept_short_exponents():
+    assert load_config(None, ["actor.optim.lr=1e-3"]).actor.optim.lr == 1e-3
+    with pytest.raises(ConfigError, match="actor.optim.lr"):
+        load_config(None, ["actor.optim.lr=fast"])
+
+
 def test_missing_file_names_the_path(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

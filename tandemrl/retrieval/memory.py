@@ -50,8 +50,13 @@ def _build_postings(sparse_rows: list[tuple[list[int], list[float]]]) -> _Postin
     starts = np.concatenate([[0], np.cumsum(counts)])
     num_docs = len(sparse_rows)
     idf = np.log((num_docs - counts + 0.5) / (counts + 0.5) + 1.0)
-    return _Postings(column_of, starts, np.asarray(rows, dtype=np.int64)[order],
-                     np.asarray(weights, dtype=np.float64)[order], idf)
+    return _Postings(
+        column_of,
+        starts,
+        np.asarray(rows, dtype=np.int64)[order],
+        np.asarray(weights, dtype=np.float64)[order],
+        idf,
+    )
 
 
 def _top(scores: np.ndarray, k: int, candidates: np.ndarray | None = None) -> list[tuple[int, float]]:
@@ -81,13 +86,16 @@ class MemoryIndex:
         documents, vectors, sparse_rows = [], [], []
         offset = None
         while True:
-            points, offset = store.client.scroll(store.collection, limit=SCROLL_BATCH, offset=offset,
-                                                 with_payload=True, with_vectors=True)
+            points, offset = store.client.scroll(
+                store.collection, limit=SCROLL_BATCH, offset=offset, with_payload=True, with_vectors=True
+            )
             for point in points:
                 documents.append(point.payload["document"])
                 vectors.append(point.vector[DENSE])
                 sparse = point.vector.get(SPARSE)
-                sparse_rows.append((list(sparse.indices), list(sparse.values)) if sparse is not None else None)
+                sparse_rows.append(
+                    (list(sparse.indices), list(sparse.values)) if sparse is not None else None
+                )
             if offset is None:
                 break
         dense = np.asarray(vectors, dtype=np.float32).reshape(len(vectors), -1)
@@ -97,21 +105,29 @@ class MemoryIndex:
         log.info("loaded %d passages into memory in %.1fs", len(documents), time.perf_counter() - start)
         return cls(documents, dense, postings)
 
-    def search(self, mode: str, topks: list[int], dense: np.ndarray | None = None,
-               sparse: list[SparseVector] | None = None, fusion: FusionParams = FusionParams()) -> list[list[Hit]]:
+    def search(
+        self,
+        mode: str,
+        topks: list[int],
+        dense: np.ndarray | None = None,
+        sparse: list[SparseVector] | None = None,
+        fusion: FusionParams = FusionParams(),
+    ) -> list[list[Hit]]:
         assert mode in MODES, mode
         if not topks:
             return []
-        dense_scores = self.dense @ dense.T if mode != "bm25" else None  # [N, Q]
+        dense_scores = dense @ self.dense.T if mode != "bm25" else None  # [Q, N], rows contiguous
         results = []
         for i, topk in enumerate(topks):
             if mode == "dense" or (mode == "hybrid" and not sparse[i].indices):
-                ranked = _top(dense_scores[:, i], topk)
+                ranked = _top(dense_scores[i], topk)
             elif mode == "bm25":
                 ranked = self._bm25_top(sparse[i], topk)
             else:
                 depth = max(fusion.prefetch, topk)
-                ranked = _rrf([_top(dense_scores[:, i], depth), self._bm25_top(sparse[i], depth)], topk, fusion.rrf_k)
+                ranked = _rrf(
+                    [_top(dense_scores[i], depth), self._bm25_top(sparse[i], depth)], topk, fusion.rrf_k
+                )
             results.append([Hit(self.documents[row], score) for row, score in ranked])
         return results
 

@@ -115,8 +115,14 @@ def test_hybrid_scores_are_reciprocal_rank_fusion(retriever):
 @pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
 def test_in_memory_search_matches_qdrant_query_api(retriever, mode):
     """The local-mode fast path must rank and score exactly like Qdrant's own query API."""
-    queries = ["Where was Alaric Venn born?", "Northwind Guild founder", "Veltaria", "novel published 1987",
-               "river town salt traders", "zzz unknown words"]
+    queries = [
+        "Where was Alaric Venn born?",
+        "Northwind Guild founder",
+        "Veltaria",
+        "novel published 1987",
+        "river town salt traders",
+        "zzz unknown words",
+    ]
     dense = retriever.encoder.encode_queries(queries)
     sparse = [bm25.query_vector(query) for query in queries]
     topks = [3, 8, 2, 5, 1, 4]
@@ -216,3 +222,20 @@ def test_e5_spec_prefixes_queries_and_passages():
     assert vectors.shape == (2, 384) and vectors.dtype == np.float32
     np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
     assert e5.encode_queries([]).shape == (0, 384)
+
+
+def test_cli_build_prints_stats_and_reports_bad_settings(tmp_path, capsys):
+    from tandemrl.cli import build_parser
+    from tandemrl.retrieval.build import run_build
+
+    corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES[:3])
+    args = build_parser().parse_args(
+        ["index", "build", "--corpus", str(corpus), "--index", str(tmp_path / "i")]
+    )
+    assert run_build(args) == 0
+    assert json.loads(capsys.readouterr().out)["num_indexed"] == 3
+    args = build_parser().parse_args(
+        ["index", "build", "--corpus", str(corpus), "--index", str(tmp_path / "i"), "--sparse", "bm25"]
+    )
+    assert run_build(args) == 2
+    assert "was built with --encoder minilm --sparse None" in capsys.readouterr().err

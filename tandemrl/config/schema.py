@@ -268,10 +268,11 @@ class RetrievalConfig:
     index_dir: str | None = None  # None: the default KB's index under $TANDEM_HOME
     corpus_path: str | None = None  # None: the default KB's corpus
     encoder: str = "minilm"  # minilm | e5 | a sentence-transformers directory
-    mode: str = "dense"  # dense | bm25 | hybrid
+    mode: str | None = None  # dense | bm25 | hybrid; None: the index's own (hybrid when it has BM25)
 
     def __post_init__(self):
-        _check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
+        if self.mode is not None:
+            _check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
 
 
 @dataclass

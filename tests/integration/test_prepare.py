@@ -107,7 +107,9 @@ def test_default_index_is_rebuilt_when_the_corpus_changes(tmp_path, monkeypatch)
     assert num_small < num_big
     index_dir = prepare_default_index(big)
     assert index_dir.is_relative_to(tmp_path / "home")
-    assert json.loads((index_dir / "index.json").read_text())["num_passages"] == num_big
+    meta = json.loads((index_dir / "index.json").read_text())
+    assert meta["num_passages"] == num_big
+    assert meta.get("sparse") == "bm25", meta  # the default index serves hybrid search
     assert prepare_default_index(big) == index_dir  # same corpus: resumed, nothing to add
     # a resumed build would keep the big corpus's extra passages; the stamp forces a clean rebuild
     prepare_default_index(small)

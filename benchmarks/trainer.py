@@ -136,8 +136,8 @@ class HFBaseline:
             for micro in plan_rank_micro_batches(minibatch, 0, 1, budget, padded=padded):
                 micro = micro.to(self.device)
                 labels = micro.input_ids_RL.clone()  # HF shifts labels itself
-                if micro.attention_mask_RL is not None:
-                    labels[micro.attention_mask_RL == 0] = -100
+                if micro.attention_mask_RL is not None:  # masked_fill: no host sync (a bool index would)
+                    labels.masked_fill_(micro.attention_mask_RL == 0, -100)
                 with autocast:
                     loss = self.model(
                         input_ids=micro.input_ids_RL,
@@ -286,6 +286,7 @@ def throughput(args, device: torch.device, shape: dict, actor) -> dict:
 def main() -> int:
     args = parse_args()
     from tandemrl.trainer.actor import Actor
+    from tandemrl.trainer.policy import is_sharded
 
     use_cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
@@ -310,6 +311,7 @@ def main() -> int:
         "micro_batch_tokens": args.micro_batch_tokens,
         "n_minibatches": args.n_minibatches,
         "actor_dtype": str(actor.compute_dtype),
+        "actor_fsdp": is_sharded(actor.policy),  # one rank: plain module under autocast, fused AdamW
         "attn_implementation": actor.hf_model.config._attn_implementation,
         "layout": "padded rows" if actor.is_padded else "packed row",
         "torch": torch.__version__,

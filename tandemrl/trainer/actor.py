@@ -79,7 +79,8 @@ def enable_activation_checkpointing(hf_model: torch.nn.Module) -> None:
 
 
 class Actor:
-    """FSDP2-sharded policy with AdamW; see the module docstring for the step contract."""
+    """Policy with AdamW, FSDP2-sharded across ranks (one rank: the plain module, under autocast below
+    fp32; see `policy.shard_policy`); see the module docstring for the step contract."""
 
     def __init__(
         self, config: TandemConfig, hf_model: torch.nn.Module | None = None, total_updates: int | None = None

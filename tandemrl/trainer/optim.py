@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from tandemrl.config.schema import OptimConfig
 
@@ -30,9 +31,18 @@ def build_optimizer(
     optim: OptimConfig,
     total_updates: int,
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    # foreach: one kernel per op over all tensors, far fewer (DTensor) dispatches than a per-tensor loop
+    params = list(params)
+    # plain CUDA tensors (a single GPU rank): one fused kernel; otherwise foreach, one kernel per op over
+    # all tensors, far fewer (DTensor) dispatches than a per-tensor loop
+    fused = all(p.is_cuda and not isinstance(p, DTensor) for p in params)
     optimizer = torch.optim.AdamW(
-        params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, eps=1e-8, foreach=True
+        params,
+        lr=optim.lr,
+        betas=tuple(optim.betas),
+        weight_decay=optim.weight_decay,
+        eps=1e-8,
+        fused=fused or None,
+        foreach=None if fused else True,
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda update: lr_factor(update, optim, total_updates)

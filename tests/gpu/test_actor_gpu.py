@@ -8,6 +8,7 @@ import torch
 
 from tandemrl.config.loader import load_config
 from tandemrl.trainer.actor import Actor
+from tandemrl.trainer.policy import is_sharded
 from tests.integration.trainer_helpers import make_samples
 
 VOCAB = 512
@@ -56,6 +57,8 @@ def _compare_to_fp32(device: str) -> None:
     actor, low, low_delta = _step(device, "bfloat16")
     assert actor.compute_dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in actor.policy.parameters())  # fp32 master weights
+    # one rank: the plain module under bf16 autocast (no FSDP copies per micro-batch), same on CPU and GPU
+    assert not is_sharded(actor.policy) and actor.policy.autocast_dtype == torch.bfloat16
     _, ref, ref_delta = _step("cpu", "float32")
     assert low["train/actor/loss"] == pytest.approx(ref["train/actor/loss"], abs=2e-2)
     assert low["train/actor/entropy"] == pytest.approx(ref["train/actor/entropy"], rel=1e-2)
@@ -64,6 +67,11 @@ def _compare_to_fp32(device: str) -> None:
     b = torch.cat([ref_delta[k].flatten() for k in ref_delta])
     assert b.abs().max() > 1e-4  # the step moved the weights
     cosine = float(a @ b / (a.norm() * b.norm()))
+    print(
+        f"bf16 vs fp32 on {device}: loss {low['train/actor/loss']:.5f} vs {ref['train/actor/loss']:.5f}, "
+        f"grad_norm {low['train/actor/grad_norm']:.4f} vs {ref['train/actor/grad_norm']:.4f}, "
+        f"cosine {cosine:.4f}"
+    )
     assert cosine > 0.9, f"bf16 update direction differs from fp32 (cosine {cosine:.3f})"
 
 
@@ -119,6 +127,7 @@ async def _sync_and_sample(actor: Actor, url: str, backend: str, prompts: list[l
             marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
         ),
         ("cpu", "float32", "gloo", 1e-4),  # the CPU twin
+        ("cpu", "bfloat16", "gloo", 5e-2),  # the CPU twin of the GPU path: one rank, autocast, bf16 engine
     ],
 )
 def test_weight_sync_then_engine_logprobs_match_actor(tmp_path, device, dtype, backend, tolerance):

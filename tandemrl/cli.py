@@ -14,7 +14,9 @@ from tandemrl.config.schema import ConfigError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("config", help="YAML config file, e.g. examples/searchr1/config/embedded_cpu_async.yaml")
+    parser.add_argument(
+        "config", help="YAML config file, e.g. examples/searchr1/config/embedded_cpu_async.yaml"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.rollout_batch_size=64")
 
 
@@ -23,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    config = sub.add_parser("config", help="inspect a configuration").add_subparsers(dest="action", required=True)
+    config = sub.add_parser("config", help="inspect a configuration").add_subparsers(
+        dest="action", required=True
+    )
     show = config.add_parser("show", help="print the resolved configuration, derived values marked")
     _add_config_args(show)
     show.set_defaults(handler="tandemrl.config.show:run_show")
@@ -52,9 +56,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.set_defaults(handler="tandemrl.trainer.export:run_export")
 
-    prepare = sub.add_parser("prepare", help="prepare the embedded defaults").add_subparsers(dest="what", required=True)
-    for what, helptext in (("model", "SmolLM2 HF directory"), ("retriever", "MiniLM retriever"),
-                           ("all", "model, retriever, knowledge base and index")):
+    prepare = sub.add_parser("prepare", help="prepare the embedded defaults").add_subparsers(
+        dest="what", required=True
+    )
+    for what, helptext in (
+        ("model", "SmolLM2 HF directory"),
+        ("retriever", "MiniLM retriever"),
+        ("all", "model, retriever, knowledge base and index"),
+    ):
         p = prepare.add_parser(what, help=helptext)
         p.set_defaults(handler=f"tandemrl.data.prepare:run_prepare_{what}")
     kb = prepare.add_parser("kb", help="generate a knowledge base with questions")
@@ -97,8 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
     module_name, func_name = args.handler.split(":")
     try:
         handler = getattr(importlib.import_module(module_name), func_name)

@@ -41,10 +41,12 @@ def _derive_instances(config: TandemConfig) -> None:
         raise ConfigError(
             f"cluster.component_placement.rollout={spec!r}: {num_gpus} GPUs cannot be split into engines of "
             f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}. Give the rollout a multiple of "
-            "tensor_parallel_size GPUs.")
+            "tensor_parallel_size GPUs."
+        )
     rollout.instances = num_gpus // rollout.tensor_parallel_size
     config.derived["rollout.instances"] = (
-        f"{rollout.instances} = {num_gpus} rollout GPUs / tensor_parallel_size {rollout.tensor_parallel_size}")
+        f"{rollout.instances} = {num_gpus} rollout GPUs / tensor_parallel_size {rollout.tensor_parallel_size}"
+    )
 
 
 def parse_gpu_range(spec: str, key: str) -> list[int]:
@@ -65,18 +67,22 @@ def _derive_buffer_limits(config: TandemConfig) -> None:
     if buffer.max_inflight_groups is None:
         rollout, group_size = config.rollout, config.algorithm.group_size
         buffer.max_inflight_groups = math.ceil(
-            rollout.max_running_requests * rollout.instances * INFLIGHT_HEADROOM / group_size)
+            rollout.max_running_requests * rollout.instances * INFLIGHT_HEADROOM / group_size
+        )
         config.derived["rollout_buffer.max_inflight_groups"] = (
             f"{buffer.max_inflight_groups} = ceil(max_running_requests {rollout.max_running_requests} x "
-            f"instances {rollout.instances} x {INFLIGHT_HEADROOM} / group_size {group_size})")
+            f"instances {rollout.instances} x {INFLIGHT_HEADROOM} / group_size {group_size})"
+        )
     if buffer.max_buffered_groups is None:
         buffer.max_buffered_groups = 2 * batch
         config.derived["rollout_buffer.max_buffered_groups"] = (
-            f"{buffer.max_buffered_groups} = 2 x rollout_batch_size {batch}")
+            f"{buffer.max_buffered_groups} = 2 x rollout_batch_size {batch}"
+        )
     if buffer.max_dropped_groups_per_step is None:
         buffer.max_dropped_groups_per_step = 10 * batch
         config.derived["rollout_buffer.max_dropped_groups_per_step"] = (
-            f"{buffer.max_dropped_groups_per_step} = 10 x rollout_batch_size {batch}")
+            f"{buffer.max_dropped_groups_per_step} = 10 x rollout_batch_size {batch}"
+        )
 
 
 def _derive_output_dir(config: TandemConfig) -> None:
@@ -92,17 +98,20 @@ def _validate_cross_section(config: TandemConfig) -> None:
             f"rollout_buffer.max_buffered_groups={buffer.max_buffered_groups} is smaller than "
             f"data.rollout_batch_size={batch}: the buffer could never hold one step's worth of groups, so "
             f"training would wait forever. Set rollout_buffer.max_buffered_groups >= {batch} (default "
-            f"{2 * batch}), or lower data.rollout_batch_size.")
+            f"{2 * batch}), or lower data.rollout_batch_size."
+        )
     if config.runner.async_mode and not config.agentloop.task_name:
         raise ConfigError(
             "agentloop.task_name is unset but runner.async_mode=true: async training keys the rollout "
             "buffer's per-task state by it and stamps it on every rollout request. Set "
-            "agentloop.task_name, e.g. agentloop.task_name=searchr1.")
+            "agentloop.task_name, e.g. agentloop.task_name=searchr1."
+        )
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
             "async mode pauses the engines and syncs weights through the server protocol, which only the "
-            "server backend has. Set rollout.sglang.backend_type=server, or runner.async_mode=false.")
+            "server backend has. Set rollout.sglang.backend_type=server, or runner.async_mode=false."
+        )
 
 
 def _warnings(config: TandemConfig) -> list[str]:
@@ -115,7 +124,8 @@ def _warnings(config: TandemConfig) -> list[str]:
             f"agentloop.max_actor_accept_staleness={staleness} is below ceil(max_buffered_groups {buffered} / "
             f"rollout_batch_size {batch}) = {natural}: groups that wait their turn in a full buffer will "
             "routinely be dropped as stale, wasting rollouts. Raise the staleness limit or lower "
-            "rollout_buffer.max_buffered_groups.")
+            "rollout_buffer.max_buffered_groups."
+        )
     for warning in warnings:
         log.warning(warning)
     return warnings

@@ -35,21 +35,27 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist. Pass the path of a YAML file, "
-                          "e.g. examples/searchr1/config/embedded_cpu_async.yaml.")
+        raise ConfigError(
+            f"config file {str(path)!r} does not exist. Pass the path of a YAML file, "
+            "e.g. examples/searchr1/config/embedded_cpu_async.yaml."
+        )
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as error:
         raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}.")
+        raise ConfigError(
+            f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}."
+        )
     return raw
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
     """Apply one `a.b.c=value` override; the value is parsed as YAML (`null`, numbers, lists...)."""
     if "=" not in override:
-        raise ConfigError(f"override {override!r} is not of the form key=value, e.g. data.rollout_batch_size=64.")
+        raise ConfigError(
+            f"override {override!r} is not of the form key=value, e.g. data.rollout_batch_size=64."
+        )
     key, text = override.split("=", 1)
     key = key.strip().lstrip("+")
     if not key:
@@ -133,8 +139,10 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
 
 
 def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
-    raise ConfigError(f"{key}={value!r}: wrong type, expected {expected} (got {type(value).__name__}). "
-                      f"Fix the value of {key} in the YAML file or the override.")
+    raise ConfigError(
+        f"{key}={value!r}: wrong type, expected {expected} (got {type(value).__name__}). "
+        f"Fix the value of {key} in the YAML file or the override."
+    )
 
 
 def to_dict(config: Any) -> dict[str, Any]:

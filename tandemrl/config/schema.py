@@ -47,10 +47,20 @@ class RunnerConfig:
 
     def __post_init__(self):
         _check_positive("runner.max_steps", self.max_steps)
-        _check(self.save_interval >= 0, "runner.save_interval", self.save_interval, "must be >= 0",
-               "Use 0 to save only at the end of the run.")
-        _check(self.val_interval >= 0, "runner.val_interval", self.val_interval, "must be >= 0",
-               "Use 0 to disable validation during training.")
+        _check(
+            self.save_interval >= 0,
+            "runner.save_interval",
+            self.save_interval,
+            "must be >= 0",
+            "Use 0 to save only at the end of the run.",
+        )
+        _check(
+            self.val_interval >= 0,
+            "runner.val_interval",
+            self.val_interval,
+            "must be >= 0",
+            "Use 0 to disable validation during training.",
+        )
 
 
 @dataclass
@@ -67,15 +77,30 @@ class AgentLoopConfig:
     format_reward: bool = False  # Search-R1's structure score on top of exact match
 
     def __post_init__(self):
-        _check(self.max_turns >= 0, "agentloop.max_turns", self.max_turns, "must be >= 0",
-               "Use 0 for answer-only trajectories.")
+        _check(
+            self.max_turns >= 0,
+            "agentloop.max_turns",
+            self.max_turns,
+            "must be >= 0",
+            "Use 0 for answer-only trajectories.",
+        )
         if self.max_actor_accept_staleness is not None:
-            _check(self.max_actor_accept_staleness >= 0, "agentloop.max_actor_accept_staleness",
-                   self.max_actor_accept_staleness, "must be >= 0", "Use null for unlimited staleness.")
+            _check(
+                self.max_actor_accept_staleness >= 0,
+                "agentloop.max_actor_accept_staleness",
+                self.max_actor_accept_staleness,
+                "must be >= 0",
+                "Use null for unlimited staleness.",
+            )
         for key in ("max_response_tokens", "max_new_tokens_per_turn", "max_info_tokens"):
             _check_positive(f"agentloop.{key}", getattr(self, key))
-        _check(self.temperature >= 0, "agentloop.temperature", self.temperature, "must be >= 0",
-               "Use 0 for greedy decoding.")
+        _check(
+            self.temperature >= 0,
+            "agentloop.temperature",
+            self.temperature,
+            "must be >= 0",
+            "Use 0 for greedy decoding.",
+        )
         _check(0 < self.top_p <= 1, "agentloop.top_p", self.top_p, "must be in (0, 1]", "Use 1.0 to disable.")
 
 
@@ -162,8 +187,13 @@ class AlgorithmConfig:
         _check_positive("algorithm.ratio_clip_eps", self.ratio_clip_eps)
         _check_positive("algorithm.ratio_clip_eps_high", self.ratio_clip_eps_high, allow_none=True)
         if self.dual_clip_c is not None:
-            _check(self.dual_clip_c > 1, "algorithm.dual_clip_c", self.dual_clip_c, "must be > 1",
-                   "Use e.g. 3.0, or null to disable the dual clip.")
+            _check(
+                self.dual_clip_c > 1,
+                "algorithm.dual_clip_c",
+                self.dual_clip_c,
+                "must be > 1",
+                "Use e.g. 3.0, or null to disable the dual clip.",
+            )
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
 
 
@@ -180,8 +210,13 @@ class OptimConfig:
     def __post_init__(self):
         _check(self.lr >= 0, "actor.optim.lr", self.lr, "must be >= 0", "Set a non-negative learning rate.")
         _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        _check(len(self.betas) == 2, "actor.optim.betas", self.betas, "must hold two numbers",
-               "Use e.g. [0.9, 0.999].")
+        _check(
+            len(self.betas) == 2,
+            "actor.optim.betas",
+            self.betas,
+            "must hold two numbers",
+            "Use e.g. [0.9, 0.999].",
+        )
 
 
 @dataclass
@@ -223,8 +258,11 @@ class ActorConfig:
         _check_positive("actor.num_ranks", self.num_ranks)
         _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        _check_choice("actor.attn_implementation", self.attn_implementation,
-                      ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"))
+        _check_choice(
+            "actor.attn_implementation",
+            self.attn_implementation,
+            ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+        )
 
 
 @dataclass
@@ -251,10 +289,20 @@ class SearchToolConfig:
 
     def __post_init__(self):
         _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
-        _check(":" in self.server_addr, "tools.search.server_addr", self.server_addr, "must be host:port",
-               "Use e.g. 127.0.0.1:8000.")
-        _check(self.max_retries >= 0, "tools.search.max_retries", self.max_retries, "must be >= 0",
-               "Use 0 to disable retries.")
+        _check(
+            ":" in self.server_addr,
+            "tools.search.server_addr",
+            self.server_addr,
+            "must be host:port",
+            "Use e.g. 127.0.0.1:8000.",
+        )
+        _check(
+            self.max_retries >= 0,
+            "tools.search.max_retries",
+            self.max_retries,
+            "must be >= 0",
+            "Use 0 to disable retries.",
+        )
 
 
 @dataclass
@@ -286,8 +334,13 @@ class ClusterConfig:
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
         for component in self.component_placement:
-            _check(component in ("actor", "rollout", "actor,rollout"), "cluster.component_placement",
-                   component, "names an unknown component", "Use the components actor and rollout.")
+            _check(
+                component in ("actor", "rollout", "actor,rollout"),
+                "cluster.component_placement",
+                component,
+                "names an unknown component",
+                "Use the components actor and rollout.",
+            )
 
 
 @dataclass

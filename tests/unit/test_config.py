@@ -49,8 +49,12 @@ def test_reference_recipe_derives_77_and_256():
     assert config.rollout_buffer.max_inflight_groups == 77
     assert config.rollout_buffer.max_buffered_groups == 256
     assert config.rollout_buffer.max_dropped_groups_per_step == 1280
-    for key in ("rollout_buffer.max_inflight_groups", "rollout_buffer.max_buffered_groups",
-                "rollout_buffer.max_dropped_groups_per_step", "rollout.instances"):
+    for key in (
+        "rollout_buffer.max_inflight_groups",
+        "rollout_buffer.max_buffered_groups",
+        "rollout_buffer.max_dropped_groups_per_step",
+        "rollout.instances",
+    ):
         assert key in config.derived
     shown = render(config)
     assert "max_inflight_groups: 77  # derived" in shown
@@ -58,14 +62,22 @@ def test_reference_recipe_derives_77_and_256():
 
 
 def test_inflight_derivation_rounds_up():
-    config = load_config(None, ["rollout.max_running_requests=10", "rollout.instances=3",
-                                "algorithm.group_size=8"])
+    config = load_config(
+        None, ["rollout.max_running_requests=10", "rollout.instances=3", "algorithm.group_size=8"]
+    )
     assert config.rollout_buffer.max_inflight_groups == 5  # ceil(10*3*1.2/8) = ceil(4.5)
 
 
 def test_explicit_values_are_not_derived():
-    config = load_config(None, ["rollout_buffer.max_inflight_groups=3", "rollout_buffer.max_buffered_groups=20",
-                                "rollout_buffer.max_dropped_groups_per_step=7", "runner.output_dir=/tmp/x"])
+    config = load_config(
+        None,
+        [
+            "rollout_buffer.max_inflight_groups=3",
+            "rollout_buffer.max_buffered_groups=20",
+            "rollout_buffer.max_dropped_groups_per_step=7",
+            "runner.output_dir=/tmp/x",
+        ],
+    )
     assert config.rollout_buffer.max_inflight_groups == 3
     assert config.rollout_buffer.max_buffered_groups == 20
     assert config.rollout_buffer.max_dropped_groups_per_step == 7
@@ -96,7 +108,9 @@ def test_buffer_smaller_than_batch_is_one_clear_error():
 
 
 def test_unknown_key_suggests_the_close_one():
-    with pytest.raises(ConfigError, match=r"unknown key rollout\.pause_mod\b.*Did you mean rollout\.pause_mode"):
+    with pytest.raises(
+        ConfigError, match=r"unknown key rollout\.pause_mod\b.*Did you mean rollout\.pause_mode"
+    ):
         load_config(ASYNC, ["rollout.pause_mod=drain"])
     with pytest.raises(ConfigError, match="unknown key nonsense"):
         load_config(None, ["nonsense.key=1"])
@@ -109,13 +123,16 @@ def test_unknown_key_in_yaml_is_rejected(tmp_path):
         load_config(path)
 
 
-@pytest.mark.parametrize("override, key", [
-    ("agentloop.max_turns=abc", "agentloop.max_turns"),
-    ("runner.async_mode=3", "runner.async_mode"),
-    ("algorithm.ratio_clip_eps=high", "algorithm.ratio_clip_eps"),
-    ("data.train_data_paths={a: 1}", "data.train_data_paths"),
-    ("rollout=3", "rollout"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("agentloop.max_turns=abc", "agentloop.max_turns"),
+        ("runner.async_mode=3", "runner.async_mode"),
+        ("algorithm.ratio_clip_eps=high", "algorithm.ratio_clip_eps"),
+        ("data.train_data_paths={a: 1}", "data.train_data_paths"),
+        ("rollout=3", "rollout"),
+    ],
+)
 def test_wrong_types_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config(None, [override])
@@ -133,20 +150,23 @@ def test_async_requires_server_backend():
     load_config(SYNC, ["rollout.sglang.backend_type=engine"])
 
 
-@pytest.mark.parametrize("override, key", [
-    ("rollout.pause_mode=abort", "rollout.pause_mode"),
-    ("rollout.backend=tgi", "rollout.backend"),
-    ("rollout.sglang.backend_type=grpc", "rollout.sglang.backend_type"),
-    ("algorithm.group_size=0", "algorithm.group_size"),
-    ("data.rollout_batch_size=-1", "data.rollout_batch_size"),
-    ("tools.search.topk=51", "tools.search.topk"),
-    ("tools.search.server_addr=localhost", "tools.search.server_addr"),
-    ("agentloop.max_actor_accept_staleness=-1", "agentloop.max_actor_accept_staleness"),
-    ("algorithm.dual_clip_c=0.5", "algorithm.dual_clip_c"),
-    ("actor.optim.lr_schedule=linear", "actor.optim.lr_schedule"),
-    ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
-    ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.pause_mode=abort", "rollout.pause_mode"),
+        ("rollout.backend=tgi", "rollout.backend"),
+        ("rollout.sglang.backend_type=grpc", "rollout.sglang.backend_type"),
+        ("algorithm.group_size=0", "algorithm.group_size"),
+        ("data.rollout_batch_size=-1", "data.rollout_batch_size"),
+        ("tools.search.topk=51", "tools.search.topk"),
+        ("tools.search.server_addr=localhost", "tools.search.server_addr"),
+        ("agentloop.max_actor_accept_staleness=-1", "agentloop.max_actor_accept_staleness"),
+        ("algorithm.dual_clip_c=0.5", "algorithm.dual_clip_c"),
+        ("actor.optim.lr_schedule=linear", "actor.optim.lr_schedule"),
+        ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
+        ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
+    ],
+)
 def test_bad_values_name_key_and_fix(override, key):
     with pytest.raises(ConfigError) as info:
         load_config(None, [override])
@@ -169,8 +189,11 @@ def test_overrides_parse_yaml_values():
     apply_override(raw, "data.train_data_paths=[a.jsonl, b.parquet]")
     apply_override(raw, "agentloop.max_actor_accept_staleness=null")
     apply_override(raw, "+runner.name=x")
-    assert raw == {"data": {"train_data_paths": ["a.jsonl", "b.parquet"]},
-                   "agentloop": {"max_actor_accept_staleness": None}, "runner": {"name": "x"}}
+    assert raw == {
+        "data": {"train_data_paths": ["a.jsonl", "b.parquet"]},
+        "agentloop": {"max_actor_accept_staleness": None},
+        "runner": {"name": "x"},
+    }
     with pytest.raises(ConfigError, match="key=value"):
         apply_override(raw, "data.rollout_batch_size")
 
@@ -187,14 +210,18 @@ def test_missing_file_names_the_path(tmp_path):
 
 
 def _tandem(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tandemrl.cli", *args], capture_output=True, text=True, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", *args], capture_output=True, text=True, cwd=ROOT
+    )
 
 
 def test_cli_config_show_marks_derived_and_fails_cleanly():
     ok = _tandem("config", "show", str(GLM))
     assert ok.returncode == 0, ok.stderr
     assert "max_inflight_groups: 77  # derived" in ok.stdout
-    bad = _tandem("config", "show", str(ASYNC), "data.rollout_batch_size=64", "rollout_buffer.max_buffered_groups=10")
+    bad = _tandem(
+        "config", "show", str(ASYNC), "data.rollout_batch_size=64", "rollout_buffer.max_buffered_groups=10"
+    )
     assert bad.returncode != 0
     assert "rollout_buffer.max_buffered_groups" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1

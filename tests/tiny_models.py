@@ -17,8 +17,14 @@ ARCHS = {
 }
 
 
-def make_tiny_model_dir(out_dir: Path, tokenizer_dir: Path, arch: str = "llama", seed: int = 0,
-                        num_layers: int = 2, hidden: int = 64) -> Path:
+def make_tiny_model_dir(
+    out_dir: Path,
+    tokenizer_dir: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    num_layers: int = 2,
+    hidden: int = 64,
+) -> Path:
     """Write a random `arch` model with `tokenizer_dir`'s vocabulary and tokenizer to `out_dir`."""
     out_dir = Path(out_dir)
     if (out_dir / "config.json").exists():
@@ -27,11 +33,21 @@ def make_tiny_model_dir(out_dir: Path, tokenizer_dir: Path, arch: str = "llama",
     extra = dict(ARCHS[arch])
     model_type = extra.pop("model_type")
     config = AutoConfig.for_model(
-        model_type, vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, **extra)
+        model_type,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **extra,
+    )
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(out_dir, safe_serialization=True)

@@ -31,36 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from model_shapes import QWEN25_15B, TINY  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.kv_cache import kv_bytes_per_token  # noqa: E402
 from tandemrl.engine.sequence import SamplingParams  # noqa: E402
-
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-)
-TINY = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-)
 
 
 def parse_args() -> argparse.Namespace:

@@ -35,36 +35,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from model_shapes import QWEN25_15B, TINY  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.batching import TrainSample, plan_rank_micro_batches, split_minibatches  # noqa: E402
 
 PEAK_BF16_FLOPS = {"H200": 989.4e12, "H100": 989.4e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-QWEN25_15B = dict(
-    vocab_size=151936,
-    hidden_size=1536,
-    intermediate_size=8960,
-    num_hidden_layers=28,
-    num_attention_heads=12,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-)
-TINY = dict(
-    vocab_size=1024,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=4096,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-    use_sliding_window=False,
-)
 
 
 def parse_args() -> argparse.Namespace:

@@ -6,7 +6,6 @@ Area-specific fixtures live next to their tests; this file only holds what sever
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,11 +14,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tandemrl.cluster.child_server import free_port  # noqa: E402,F401  (tests import it from here)
 
 
 @pytest.fixture(scope="session")

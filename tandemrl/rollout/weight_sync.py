@@ -60,9 +60,9 @@ class WeightSender:
         if self.backend == "cuda_ipc":
             return
         if self.master_port is None:
-            from tandemrl.rollout.engine_process import _free_port
+            from tandemrl.cluster.child_server import free_port
 
-            self.master_port = _free_port()
+            self.master_port = free_port()
         world_size = 1 + len(self.clients)
         joins = [
             asyncio.create_task(

@@ -114,6 +114,8 @@ class RolloutDriver:
                 self.tokenizer,
                 self.agent_cfg,
             )
+            if self._error is not None:
+                return  # the run is failing: leave the group unfinished rather than act on it
             self.buffer.finish(group.issue_id, trajectories, self.weight_version)
         except asyncio.CancelledError:
             raise

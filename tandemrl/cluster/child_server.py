@@ -1,0 +1,125 @@
+"""A `tandem` HTTP server run as a child process: spawn, wait for `/health`, stop.
+
+The engine and the retrieval server are both launched this way (one process each, bound to
+127.0.0.1). Invariant: `start()` returns only once `/health` answers, and otherwise raises with the
+tail of the child's log, so a bad path or an out-of-memory error is readable where it happened;
+`stop()` always reaps the child (terminate, then kill), so no server outlives its owner.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class ChildServer:
+    """Subclasses set `name` and implement `server_args()` (the `tandem` subcommand and its flags)."""
+
+    name = "server"
+
+    def __init__(
+        self,
+        port: int | None,
+        host: str,
+        startup_timeout_s: float,
+        log_path: str | Path | None,
+        env: dict | None = None,
+    ):
+        self.host = host
+        self.port = port or free_port(host)
+        self.startup_timeout_s = startup_timeout_s
+        self.env = env
+        self._owns_log = log_path is None
+        self.log_path = (
+            Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix=f"tandem-{self.name}-")) / "log"
+        )
+        self.proc: subprocess.Popen | None = None
+
+    def server_args(self) -> list[str]:
+        raise NotImplementedError
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "tandemrl.cli", *self.server_args()]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self):
+        if self.is_alive():
+            return self
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **OFFLINE_ENV, **(self.env or {})}
+        with open(self.log_path, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with code {self.proc.returncode} during startup "
+                    f"({' '.join(self.command())}); log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.health() is not None:
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(
+            f"{self.name} at {self.url} not healthy after {self.startup_timeout_s:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def health(self) -> dict | None:
+        """The /health body (`{}` when it is not JSON), or None when the server does not answer."""
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=2.0) as response:
+                body = response.read()
+        except (urllib.error.URLError, OSError):
+            return None
+        try:
+            return json.loads(body)
+        except ValueError:
+            return {}
+
+    def is_alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-num_chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from pathlib import Path
 
 import torch
@@ -64,7 +65,15 @@ def rank_worker(
     result = train_steps(Path(model_dir), num_steps, overrides, Path(out_file).parent / "ckpt")
     if rank == 0:
         torch.save(result, out_file)
+    # leave together: a rank that tears gloo down while its peer is still using the group can abort
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # The result is on disk. Skip interpreter teardown: once in CI a gloo thread still joinable at static
+    # destruction aborted the child ("terminate called without an active exception") after it had done
+    # its work, which mp.spawn reports as a failed rank.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def train_steps(model_dir: Path, num_steps: int, overrides: list[str], ckpt_dir: Path | None = None) -> dict:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from tandemrl.engine.model import CausalLM
-from tandemrl.engine.model_runner import ModelRunner
+from tandemrl.engine.model_runner import ModelRunner, flatten_uncached
 from tandemrl.engine.sequence import Sequence
 
 # Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
@@ -199,14 +199,7 @@ class FastModelRunner(ModelRunner):
     def _forward_eager(self, seqs: list[Sequence]) -> torch.Tensor:
         from tandemrl.engine.triton_attention import build_fast_metadata
 
-        input_ids, positions, query_lens, context_lens = [], [], [], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
-            assert end > start, "a scheduled sequence must have an uncached token"
-            input_ids.extend(seq.all_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
+        input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
         meta = build_fast_metadata(
             query_lens,
             context_lens,

@@ -16,6 +16,20 @@ from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
 
 
+def flatten_uncached(seqs: list[Sequence]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """The step's flat inputs: each sequence's uncached token ids and positions, with the per-sequence
+    query lengths (new tokens) and context lengths (cached + new)."""
+    input_ids, positions, query_lens, context_lens = [], [], [], []
+    for seq in seqs:
+        start, end = seq.num_cached_tokens, seq.num_tokens
+        assert end > start, "a scheduled sequence must have an uncached token"
+        input_ids.extend(seq.all_ids[start:end])
+        positions.extend(range(start, end))
+        query_lens.append(end - start)
+        context_lens.append(end)
+    return input_ids, positions, query_lens, context_lens
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -34,14 +48,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Forward the uncached tokens of each sequence; returns the last-token logits `[B, V]` (fp32)."""
-        input_ids, positions, query_lens, context_lens = [], [], [], []
-        for seq in seqs:
-            start, end = seq.num_cached_tokens, seq.num_tokens
-            assert end > start, "a scheduled sequence must have an uncached token"
-            input_ids.extend(seq.all_ids[start:end])
-            positions.extend(range(start, end))
-            query_lens.append(end - start)
-            context_lens.append(end)
+        input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
         meta = build_metadata(
             query_lens, context_lens, [s.block_table for s in seqs], self.block_size, self.device
         )

@@ -135,8 +135,12 @@ def run_batch(engine: Engine, prompts: dict[str, list[int]], new_tokens: int, de
     """Serve `prompts` to completion; returns outputs, wall time and the engine's token counters."""
     params = SamplingParams(max_new_tokens=new_tokens, temperature=1.0, ignore_eos=True)
     prefill_before, decode_s = engine.num_prefill_tokens, 0.0
+    is_cuda = device.type == "cuda"
     sync(device)
     start = time.perf_counter()
+    marks = [torch.cuda.Event(enable_timing=True)] if is_cuda else []  # GPU timeline: start, last prefill
+    for mark in marks:
+        mark.record()
     for rid, ids in prompts.items():
         engine.add_request(rid, ids, params)
     outputs = {}
@@ -145,16 +149,24 @@ def run_batch(engine: Engine, prompts: dict[str, list[int]], new_tokens: int, de
         finished = engine.step()
         if engine.num_prefill_tokens == prefill_seen:  # a decode step
             decode_s += time.perf_counter() - step_start
+        elif is_cuda:  # enqueued after this prefill's launch: marks the end of the prefill phase
+            marks[1:] = [torch.cuda.Event(enable_timing=True)]
+            marks[1].record()
         for seq in finished:
             outputs[seq.rid] = seq.output_ids
     sync(device)
     wall_s = time.perf_counter() - start
+    phases = {}
+    if len(marks) == 2:  # GPU-side split of the wall time (bubbles included)
+        phases = dict(prefill_phase_s=marks[0].elapsed_time(marks[1]) / 1e3)
+        phases["decode_phase_s"] = wall_s - phases["prefill_phase_s"]
     return dict(
         outputs=outputs,
         wall_s=wall_s,
         decode_s=decode_s,
         output_tokens=sum(len(o) for o in outputs.values()),
         prefill_tokens=engine.num_prefill_tokens - prefill_before,
+        **phases,
     )
 
 
@@ -164,7 +176,21 @@ def throughput(engine: Engine, args, vocab: int, device) -> dict:
     )  # warm-up: Triton compiles, allocator settles
     prompts = random_prompts(args.num_requests, args.prompt_len, vocab, 2)
     steps_before = engine.num_steps
-    result = run_batch(engine, {f"r{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
+    # Time the host spends waiting for the GPU's results: near 0 means the host, not the GPU, sets the pace.
+    waits, postprocess = [0.0], engine._postprocess
+
+    def timed_postprocess(launched):
+        start = time.perf_counter()
+        launched.result.get()
+        waits[0] += time.perf_counter() - start
+        return postprocess(launched)
+
+    engine._postprocess = timed_postprocess
+    try:
+        result = run_batch(engine, {f"r{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
+    finally:
+        del engine._postprocess
+    result["host_wait_s"] = waits[0]
     assert result["output_tokens"] == args.num_requests * args.new_tokens, "every request must run to length"
     result["num_steps"] = engine.num_steps - steps_before
     result["tokens_per_s"] = result["output_tokens"] / result["wall_s"]
@@ -193,12 +219,12 @@ def profile_host(engine: Engine, args, vocab: int) -> None:
 
 
 def decode_breakdown(engine: Engine, args) -> dict:
-    """GPU time of one replay of the largest decode graph (inputs as the throughput run left them, i.e.
-    full contexts) and of the sampler on its logits; the rest of a decode step is host time."""
+    """GPU time of one replay of the largest decode graph (forward + sampling; inputs as the throughput run
+    left them, i.e. full contexts) and of the sampler alone on its logits."""
     graphs = getattr(engine.runner, "graphs", None)
     if graphs is None:
         return {}
-    from tandemrl.engine.fast_layers import fused_sample
+    from tandemrl.engine.gpu_sampler import fused_sample
 
     size = max(graphs.sizes)
     temps, seed = (
@@ -223,6 +249,26 @@ def decode_breakdown(engine: Engine, args) -> dict:
     timings["decode_attention_config"] = str(engine.runner.decode_config)
     timings["decode_attention_tuning_ms"] = engine.runner.decode_timings
     return timings
+
+
+def prefill_breakdown(engine: Engine, args, vocab: int) -> dict:
+    """Kernels of one full prefill step (max_prefill_tokens of fresh prompts), by torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_new_tokens=1, temperature=1.0, ignore_eos=True)
+    num = min(args.num_requests, engine.config.max_prefill_tokens // args.prompt_len)
+    for i, ids in enumerate(random_prompts(num, args.prompt_len, vocab, 11)):
+        engine.add_request(f"pf{i}", ids, params)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while engine.has_work():
+            engine.step()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    return dict(
+        tokens=num * args.prompt_len,
+        gpu_ms=sum(e.device_time_total for e in events) / 1e3,
+        kernels_us={e.key[:90]: e.device_time_total for e in events[:12]},
+    )
 
 
 def kernel_profile(fn, repeats: int = 5, top: int = 12) -> dict[str, float]:
@@ -356,6 +402,8 @@ def main() -> int:
         tp = throughput(engine, args, shape["vocab_size"], device)
         report.update(roofline(engine, args, bandwidth))
         report["decode_breakdown"] = decode_breakdown(engine, args) if device.type == "cuda" else {}
+        if device.type == "cuda":
+            report["prefill_breakdown"] = prefill_breakdown(engine, args, shape["vocab_size"])
         if args.profile_host:
             profile_host(engine, args, shape["vocab_size"])
         report.update(
@@ -364,6 +412,9 @@ def main() -> int:
             engine_steps=tp["num_steps"],
             engine_decode_s=tp["decode_s"],
             engine_prefill_tokens=tp["prefill_tokens"],
+            host_wait_s=tp["host_wait_s"],
+            prefill_phase_s=tp.get("prefill_phase_s"),
+            decode_phase_s=tp.get("decode_phase_s"),
             decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"],
         )
         if args.no_multi_turn:
@@ -394,7 +445,8 @@ def print_report(r: dict) -> None:
     print(json.dumps(r, indent=2))
     print(
         f"engine: {r['tokens_per_s']:.0f} output tokens/s ({r['engine_wall_s']:.2f} s, {r['engine_steps']} steps; "
-        f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s)"
+        f"decode steps alone {r['decode_tokens_per_s']:.0f} tokens/s; the host waited {r['host_wait_s']:.2f} s "
+        "for the GPU)"
     )
     if "hf_static_tokens_per_s" in r:
         print(
@@ -404,12 +456,20 @@ def print_report(r: dict) -> None:
         b = r["decode_breakdown"]
         step_ms = 1e3 * r["engine_decode_s"] / max(1, r["workload"]["new_tokens"] - 1)
         print(
-            f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms, sampling "
-            f"{b['sampling_ms']:.2f} ms (batch {b['batch']}, full contexts), the rest host"
+            f"decode step {step_ms:.2f} ms: graph replay {b['graph_replay_ms']:.2f} ms (sampling included: "
+            f"{b['sampling_ms']:.2f} ms; batch {b['batch']}, full contexts)"
         )
         print(f"decode attention {b['decode_attention_config']}; tuning {b['decode_attention_tuning_ms']}")
         for name, us in b["kernels_us"].items():
             print(f"  {us:9.1f} us/replay  {name}")
+    if r.get("prefill_breakdown"):
+        b = r["prefill_breakdown"]
+        print(
+            f"prefill: {b['tokens']} tokens in {b['gpu_ms']:.1f} ms of kernels; phases of the run: prefill "
+            f"{r['prefill_phase_s']:.3f} s, decode {r['decode_phase_s']:.3f} s"
+        )
+        for name, us in b["kernels_us"].items():
+            print(f"  {us:9.1f} us  {name}")
     if "roofline_tokens_per_s" in r:
         print(
             f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "

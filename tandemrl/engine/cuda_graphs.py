@@ -1,12 +1,14 @@
-"""The CUDA fast path of the model runner: Triton attention, CUDA-graph decode, sampling on the GPU.
+"""The CUDA fast path of the model runner: Triton attention, CUDA-graph decode, sampling on the GPU, and
+steps that overlap the host.
 
-`FastModelRunner` keeps `ModelRunner`'s contract (after `run`, every sequence of the batch has all its
-tokens but the new one in the cache) and replaces how a step executes: decode steps replay a CUDA graph
-captured for the smallest captured batch size >= the batch (padding rows write no KV and attend to
-nothing), prefill steps run eagerly with the same Triton kernel. All of a step's host inputs go to the
-GPU in one copy from a pinned buffer, sampling is one fused kernel, and the sampled tokens and logprobs come back in one copy: that
-copy is the step's only host sync. Weight updates copy into the parameters in place, so captured graphs
-stay valid across them.
+`FastModelRunner` keeps `ModelRunner`'s contract and changes how a step executes: decode steps replay a
+CUDA graph captured for the smallest captured batch size >= the batch (padding rows write no KV and attend
+to nothing) that runs the forward *and* the sampler; prefill steps run eagerly with the same Triton
+kernels. All of a step's host inputs go to the GPU in one copy from a pinned buffer, and the sampled
+tokens and logprobs come back by an asynchronous copy: `launch` returns before the GPU is done, so the
+engine schedules step n+1 while step n runs. Step n+1 therefore starts before the host has seen step n's
+tokens: a sequence's pending input token is read on the device, from the rows step n sampled into
+(`tokens_B`). Weight updates copy into the parameters in place, so captured graphs stay valid across them.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import numpy as np
 import torch
 
 from tandemrl.engine.model import CausalLM
-from tandemrl.engine.model_runner import ModelRunner, flatten_uncached
+from tandemrl.engine.model_runner import ModelRunner, StepResult, flatten_uncached
+from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
 
 # Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
@@ -42,49 +45,74 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_batch)
 
 
+class _HostInputs:
+    """A decode step's host inputs in one pinned buffer (int64 part, then float32 temperatures), copied to
+    the device buffer in one go. Two host buffers take turns: the host fills step n+1's while the copy
+    of step n's may still be queued (step n-1's read-back, which the host has waited for, precedes it)."""
+
+    def __init__(self, max_batch: int, width: int, device: torch.device):
+        m = max_batch
+        self.num_ints = 5 * m + 1 + m * width
+        num_bytes = self.num_ints * 8 + m * 4
+        self.hosts = [torch.zeros(num_bytes, dtype=torch.uint8).pin_memory() for _ in range(2)]
+        self.dev = torch.zeros(num_bytes, dtype=torch.uint8, device=device)
+        self.turn = 0
+        # whose block table each row of each host buffer holds: rows are rewritten only when it changed
+        self.row_keys: list[list[tuple | None]] = [[None] * m for _ in range(2)]
+        dev_ints = self.dev[: self.num_ints * 8].view(torch.long)
+        self.temps_B = self.dev[self.num_ints * 8 :].view(torch.float32)
+        # ids known on the host | row of a pending id in tokens_B (-1: none) | positions | slots | context
+        # lengths | sampling seed | block tables
+        self.ids, self.src = dev_ints[:m], dev_ints[m : 2 * m]
+        self.positions, self.slots = dev_ints[2 * m : 3 * m], dev_ints[3 * m : 4 * m]
+        self.context_lens, self.seed = dev_ints[4 * m : 5 * m], dev_ints[5 * m : 5 * m + 1]
+        self.tables = dev_ints[5 * m + 1 :].view(m, width)
+
+    def next_host(self) -> tuple[torch.Tensor, np.ndarray, np.ndarray, list[tuple | None]]:
+        """The host buffer to fill for the next step: (tensor, int64 view, float32 view, its row keys)."""
+        self.turn ^= 1
+        host = self.hosts[self.turn]
+        ints = host[: self.num_ints * 8].view(torch.long).numpy()
+        return host, ints, host[self.num_ints * 8 :].view(torch.float32).numpy(), self.row_keys[self.turn]
+
+
 class DecodeGraphs:
-    """One captured decode forward per batch size, sharing static inputs and one memory pool."""
+    """One captured decode step (forward + sampling) per batch size, sharing static inputs and one pool."""
 
     def __init__(
         self,
         forward,
         kv_caches: list[torch.Tensor],
-        max_batch: int,
+        tokens_B: torch.Tensor,
+        logprobs_B: torch.Tensor,
         max_blocks_per_seq: int,
         block_size: int,
-        device: torch.device,
         decode_config,
     ):
         self.forward, self.kv_caches, self.block_size = forward, kv_caches, block_size
+        self.tokens_B, self.logprobs_B = tokens_B, logprobs_B
         self.decode_config = decode_config
-        self.max_batch, self.width = max_batch, max_blocks_per_seq
-        self.sizes = graph_batch_sizes(max_batch)
-        # ids | positions | slots | context lens | block tables, all int64, copied to the GPU in one go
-        self.host = torch.zeros(4 * max_batch + max_batch * max_blocks_per_seq, dtype=torch.long).pin_memory()
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros_like(self.host, device=device)
-        m = max_batch
-        self.ids, self.positions = self.dev[:m], self.dev[m : 2 * m]
-        self.slots, self.context_lens = self.dev[2 * m : 3 * m], self.dev[3 * m : 4 * m]
-        self.tables = self.dev[4 * m :].view(m, max_blocks_per_seq)
-        self.rows = torch.arange(m, dtype=torch.long, device=device)
-        self.ones = torch.ones(m, dtype=torch.long, device=device)
+        self.max_batch, self.width = tokens_B.shape[0], max_blocks_per_seq
+        self.sizes = graph_batch_sizes(self.max_batch)
+        device = tokens_B.device
+        self.inputs = _HostInputs(self.max_batch, max_blocks_per_seq, device)
+        self.rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
+        self.ones = torch.ones(self.max_batch, dtype=torch.long, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
-        self.row_owner: list[Sequence | None] = [None] * max_batch  # which sequence's table each row holds
-        self.row_key: list[tuple[int, int] | None] = [None] * max_batch
         self._capture()
 
     def _meta(self, size: int):
         from tandemrl.engine.triton_attention import FastMetadata
 
+        inputs = self.inputs
         return FastMetadata(
-            slot_mapping_T=self.slots[:size],
+            slot_mapping_T=inputs.slots[:size],
             query_start_B=self.rows[:size],
             query_lens_B=self.ones[:size],
-            context_lens_B=self.context_lens[:size],
-            block_tables_BW=self.tables[:size],
+            context_lens_B=inputs.context_lens[:size],
+            block_tables_BW=inputs.tables[:size],
             last_token_index=self.rows[:size],
             max_query_len=1,
             block_size=self.block_size,
@@ -92,20 +120,31 @@ class DecodeGraphs:
             decode=self.decode_config,
         )
 
+    def _step(self, size: int) -> torch.Tensor:
+        """The captured work: gather pending ids, forward, sample into tokens_B / logprobs_B."""
+        from tandemrl.engine.gpu_sampler import fused_sample
+
+        inputs = self.inputs
+        src = inputs.src[:size]
+        ids = torch.where(src >= 0, self.tokens_B[src.clamp(min=0)], inputs.ids[:size])
+        logits = self.forward(ids, inputs.positions[:size], self.kv_caches, self._meta(size))
+        fused_sample(logits, inputs.temps_B[:size], inputs.seed, self.tokens_B[:size], self.logprobs_B[:size])
+        return logits
+
     @torch.inference_mode()
     def _capture(self) -> None:
-        self.slots.fill_(-1)  # warm-up and capture write no KV
+        self.inputs.slots.fill_(-1)  # warm-up and capture write no KV
+        self.inputs.src.fill_(-1)
         pool = None
         for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
-            meta = self._meta(size)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+                self._step(size)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.forward(self.ids[:size], self.positions[:size], self.kv_caches, meta)
+                self.logits[size] = self._step(size)
             pool = graph.pool()
             self.graphs[size] = graph
         torch.cuda.synchronize()
@@ -116,34 +155,57 @@ class DecodeGraphs:
             s.num_tokens - s.num_cached_tokens == 1 and len(s.block_table) <= self.width for s in seqs
         )
 
-    def run(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Replay the graph for this decode batch; returns its logits `[B, V]` (a view of a static buffer)."""
+    def run(self, seqs: list[Sequence], src_rows: list[int], temps: list[float], seed: int) -> torch.Tensor:
+        """Replay the step for this decode batch; returns its logits `[B, V]` (a view of a static buffer)."""
         num_seqs = len(seqs)
         size = next(s for s in self.sizes if s >= num_seqs)
         m, bs = self.max_batch, self.block_size
-        h = self.host_np
-        positions = [s.num_tokens - 1 for s in seqs]
-        h[:num_seqs] = [s.output_ids[-1] if s.output_ids else s.prompt_ids[-1] for s in seqs]
-        h[m : m + num_seqs] = positions
-        h[2 * m : 2 * m + num_seqs] = [
-            s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, positions, strict=True)
-        ]
-        h[3 * m : 3 * m + num_seqs] = [s.num_tokens for s in seqs]
-        h[2 * m + num_seqs : 2 * m + size] = -1  # padding rows: no KV write
-        h[3 * m + num_seqs : 3 * m + size] = 0  # and no keys
-        tables = h[4 * m :].reshape(m, self.width)
-        for i, seq in enumerate(seqs):  # rewrite a row only when its table changed (tables only grow)
-            key = (len(seq.block_table), seq.num_retractions)
-            if self.row_owner[i] is not seq or self.row_key[i] != key:
-                tables[i, : key[0]] = seq.block_table
-                self.row_owner[i], self.row_key[i] = seq, key
-        self.dev.copy_(self.host, non_blocking=True)
+        host, h, host_temps, row_keys = self.inputs.next_host()
+        ids, context_lens, slots = [], [], []
+        for seq in seqs:  # one pass: this runs for every row of every decode step
+            num_tokens = seq.num_tokens
+            pos = num_tokens - 1
+            ids.append(seq.output_ids[-1] if seq.output_ids else seq.prompt_ids[-1])
+            context_lens.append(num_tokens)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        h[:num_seqs] = ids
+        h[m : m + num_seqs] = src_rows
+        h[2 * m : 2 * m + num_seqs] = context_lens
+        h[2 * m : 2 * m + num_seqs] -= 1  # positions
+        h[3 * m : 3 * m + num_seqs] = slots
+        h[4 * m : 4 * m + num_seqs] = context_lens
+        h[m + num_seqs : m + size] = -1  # padding rows: no pending id,
+        h[3 * m + num_seqs : 3 * m + size] = -1  # no KV write
+        h[4 * m + num_seqs : 4 * m + size] = 0  # and no keys
+        h[5 * m] = seed
+        host_temps[:num_seqs] = temps
+        host_temps[num_seqs:size] = 1.0
+        tables = h[5 * m + 1 :].reshape(m, self.width)
+        for i, seq in enumerate(seqs):  # tables only grow: a row changes when its owner or length does
+            key = row_keys[i]  # (owner, table length, retractions); holding the owner keeps `is` sound
+            if key is None or key[0] is not seq or key[1:] != (len(seq.block_table), seq.num_retractions):
+                tables[i, : len(seq.block_table)] = seq.block_table
+                row_keys[i] = (seq, len(seq.block_table), seq.num_retractions)
+        self.inputs.dev.copy_(host, non_blocking=True)
         self.graphs[size].replay()
         self.num_replays += 1
         return self.logits[size][:num_seqs]
 
 
+class _PendingResult(StepResult):
+    """A launched step's tokens and logprobs, on their way to pinned host memory."""
+
+    def __init__(self, event: torch.cuda.Event, ids: torch.Tensor, logprobs: torch.Tensor):
+        self.event, self.ids, self.logprobs = event, ids, logprobs
+
+    def get(self) -> tuple[list[int], list[float]]:
+        self.event.synchronize()
+        return self.ids.tolist(), self.logprobs.tolist()
+
+
 class FastModelRunner(ModelRunner):
+    overlaps = True
+
     def __init__(
         self,
         model: CausalLM,
@@ -171,15 +233,26 @@ class FastModelRunner(ModelRunner):
             block_size,
         )
         logger.info("decode attention: %s (timings ms %s)", self.decode_config, self.decode_timings)
+        self.seeds = np.random.default_rng(seed)
+        # The last launched step's samples, row by row: the next step reads its pending ids from here.
+        self.tokens_B = torch.zeros(max_batch, dtype=torch.long, device=device)
+        self.logprobs_B = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.prev_rows: dict[str, int] = {}
+        # Two read-back buffers: step n+1 is launched before step n is read.
+        self.readback = [
+            (torch.zeros(max_batch, dtype=torch.long).pin_memory(), torch.zeros(max_batch).pin_memory())
+            for _ in range(2)
+        ]
+        self.num_launches = 0
         max_blocks_per_seq = -(-max_context_len // block_size)
         self.graphs = (
             DecodeGraphs(
                 self.forward,
                 self.kv_caches,
-                max_batch,
+                self.tokens_B,
+                self.logprobs_B,
                 max_blocks_per_seq,
                 block_size,
-                device,
                 self.decode_config,
             )
             if use_cuda_graphs
@@ -187,16 +260,43 @@ class FastModelRunner(ModelRunner):
         )
 
     @torch.inference_mode()
-    def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+    def launch(self, seqs: list[Sequence]) -> StepResult:
+        num_seqs = len(seqs)
+        prev_rows = self.prev_rows
+        src_rows = [prev_rows[s.rid] if s.num_pending else -1 for s in seqs]
+        params = [s.params for s in seqs]
+        temps = [p.temperature for p in params]
+        seed = int(self.seeds.integers(2**31 - 1))
+        truncated = any(t > 0 and (p.top_p < 1 or p.top_k > 0) for t, p in zip(temps, params, strict=True))
         if self.graphs is not None and self.graphs.can_run(seqs):
-            logits = self.graphs.run(seqs)
+            logits = self.graphs.run(seqs, src_rows, temps, seed)  # samples too
         else:
-            logits = self._forward_eager(seqs)
+            logits = self._forward_eager(seqs, src_rows, temps, seed)
+        if truncated:  # the reference sampler (a few host syncs) overwrites the fused one's draw
+            ids, logprobs = sample(
+                logits,
+                torch.tensor(temps, dtype=torch.float32, device=self.device),
+                torch.tensor([p.top_p for p in params], device=self.device),
+                torch.tensor([p.top_k for p in params], device=self.device),
+                self.generator,
+            )
+            self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs] = ids, logprobs
         for seq in seqs:
             seq.num_cached_tokens = seq.num_tokens
-        return logits
+        self.prev_rows = {s.rid: i for i, s in enumerate(seqs)}
+        ids_host, logprobs_host = self.readback[self.num_launches % 2]
+        self.num_launches += 1
+        ids_host[:num_seqs].copy_(self.tokens_B[:num_seqs], non_blocking=True)
+        logprobs_host[:num_seqs].copy_(self.logprobs_B[:num_seqs], non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return _PendingResult(event, ids_host[:num_seqs], logprobs_host[:num_seqs])
 
-    def _forward_eager(self, seqs: list[Sequence]) -> torch.Tensor:
+    def _forward_eager(
+        self, seqs: list[Sequence], src_rows: list[int], temps: list[float], seed: int
+    ) -> torch.Tensor:
+        """Prefill (or a decode batch no graph fits): forward and fused sampling, eagerly."""
+        from tandemrl.engine.gpu_sampler import fused_sample
         from tandemrl.engine.triton_attention import build_fast_metadata
 
         input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
@@ -208,27 +308,32 @@ class FastModelRunner(ModelRunner):
             self.device,
             self.decode_config,
         )
-        host = torch.tensor(np.stack([input_ids, positions]), dtype=torch.long)
-        ids, pos = host.to(self.device)
-        return self.forward(ids, pos, self.kv_caches, meta)
-
-    @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-        from tandemrl.engine.fast_layers import fused_sample
-
-        params = [s.params for s in seqs]
-        if any(p.temperature > 0 and (p.top_p < 1 or p.top_k > 0) for p in params):
-            return super().run(seqs)  # truncated sampling: the reference sampler (a few host syncs)
-        temps = [p.temperature for p in params]
-        if len(set(temps)) == 1:
-            temps_B = torch.full((len(seqs),), float(temps[0]), dtype=torch.float32, device=self.device)
-        else:
-            temps_B = torch.tensor(temps, dtype=torch.float32).to(self.device, non_blocking=True)
-        logits = self.forward_logits(seqs)
-        seed = torch.randint(0, 2**31 - 1, (1,), device=self.device, generator=self.generator)
-        token_ids, logprobs = fused_sample(logits, temps_B, seed)
-        both = torch.stack([token_ids.double(), logprobs.double()]).cpu()  # the step's one host sync
-        return [int(t) for t in both[0].tolist()], both[1].tolist()
+        ends = np.cumsum(query_lens) - 1
+        pending = [(int(ends[i]), row) for i, row in enumerate(src_rows) if row >= 0]
+        host = torch.from_numpy(
+            np.array(
+                [
+                    *input_ids,
+                    *positions,
+                    seed,
+                    *(index for index, _ in pending),
+                    *(row for _, row in pending),
+                ],
+                dtype=np.int64,
+            )
+        ).pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        num_tokens = len(input_ids)
+        ids, pos = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
+        seed_dev = dev[2 * num_tokens : 2 * num_tokens + 1]
+        if pending:
+            index, rows = dev[2 * num_tokens + 1 :].view(2, len(pending))
+            ids[index] = self.tokens_B[rows]
+        logits = self.forward(ids, pos, self.kv_caches, meta)
+        temps_B = torch.tensor(temps, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
+        num_seqs = len(seqs)
+        fused_sample(logits, temps_B, seed_dev, self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs])
+        return logits
 
 
 def build_runner(

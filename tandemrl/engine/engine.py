@@ -1,9 +1,13 @@
-"""The engine: `step()` = schedule -> run -> postprocess, plus aborts, retraction and weight loading.
+"""The engine: `step()` = schedule -> launch -> postprocess, plus aborts, retraction and weight loading.
 
 Single-threaded by design: the HTTP server drives it from one loop thread (`loop.py`), so weight updates
-and pauses always fall between two steps. Invariant: every added request is returned by `step()` or
-`abort*()` exactly once, with its finish reason; the weight version stamped on a token is the version of
-the weights that produced its logits.
+and pauses always fall between two steps. On CUDA the runner's `launch` returns while the GPU works, and
+`step()` postprocesses the *previous* step meanwhile (one step in flight, as SGLang's overlap scheduler):
+a request that stops at step n was already scheduled in step n+1, whose token for it is dropped. Every
+operation that is not a step (abort, retract, weight load, flush) first drains the step in flight.
+Invariant: every added request is returned by `step()` or `abort*()` exactly once, with its finish reason
+(requests finished while draining come out of the next `step()` or `take_finished()`); the weight version
+stamped on a token is the version of the weights that produced its logits.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import torch
 from tandemrl.engine.cuda_graphs import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
+from tandemrl.engine.model_runner import StepResult
 from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
@@ -27,6 +32,15 @@ logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GB = 1.0
 _CUDA_DEFAULT_KV_FRACTION = 0.4  # of free memory: the actor may share the GPU
+
+
+@dataclass
+class _Launched:
+    """A step handed to the runner, waiting to be postprocessed."""
+
+    seqs: list[Sequence]
+    result: StepResult
+    weight_version: int
 
 
 @dataclass
@@ -42,6 +56,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (issue 9)
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
+    overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -74,6 +89,7 @@ class Engine:
             self.blocks = BlockManager(num_blocks, config.block_size)
             self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
         self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
+        self.overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
         self.weight_version = 0
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
@@ -81,6 +97,8 @@ class Engine:
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.requests: dict[str, Sequence] = {}
+        self.in_flight: _Launched | None = None
+        self.finished: list[Sequence] = []  # finished while draining, not yet returned
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens",
             config.model_path,
@@ -110,7 +128,8 @@ class Engine:
         vocab = self.model.cfg["vocab_size"]
         if not prompt_ids:
             raise ValueError("input_ids is empty; send at least one token")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_ids):
+        # set/min/max run in C: this check sees every prompt token, thousands per step at full load
+        if set(map(type, prompt_ids)) != {int} or min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
         if len(prompt_ids) >= self.config.max_context_len:
             raise ValueError(
@@ -138,26 +157,53 @@ class Engine:
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.in_flight is not None or bool(self.finished)
 
     def step(self) -> list[Sequence]:
-        """One scheduling step; returns the requests that finished in it."""
-        finished = self._finish_empty_requests()
+        """Launch a scheduling step, postprocess the one before it; returns the requests that finished."""
+        finished, self.finished = self.finished, []
+        finished += self._finish_empty_requests()
         seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:
-            return finished
-        num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-        token_ids, logprobs = self.runner.run(seqs)
-        if is_prefill:
-            self.num_prefill_tokens += num_new
-        else:
-            self.num_decode_tokens += num_new
-        self.num_steps += 1
-        for seq, token_id, logprob in zip(seqs, token_ids, logprobs, strict=True):
-            seq.append(token_id, logprob, self.weight_version)
+        launched = None
+        if seqs:
+            num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+            launched = _Launched(seqs, self.runner.launch(seqs), self.weight_version)
+            for seq in seqs:
+                seq.num_pending += 1
+            if is_prefill:
+                self.num_prefill_tokens += num_new
+            else:
+                self.num_decode_tokens += num_new
+            self.num_steps += 1
+        previous, self.in_flight = self.in_flight, launched
+        if previous is not None:
+            finished += self._postprocess(previous)
+        if not self.overlaps:
+            self.drain()
+            finished += self.take_finished()
+        return finished
+
+    def _postprocess(self, launched: _Launched) -> list[Sequence]:
+        token_ids, logprobs = launched.result.get()
+        finished = []
+        for seq, token_id, logprob in zip(launched.seqs, token_ids, logprobs, strict=True):
+            seq.num_pending -= 1
+            if seq.status is Status.FINISHED:  # stopped at the step before: this token is past its end
+                continue
+            seq.append(token_id, logprob, launched.weight_version)
             reason = self.stops.check(seq)
             if reason is not None:
                 finished.append(self._finish(seq, reason))
+        return finished
+
+    def drain(self) -> None:
+        """Postprocess the step in flight (its finished requests wait in `take_finished()`)."""
+        if self.in_flight is not None:
+            launched, self.in_flight = self.in_flight, None
+            self.finished += self._postprocess(launched)
+
+    def take_finished(self) -> list[Sequence]:
+        finished, self.finished = self.finished, []
         return finished
 
     def _finish_empty_requests(self) -> list[Sequence]:
@@ -172,21 +218,25 @@ class Engine:
         return seq
 
     def abort(self, rid: str, message: str = "aborted by request") -> Sequence | None:
+        self.drain()
         seq = self.requests.get(rid)
         if seq is None or seq.status is Status.FINISHED:
             return None
         return self._finish(seq, {"type": "abort", "message": message})
 
     def abort_all(self, message: str) -> list[Sequence]:
+        self.drain()
         return [self._finish(s, {"type": "abort", "message": message}) for s in list(self.requests.values())]
 
     def retract_all(self) -> int:
+        self.drain()
         return self.scheduler.retract_all()
 
     # ---- weights --------------------------------------------------------------------------------------
 
     def load_weights(self, named_tensors, weight_version: int | None = None) -> int:
         """Copy HF-named tensors into the model; bumps (or sets) the weight version. Between steps only."""
+        self.drain()
         names = self.model.load_weights(named_tensors)
         if isinstance(self.scheduler, PrefixCachingScheduler):
             self.scheduler.invalidate_prefix_cache()  # KV of the old weights must not serve new requests
@@ -196,6 +246,7 @@ class Engine:
 
     def flush_cache(self) -> bool:
         """Drop cached KV; refused (False) while requests hold blocks, as SGLang refuses it then."""
+        self.drain()
         if self.scheduler.running:
             return False
         self.blocks.reset()

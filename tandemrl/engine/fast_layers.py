@@ -55,6 +55,7 @@ def _rope_store_kernel(
     stride_qo,
     stride_c_kv,
     stride_c_slot,
+    stride_c_head,
     NUM_HEADS: tl.constexpr,
     NUM_KV: tl.constexpr,
     HEADS_P2: tl.constexpr,
@@ -82,7 +83,7 @@ def _rope_store_kernel(
     kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
     k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
-    cache = Cache + slot * stride_c_slot + kv * (2 * HALF) + half[None, :]
+    cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
     tl.store(cache, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(Cache.dtype.element_ty), mask=kmask)
     tl.store(cache + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(Cache.dtype.element_ty), mask=kmask)
     vbase = kbase + NUM_KV * 2 * HALF
@@ -182,7 +183,8 @@ def fast_forward(
     kv_caches: list[torch.Tensor],
     meta: FastMetadata,
 ) -> torch.Tensor:
-    """Same contract as `CausalLM.forward` (last-token logits, fp32) over the Triton path."""
+    """`CausalLM.forward`'s last-token logits over the Triton path, left in the model dtype: the lm_head
+    rounded them already, and the GPU sampler reads them as they are (an fp32 copy would cost a pass)."""
     x = model.model.embed_tokens(input_ids_T)
     cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
     residual = None
@@ -201,7 +203,7 @@ def fast_forward(
         model.model.norm.weight,
         model.model.norm.eps,
     )
-    return model.lm_head(h).float()
+    return model.lm_head(h)
 
 
 def _attention(
@@ -234,6 +236,7 @@ def _attention(
         q.stride(0),
         kv_cache.stride(0),
         kv_cache.stride(1),
+        kv_cache.stride(2),
         NUM_HEADS=attn.num_heads,
         NUM_KV=attn.num_kv_heads,
         HEADS_P2=triton.next_power_of_2(attn.num_heads),
@@ -243,50 +246,3 @@ def _attention(
     )
     out = meta.attend_stored(q, kv_cache, dim**-0.5)
     return attn.o_proj(out.reshape(num_tokens, attn.num_heads * dim))
-
-
-@triton.jit
-def _sample_kernel(Logits, Temps, Seed, OutIds, OutLogprobs, stride, V, BLOCK: tl.constexpr):
-    """One pass over a row: log-sum-exp of logits / T and argmax of logits / T + Gumbel noise."""
-    row = tl.program_id(0)
-    temp = tl.load(Temps + row)
-    greedy = temp == 0.0
-    inv_t = tl.where(greedy, 1.0, 1.0 / tl.where(greedy, 1.0, temp))
-    seed = tl.load(Seed)
-    run_max = tl.full([], float("-inf"), tl.float32)
-    run_sum = tl.zeros([], tl.float32)
-    best = tl.full([], float("-inf"), tl.float32)
-    best_idx = tl.zeros([], tl.int32)
-    best_x = tl.zeros([], tl.float32)
-    for start in range(0, V, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        mask = cols < V
-        x = tl.load(Logits + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32) * inv_t
-        new_max = tl.maximum(run_max, tl.max(x, 0))
-        run_sum = run_sum * tl.exp(run_max - new_max) + tl.sum(tl.exp(x - new_max), 0)
-        run_max = new_max
-        u = tl.rand(seed, row * V + cols)
-        gumbel = -tl.log(-tl.log(u))  # u = 0 gives -inf: never chosen
-        score = tl.where(mask, tl.where(greedy, x, x + gumbel), float("-inf"))
-        chunk_best = tl.max(score, 0)
-        chunk_idx = tl.argmax(score, 0)
-        take = chunk_best > best
-        best_x = tl.where(take, tl.sum(tl.where(cols == start + chunk_idx, x, 0.0), 0), best_x)
-        best_idx = tl.where(take, start + chunk_idx, best_idx)
-        best = tl.maximum(best, chunk_best)
-    tl.store(OutIds + row, best_idx.to(tl.int64))
-    tl.store(OutLogprobs + row, best_x - run_max - tl.log(run_sum))
-
-
-def fused_sample(
-    logits_BV: torch.Tensor, temperatures_B: torch.Tensor, seed: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy / temperature sampling in one kernel, no host sync; same logprob convention as
-    `sampler.sample` (greedy rows report the T = 1 log-softmax). Gumbel-max draws i with prob p_i."""
-    num_rows, vocab = logits_BV.shape
-    ids = torch.empty(num_rows, dtype=torch.long, device=logits_BV.device)
-    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits_BV.device)
-    _sample_kernel[(num_rows,)](
-        logits_BV, temperatures_B, seed, ids, logprobs, logits_BV.stride(0), vocab, BLOCK=4096, num_warps=8
-    )
-    return ids, logprobs

@@ -70,6 +70,7 @@ class EngineLoop:
 
         def do_pause(engine: Engine) -> dict:
             self.is_paused = True
+            engine.drain()  # the step in flight finishes now: its requests are answered before the pause
             if mode == "abort":
                 aborted = engine.abort_all("aborted by pause_generation(mode=abort)")
                 self._deliver(aborted)
@@ -118,9 +119,14 @@ class EngineLoop:
             fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    result = fn(self.engine)
                 except BaseException as error:  # reported to the caller, the loop carries on
+                    self._deliver(self.engine.take_finished())
                     future.set_exception(error)
+                else:
+                    # A command that drained the step in flight answers the requests it finished first.
+                    self._deliver(self.engine.take_finished())
+                    future.set_result(result)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

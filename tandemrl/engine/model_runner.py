@@ -1,8 +1,10 @@
 """Runs one scheduled step on the model: builds the flat inputs and attention metadata, forwards, samples.
 
-Owns the model, the KV cache tensors and the sampling generator. Invariant: after `run`, every sequence
-in the batch has all its tokens but the newly sampled one in the cache (`num_cached_tokens` updated);
-the caller appends the sampled token.
+Owns the model, the KV cache tensors and the sampling generator. Invariant: after `launch`, every
+sequence in the batch has all its tokens but the newly sampled one in the cache (`num_cached_tokens`
+updated); the caller appends the sampled token once the step's `StepResult` is read. This reference
+runner computes the step inside `launch`; the CUDA runner (`cuda_graphs.FastModelRunner`, `overlaps`)
+returns while the GPU works, so the engine can schedule the next step meanwhile.
 """
 
 from __future__ import annotations
@@ -16,14 +18,31 @@ from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
 
 
-def flatten_uncached(seqs: list[Sequence]) -> tuple[list[int], list[int], list[int], list[int]]:
+class StepResult:
+    """The sampled token and logprob of each sequence of a launched step; `get()` waits for them."""
+
+    def __init__(self, token_ids: list[int], logprobs: list[float]):
+        self._token_ids, self._logprobs = token_ids, logprobs
+
+    def get(self) -> tuple[list[int], list[float]]:
+        return self._token_ids, self._logprobs
+
+
+def flatten_uncached(
+    seqs: list[Sequence], pending_ids: dict[str, int] | None = None
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """The step's flat inputs: each sequence's uncached token ids and positions, with the per-sequence
-    query lengths (new tokens) and context lengths (cached + new)."""
+    query lengths (new tokens) and context lengths (cached + new). A pending token (sampled by the last
+    launch, not yet postprocessed) is its sequence's last input: its id comes from `pending_ids` (by
+    request id), or is 0 for the CUDA runner to fill in on the device."""
     input_ids, positions, query_lens, context_lens = [], [], [], []
     for seq in seqs:
         start, end = seq.num_cached_tokens, seq.num_tokens
         assert end > start, "a scheduled sequence must have an uncached token"
+        assert seq.num_pending <= 1, "only the last launch's token can be pending at a launch"
         input_ids.extend(seq.all_ids[start:end])
+        if seq.num_pending:
+            input_ids.append(pending_ids[seq.rid] if pending_ids is not None else 0)
         positions.extend(range(start, end))
         query_lens.append(end - start)
         context_lens.append(end)
@@ -31,6 +50,8 @@ def flatten_uncached(seqs: list[Sequence]) -> tuple[list[int], list[int], list[i
 
 
 class ModelRunner:
+    overlaps = False  # whether the engine overlaps steps by default (this runner computes inside launch)
+
     def __init__(
         self,
         model: CausalLM,
@@ -44,11 +65,12 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(model.cfg, num_blocks, block_size, dtype, device)
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
+        self.last_sampled: dict[str, int] = {}  # the last launch's tokens: the pending ids of the next one
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """Forward the uncached tokens of each sequence; returns the last-token logits `[B, V]` (fp32)."""
-        input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
+        input_ids, positions, query_lens, context_lens = flatten_uncached(seqs, self.last_sampled)
         meta = build_metadata(
             query_lens, context_lens, [s.block_table for s in seqs], self.block_size, self.device
         )
@@ -58,6 +80,11 @@ class ModelRunner:
         for seq in seqs:
             seq.num_cached_tokens = seq.num_tokens
         return logits
+
+    def launch(self, seqs: list[Sequence]) -> StepResult:
+        token_ids, logprobs = self.run(seqs)
+        self.last_sampled = {s.rid: t for s, t in zip(seqs, token_ids, strict=True)}
+        return StepResult(token_ids, logprobs)
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> tuple[list[int], list[float]]:

@@ -3,8 +3,10 @@
 A step is either a prefill step (newly admitted or retracted requests, all their uncached tokens, up to
 `max_prefill_tokens`) or a decode step (one token for every running request), as in nano-vllm.
 Invariants: at most `max_running_requests` run at once; a running request always holds the blocks for
-its next token; a retracted request goes back to the front of the waiting queue with its generated
-tokens and no KV, so it is re-prefilled over prompt + output when it is admitted again.
+its next token; a running request whose pending token is its last (`Sequence.can_grow`) is not
+scheduled again, it only waits for that token to be read; a retracted request goes back to the front of
+the waiting queue with its generated tokens and no KV, so it is re-prefilled over prompt + output when
+it is admitted again.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class Scheduler:
         while self.waiting and len(self.running) + len(batch) < self.max_running_requests:
             seq = self.waiting[0]
             num_new = seq.num_tokens - seq.num_cached_tokens
+            assert not seq.num_pending, "a waiting request's tokens are all known"
             if batch and num_tokens + num_new > self.max_prefill_tokens:
                 break
             if not self.blocks.can_allocate(seq.block_table, seq.num_tokens):
@@ -58,17 +61,23 @@ class Scheduler:
 
     def _decode_batch(self) -> list[Sequence]:
         """Make room for one more token per running request, retracting the newest when out of blocks."""
-        index = 0
+        index, batch, block_size = 0, [], self.blocks.block_size
         while index < len(self.running):
             seq = self.running[index]
-            if self.blocks.can_allocate(seq.block_table, seq.num_tokens):
-                self.blocks.allocate(seq.block_table, seq.num_tokens)
+            if not seq.can_grow:
                 index += 1
                 continue
-            victim = self.running.pop()  # the newest request loses its KV first
-            self._to_waiting(victim)
-            self.num_preemptions += 1
-        return list(self.running)
+            num_tokens = seq.num_tokens
+            if len(seq.block_table) * block_size < num_tokens:  # the next token opens a new block
+                if not self.blocks.can_allocate(seq.block_table, num_tokens):
+                    victim = self.running.pop()  # the newest request loses its KV first
+                    self._to_waiting(victim)
+                    self.num_preemptions += 1  # the victim sat at or after `index`: not in `batch`
+                    continue
+                self.blocks.allocate(seq.block_table, num_tokens)
+            batch.append(seq)
+            index += 1
+        return batch
 
     def _to_waiting(self, seq: Sequence) -> None:
         self.blocks.free(seq.block_table)

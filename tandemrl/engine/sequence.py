@@ -2,7 +2,10 @@
 
 Invariant: `output_ids`, `output_logprobs` and `output_weight_versions` always have the same length;
 tokens are only appended, so a retracted request keeps everything it generated and is re-prefilled
-over `prompt_ids + output_ids`.
+over `prompt_ids + output_ids`. A token the GPU has sampled but the host has not read yet is *pending*
+(`num_pending`: the last launch's token, and for a moment the one before it while the engine overlaps
+steps): it counts in `num_tokens` (its position and KV slot are known) but not in `output_ids` until
+the step that sampled it is postprocessed.
 """
 
 from __future__ import annotations
@@ -112,10 +115,23 @@ class Sequence:
     finish_reason: dict | None = None
     num_retractions: int = 0
     extra: dict = field(default_factory=dict)  # request metadata echoed back (e.g. task_name)
+    num_pending: int = 0  # sampled on the GPU, not yet appended (see the module doc)
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def can_grow(self) -> bool:
+        """False once the pending token is the last one the request may have (length or context)."""
+        return (
+            len(self.output_ids) + self.num_pending < self.params.max_new_tokens
+            and self.num_tokens < self.max_total_len
+        )
 
     @property
     def all_ids(self) -> list[int]:

@@ -26,7 +26,7 @@ class StopChecker:
             for stop in params.stop:
                 if stop in tail:
                     return {"type": "stop", "matched": stop}
-        if len(seq.output_ids) >= params.max_new_tokens or seq.num_tokens >= seq.max_total_len:
+        if len(seq.output_ids) >= params.max_new_tokens or seq.num_known_tokens >= seq.max_total_len:
             return {"type": "length", "length": len(seq.output_ids)}
         return None
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -33,13 +34,21 @@ class DecodeConfig:
     block_n: int
     num_warps: int
     partition: int = 0  # context tokens per program when split
+    num_stages: int = 3  # software pipelining depth of the K/V loads (Triton's default is 3)
 
 
 DEFAULT_DECODE = DecodeConfig(split=False, block_n=64, num_warps=4)
 DECODE_CANDIDATES = (
     DEFAULT_DECODE,
+    DecodeConfig(False, 32, 4),
+    DecodeConfig(False, 32, 2),
+    DecodeConfig(False, 64, 2),
+    DecodeConfig(False, 64, 4, num_stages=2),
+    DecodeConfig(False, 64, 4, num_stages=4),
+    DecodeConfig(False, 64, 8),
     DecodeConfig(False, 128, 4),
     DecodeConfig(False, 128, 8),
+    DecodeConfig(True, 64, 4, 128),
     DecodeConfig(True, 64, 4, 256),
     DecodeConfig(True, 128, 4, 512),
 )
@@ -55,6 +64,8 @@ def _store_kv_kernel(
     stride_vt,
     stride_c_kv,
     stride_c_slot,
+    stride_c_head,
+    HEAD_DIM: tl.constexpr,
     NUM_ELEMS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -64,8 +75,9 @@ def _store_kv_kernel(
     mask = (offs < NUM_ELEMS) & (slot >= 0)
     k = tl.load(K + token * stride_kt + offs, mask=mask)
     v = tl.load(V + token * stride_vt + offs, mask=mask)
-    tl.store(Cache + slot * stride_c_slot + offs, k, mask=mask)
-    tl.store(Cache + stride_c_kv + slot * stride_c_slot + offs, v, mask=mask)
+    dest = Cache + slot * stride_c_slot + (offs // HEAD_DIM) * stride_c_head + offs % HEAD_DIM
+    tl.store(dest, k, mask=mask)
+    tl.store(dest + stride_c_kv, v, mask=mask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step: no recompiles
@@ -124,6 +136,7 @@ def _paged_attention_kernel(
         slot = block * BLOCK_SIZE + pos % BLOCK_SIZE
         offsets = slot[:, None] * stride_c_slot + dims[None, :]
         k = tl.load(k_base + offsets, mask=pos_ok[:, None], other=0.0)
+        v = tl.load(k_base + stride_c_kv + offsets, mask=pos_ok[:, None], other=0.0)  # both in flight
         s = tl.dot(q, tl.trans(k)) * scale
         allowed = (pos[None, :] <= q_pos[:, None]) & pos_ok[None, :]
         s = tl.where(allowed, s, float("-inf"))
@@ -132,7 +145,6 @@ def _paged_attention_kernel(
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(k_base + stride_c_kv + offsets, mask=pos_ok[:, None], other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -147,7 +159,7 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, s
     """Write each token's K/V to its slot; tokens with slot -1 (padding) are skipped."""
     num_tokens = k_TKD.shape[0]
     k_flat, v_flat = k_TKD.reshape(num_tokens, -1), v_TKD.reshape(num_tokens, -1)
-    assert k_flat.stride(1) == 1 and v_flat.stride(1) == 1 and kv_cache.is_contiguous()
+    assert k_flat.stride(1) == 1 and v_flat.stride(1) == 1 and kv_cache.stride(3) == 1
     num_elems = k_flat.shape[1]
     _store_kv_kernel[(num_tokens,)](
         k_flat,
@@ -158,6 +170,8 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, s
         v_flat.stride(0),
         kv_cache.stride(0),
         kv_cache.stride(1),
+        kv_cache.stride(2),
+        HEAD_DIM=kv_cache.shape[3],
         NUM_ELEMS=num_elems,
         BLOCK=triton.next_power_of_2(num_elems),
     )
@@ -208,6 +222,7 @@ def attend(
         BLOCK_M=block_m,
         BLOCK_N=config.block_n if max_query_len == 1 else _BLOCK_N,
         num_warps=config.num_warps if max_query_len == 1 else 8,
+        num_stages=config.num_stages if max_query_len == 1 else 3,
     )
     return out
 
@@ -313,25 +328,29 @@ def build_fast_metadata(
     """Host-built metadata for an eager (not graph-captured) step, e.g. a prefill."""
     num_seqs = len(query_lens)
     width = max(len(t) for t in block_tables)
-    tables = torch.zeros(num_seqs, width, dtype=torch.long)
-    slots: list[int] = []
+    tables = np.zeros((num_seqs, width), dtype=np.int64)
+    slots = []
     for i, (table, q_len, ctx) in enumerate(zip(block_tables, query_lens, context_lens, strict=True)):
-        tables[i, : len(table)] = torch.tensor(table, dtype=torch.long)
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx))
-    qlens = torch.tensor(query_lens, dtype=torch.long)
-    starts = torch.cumsum(qlens, 0) - qlens
-    host = torch.cat(
-        [
-            torch.tensor(slots, dtype=torch.long),
-            starts,
-            qlens,
-            torch.tensor(context_lens, dtype=torch.long),
-            starts + qlens - 1,
-            tables.flatten(),
-        ]
+        tables[i, : len(table)] = table
+        positions = np.arange(ctx - q_len, ctx)
+        slots.append(tables[i, positions // block_size] * block_size + positions % block_size)
+    qlens = np.asarray(query_lens, dtype=np.int64)
+    starts = np.cumsum(qlens) - qlens
+    host = torch.from_numpy(
+        np.concatenate(
+            [
+                *slots,
+                starts,
+                qlens,
+                np.asarray(context_lens, dtype=np.int64),
+                starts + qlens - 1,
+                tables.ravel(),
+            ]
+        )
     )
-    dev = host.to(device, non_blocking=False)
-    num_tokens = len(slots)
+    is_cuda = torch.device(device).type == "cuda"
+    dev = host.pin_memory().to(device, non_blocking=True) if is_cuda else host.to(device)
+    num_tokens = int(qlens.sum())
     parts = torch.split(dev, [num_tokens, num_seqs, num_seqs, num_seqs, num_seqs, num_seqs * width])
     return FastMetadata(
         slot_mapping_T=parts[0],

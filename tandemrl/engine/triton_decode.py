@@ -154,6 +154,7 @@ def decode_attend(
         PARTITION=config.partition,
         NUM_SPLITS=num_splits,
         num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     out = torch.empty_like(q_BHD)
     _combine_kernel[(num_seqs, num_heads)](

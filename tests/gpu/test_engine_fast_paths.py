@@ -34,12 +34,15 @@ def _tables(context_lens: list[int], block_size: int, rng: random.Random) -> tup
         ([3, 50, 1, 17], [40, 200, 65, 17]),  # prefill behind cached prefixes
     ],
 )
-@pytest.mark.parametrize("decode_index", range(5))
+@pytest.mark.parametrize("decode_index", range(12))
+@pytest.mark.parametrize("head_major", [False, True])
 def test_triton_attention_matches_reference(
-    num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index, head_major
 ):
     from tandemrl.engine.attention import build_metadata, paged_attention
     from tandemrl.engine.triton_attention import DECODE_CANDIDATES, build_fast_metadata
+
+    assert len(DECODE_CANDIDATES) == 12, "parametrize decode_index over every candidate"
 
     rng, block_size, device = random.Random(0), 16, torch.device("cuda")
     torch.manual_seed(0)
@@ -48,6 +51,8 @@ def test_triton_attention_matches_reference(
     cache = torch.randn(
         2, num_blocks * block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16
     )
+    if head_major:  # the kernels take any strides: each head's slots contiguous here
+        cache = cache.transpose(1, 2).contiguous().transpose(1, 2)
     q = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=torch.bfloat16)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -102,7 +107,9 @@ def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
     return root
 
 
-def _greedy(model_dir: Path, prompts: list[list[int]], graphs: bool, prefix: bool) -> tuple[list, object]:
+def _greedy(
+    model_dir: Path, prompts: list[list[int]], graphs: bool, prefix: bool, overlap: bool = True
+) -> tuple[list, object]:
     from tandemrl.engine.engine import Engine, EngineConfig
     from tandemrl.engine.sequence import SamplingParams
 
@@ -115,6 +122,7 @@ def _greedy(model_dir: Path, prompts: list[list[int]], graphs: bool, prefix: boo
             max_context_len=512,
             enable_cuda_graphs=graphs,
             enable_prefix_caching=prefix,
+            overlap_steps=overlap,
         )
     )
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -139,6 +147,8 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
     prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 90))] for _ in range(16)]
     eager, eager_engine = _greedy(model_dir, prompts, graphs=False, prefix=False)
     graphed, graphed_engine = _greedy(model_dir, prompts, graphs=True, prefix=False)
+    serial, _ = _greedy(model_dir, prompts, graphs=True, prefix=False, overlap=False)
+    assert serial == graphed  # overlapping the host with the GPU changes no token and no logprob
     reused, reused_engine = _greedy(model_dir, prompts, graphs=True, prefix=True)
     assert graphed_engine.runner.graphs.num_replays > 0 and eager_engine.runner.graphs is None
     assert [o for o, _ in graphed] == [o for o, _ in eager]
@@ -213,7 +223,7 @@ def test_fused_forward_matches_reference_forward(tmp_path):
             pos,
             [torch.zeros_like(c) for c in caches],
             build_fast_metadata(query_lens, context_lens, tables, 16, device),
-        )
+        ).float()
     torch.testing.assert_close(again, ref, atol=0, rtol=0)  # fusing re-points parameters, values unchanged
     # bf16: RoPE is rounded once here (fp32 inside) but after each product in the reference
     error = (fast - ref).norm() / ref.norm()
@@ -224,7 +234,7 @@ def test_fused_forward_matches_reference_forward(tmp_path):
 def test_fused_sampler_greedy_and_distribution():
     from scipy.stats import chisquare
 
-    from tandemrl.engine.fast_layers import fused_sample
+    from tandemrl.engine.gpu_sampler import fused_sample
     from tandemrl.engine.sampler import sample
 
     device = torch.device("cuda")
@@ -238,6 +248,22 @@ def test_fused_sampler_greedy_and_distribution():
     )
     assert ids.tolist() == ref_ids.tolist()
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+    # bf16 logits (the fast path's): read as they are, same answer as the reference on their fp32 copy
+    half = logits.bfloat16()
+    ids, logprobs = fused_sample(half, torch.zeros(64, device=device), torch.tensor([5], device=device))
+    ref_ids, ref_logprobs = sample(
+        half.float(),
+        torch.zeros(64, device=device),
+        torch.ones(64, device=device),
+        torch.full((64,), -1, device=device),
+    )
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-4, rtol=1e-4)
+    # the draw depends on (seed, row, column) only: the same seed samples the same tokens at any batch size
+    temps = torch.ones(64, device=device)
+    full, _ = fused_sample(half, temps, torch.tensor([7], device=device))
+    part, _ = fused_sample(half[:5], temps[:5], torch.tensor([7], device=device))
+    assert part.tolist() == full[:5].tolist()
     base = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], device=device)
     for temperature in (1.0, 0.7):
         temps = torch.full((20000,), temperature, device=device)

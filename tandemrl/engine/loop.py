@@ -118,15 +118,17 @@ class EngineLoop:
         while item is not None:
             fn, future = item
             if future.set_running_or_notify_cancel():
+                result, error = None, None
                 try:
                     result = fn(self.engine)
-                except BaseException as error:  # reported to the caller, the loop carries on
-                    self._deliver(self.engine.take_finished())
-                    future.set_exception(error)
-                else:
-                    # A command that drained the step in flight answers the requests it finished first.
-                    self._deliver(self.engine.take_finished())
+                except BaseException as raised:  # reported to the caller, the loop carries on
+                    error = raised
+                # A command that drained the step in flight answers the requests it finished first.
+                self._deliver(self.engine.take_finished())
+                if error is None:
                     future.set_result(result)
+                else:
+                    future.set_exception(error)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

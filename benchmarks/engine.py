@@ -248,6 +248,8 @@ def decode_breakdown(engine: Engine, args) -> dict:
     timings["kernels_us"] = kernel_profile(graphs.graphs[size].replay)
     timings["decode_attention_config"] = str(engine.runner.decode_config)
     timings["decode_attention_tuning_ms"] = engine.runner.decode_timings
+    timings["prefill_attention_config"] = str(engine.runner.prefill_config)
+    timings["prefill_attention_tuning_ms"] = engine.runner.prefill_timings
     return timings
 
 
@@ -268,6 +270,49 @@ def prefill_breakdown(engine: Engine, args, vocab: int) -> dict:
         tokens=num * args.prompt_len,
         gpu_ms=sum(e.device_time_total for e in events) / 1e3,
         kernels_us={e.key[:90]: e.device_time_total for e in events[:12]},
+    )
+
+
+def gpu_timeline(engine: Engine, args, vocab: int, device) -> dict:
+    """The throughput workload once more (fresh prompts) under torch.profiler: how much of the run's GPU
+    span has a kernel or copy running, and the largest idle gaps with the work on either side."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts = random_prompts(args.num_requests, args.prompt_len, vocab, 5)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = run_batch(engine, {f"g{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    work = sorted(
+        (e["ts"], e["ts"] + e["dur"], e["name"][:60])
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+    )
+    busy, gaps, end = 0.0, [], work[0][0]
+    previous = ""
+    for start, stop, name in work:
+        if start > end:
+            gaps.append((start - end, previous, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop > end:
+            end, previous = stop, name
+    span = end - work[0][0]
+    gaps.sort(reverse=True)
+    by_kernel: dict[str, float] = {}
+    for start, stop, name in work:
+        by_kernel[name] = by_kernel.get(name, 0.0) + (stop - start) / 1e3
+    top = sorted(by_kernel.items(), key=lambda item: -item[1])[:14]
+    return dict(
+        wall_s=result["wall_s"],
+        gpu_span_s=span / 1e6,
+        gpu_busy_s=busy / 1e6,
+        idle_s=(span - busy) / 1e6,
+        idle_in_gaps_over_20us_s=sum(g for g, _, _ in gaps if g > 20) / 1e6,
+        num_gaps_over_20us=sum(1 for g, _, _ in gaps if g > 20),
+        largest_gaps_us=[dict(us=round(g, 1), after=a, before=b) for g, a, b in gaps[:8]],
+        kernels_total_ms={name: round(ms, 2) for name, ms in top},
     )
 
 
@@ -404,6 +449,7 @@ def main() -> int:
         report["decode_breakdown"] = decode_breakdown(engine, args) if device.type == "cuda" else {}
         if device.type == "cuda":
             report["prefill_breakdown"] = prefill_breakdown(engine, args, shape["vocab_size"])
+            report["gpu_timeline"] = gpu_timeline(engine, args, shape["vocab_size"], device)
         if args.profile_host:
             profile_host(engine, args, shape["vocab_size"])
         report.update(
@@ -470,6 +516,13 @@ def print_report(r: dict) -> None:
         )
         for name, us in b["kernels_us"].items():
             print(f"  {us:9.1f} us  {name}")
+    if r.get("gpu_timeline"):
+        t = r["gpu_timeline"]
+        print(
+            f"GPU timeline (profiled re-run, {t['wall_s']:.3f} s): busy {t['gpu_busy_s']:.3f} s of a "
+            f"{t['gpu_span_s']:.3f} s span; {t['num_gaps_over_20us']} gaps over 20 us hold "
+            f"{t['idle_in_gaps_over_20us_s']:.3f} s; largest {t['largest_gaps_us'][:3]}"
+        )
     if "roofline_tokens_per_s" in r:
         print(
             f"decode roofline: {r['roofline_tokens_per_s']:.0f} tokens/s at "

@@ -27,7 +27,8 @@ from tandemrl.engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
-_TUNE_CONTEXT = 512  # decode attention kernels are timed at this context length (or the max, if smaller)
+_TUNE_CONTEXT = 512  # attention kernels are timed at this context length (or the max, if smaller)
+_TUNE_PREFILL_TOKENS = 16384  # prefill tiles are timed on a step of this many tokens (or the budget)
 
 
 def fast_path_supported(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -217,13 +218,14 @@ class FastModelRunner(ModelRunner):
         max_batch: int,
         max_context_len: int,
         use_cuda_graphs: bool = True,
+        max_prefill_tokens: int = 8192,
     ):
         super().__init__(model, num_blocks, block_size, device, dtype, seed)
         from tandemrl.engine.fast_layers import fast_forward, fuse_projections
 
         fused = fuse_projections(model)
         self.forward = lambda ids, pos, kv_caches, meta: fast_forward(model, fused, ids, pos, kv_caches, meta)
-        from tandemrl.engine.triton_attention import tune_decode
+        from tandemrl.engine.triton_attention import tune_decode, tune_prefill
 
         self.decode_config, self.decode_timings = tune_decode(
             self.kv_caches[0],
@@ -233,6 +235,14 @@ class FastModelRunner(ModelRunner):
             block_size,
         )
         logger.info("decode attention: %s (timings ms %s)", self.decode_config, self.decode_timings)
+        self.prefill_config, self.prefill_timings = tune_prefill(
+            self.kv_caches[0],
+            model.cfg["num_heads"],
+            min(max_prefill_tokens, _TUNE_PREFILL_TOKENS),
+            min(max_context_len, _TUNE_CONTEXT),
+            block_size,
+        )
+        logger.info("prefill attention: %s (timings ms %s)", self.prefill_config, self.prefill_timings)
         self.seeds = np.random.default_rng(seed)
         # The last launched step's samples, row by row: the next step reads its pending ids from here.
         self.tokens_B = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -307,6 +317,7 @@ class FastModelRunner(ModelRunner):
             self.block_size,
             self.device,
             self.decode_config,
+            self.prefill_config,
         )
         ends = np.cumsum(query_lens) - 1
         pending = [(int(ends[i]), row) for i, row in enumerate(src_rows) if row >= 0]
@@ -352,4 +363,5 @@ def build_runner(
         max_batch=config.max_running_requests,
         max_context_len=config.max_context_len,
         use_cuda_graphs=config.enable_cuda_graphs,
+        max_prefill_tokens=config.max_prefill_tokens,
     )

@@ -188,21 +188,27 @@ def fast_forward(
     x = model.model.embed_tokens(input_ids_T)
     cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
     residual = None
-    for layer, weights, kv_cache in zip(model.model.layers, fused, kv_caches, strict=True):
+    # Past the last layer's K/V only the last token of each sequence matters: when a step carries more
+    # tokens than sequences (a prefill), that layer attends, projects and runs its MLP for those rows only.
+    prune_last = input_ids_T.shape[0] > meta.last_token_index.shape[0]
+    last_layer = len(model.model.layers) - 1
+    for index, (layer, weights, kv_cache) in enumerate(
+        zip(model.model.layers, fused, kv_caches, strict=True)
+    ):
         attn = layer.self_attn
         h, residual = add_rmsnorm(x, residual, layer.input_layernorm.weight, layer.input_layernorm.eps)
-        x = _attention(attn, weights, h, cos, sin, kv_cache, meta)
+        only_last = prune_last and index == last_layer
+        x = _attention(attn, weights, h, cos, sin, kv_cache, meta, only_last)
+        if only_last:
+            residual = residual[meta.last_token_index]
         h, residual = add_rmsnorm(
             x, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         )
         gate_up = F.linear(h, weights.gate_up_w, weights.gate_up_b)
         x = layer.mlp.down_proj(silu_mul(gate_up))
-    h, _ = add_rmsnorm(
-        x[meta.last_token_index],
-        residual[meta.last_token_index],
-        model.model.norm.weight,
-        model.model.norm.eps,
-    )
+    if not prune_last:
+        x, residual = x[meta.last_token_index], residual[meta.last_token_index]
+    h, _ = add_rmsnorm(x, residual, model.model.norm.weight, model.model.norm.eps)
     return model.lm_head(h)
 
 
@@ -214,7 +220,10 @@ def _attention(
     sin: torch.Tensor,
     kv_cache: torch.Tensor,
     meta: FastMetadata,
+    only_last: bool = False,
 ) -> torch.Tensor:
+    """Self-attention of `h`'s tokens (every token's K/V is stored); with `only_last`, the output has one
+    row per sequence: its last token's."""
     num_tokens, dim = h.shape[0], attn.head_dim
     qkv = F.linear(h, weights.qkv_w, weights.qkv_b)
     if attn.has_qk_norm:  # Qwen3: per-head RMSNorm before RoPE (the modules' own, unfused)
@@ -244,5 +253,8 @@ def _attention(
         HALF=dim // 2,
         num_warps=4,
     )
-    out = meta.attend_stored(q, kv_cache, dim**-0.5)
-    return attn.o_proj(out.reshape(num_tokens, attn.num_heads * dim))
+    if only_last:
+        out = meta.attend_last(q[meta.last_token_index], kv_cache, dim**-0.5)
+    else:
+        out = meta.attend_stored(q, kv_cache, dim**-0.5)
+    return attn.o_proj(out.reshape(out.shape[0], attn.num_heads * dim))

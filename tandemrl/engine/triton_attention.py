@@ -10,6 +10,7 @@ each K/V block is read once for all of them. Padding rows (a slot of -1, a conte
 and produce zeros, which is what lets CUDA graphs run a batch padded to a captured size.
 Decode has tunable variants (`DecodeConfig`: tile sizes, or the split-KV kernel of `triton_decode`);
 `tune_decode` times them on the engine's cache at start-up and the fastest serves every decode step.
+Prefill tiles (`PrefillConfig`) are timed the same way by `tune_prefill`.
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ import triton
 import triton.language as tl
 
 _DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
-_PREFILL_BLOCK_M = 64
-_BLOCK_N = 64
 
 
 @dataclass(frozen=True)
@@ -37,6 +36,28 @@ class DecodeConfig:
     num_stages: int = 3  # software pipelining depth of the K/V loads (Triton's default is 3)
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Tiles of the ragged kernel when steps carry many queries per sequence: `block_m` rows (queries x
+    the GQA group) per program, `block_n` keys per iteration."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+DEFAULT_PREFILL = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
+PREFILL_CANDIDATES = (
+    DEFAULT_PREFILL,
+    PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 128, 8, 2),
+    PrefillConfig(128, 64, 8, 3),
+    PrefillConfig(128, 64, 8, 2),
+    PrefillConfig(128, 32, 8, 3),
+    PrefillConfig(128, 128, 8, 2),
+    PrefillConfig(128, 64, 4, 3),
+)
 DEFAULT_DECODE = DecodeConfig(split=False, block_n=64, num_warps=4)
 DECODE_CANDIDATES = (
     DEFAULT_DECODE,
@@ -188,14 +209,15 @@ def attend(
     block_size: int,
     scale: float,
     config: DecodeConfig = DEFAULT_DECODE,
+    prefill: PrefillConfig = DEFAULT_PREFILL,
 ) -> torch.Tensor:
     """Attention of the flat queries `[T, heads, head_dim]` over the cache (K/V already stored)."""
     num_seqs = query_lens_B.shape[0]
     num_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_m = _DECODE_BLOCK_M if max_query_len == 1 else _PREFILL_BLOCK_M
-    block_m = max(block_m, triton.next_power_of_2(group))
+    is_decode = max_query_len == 1
+    block_m = max(_DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
     queries_per_tile = block_m // group
     out = torch.empty_like(q_THD)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, queries_per_tile))
@@ -220,9 +242,9 @@ def attend(
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
-        BLOCK_N=config.block_n if max_query_len == 1 else _BLOCK_N,
-        num_warps=config.num_warps if max_query_len == 1 else 8,
-        num_stages=config.num_stages if max_query_len == 1 else 3,
+        BLOCK_N=config.block_n if is_decode else prefill.block_n,
+        num_warps=config.num_warps if is_decode else prefill.num_warps,
+        num_stages=config.num_stages if is_decode else prefill.num_stages,
     )
     return out
 
@@ -241,6 +263,7 @@ class FastMetadata:
     block_size: int
     max_context_len: int  # bounds the decode split count (static under CUDA graphs)
     decode: DecodeConfig = DEFAULT_DECODE
+    prefill: PrefillConfig = DEFAULT_PREFILL
 
     def attend(
         self,
@@ -255,11 +278,34 @@ class FastMetadata:
 
     def attend_stored(self, q_THD: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention once this step's K/V are in the cache: split-KV decode, or the ragged kernel."""
-        if self.max_query_len == 1 and self.decode.split:
+        if self.max_query_len == 1:
+            return self._attend_one_query(q_THD, kv_cache, scale, self.query_start_B, self.query_lens_B)
+        return attend(
+            q_THD,
+            kv_cache,
+            self.block_tables_BW,
+            self.query_start_B,
+            self.query_lens_B,
+            self.context_lens_B,
+            self.max_query_len,
+            self.block_size,
+            scale,
+            self.decode,
+            self.prefill,
+        )
+
+    def attend_last(self, q_BHD: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of each sequence's last query only (`q_BHD`: one row per sequence, in order), once the
+        step's K/V are stored: a decode-shaped call, whatever the step's query lengths."""
+        rows = torch.arange(q_BHD.shape[0], device=q_BHD.device)
+        return self._attend_one_query(q_BHD, kv_cache, scale, rows, torch.ones_like(rows))
+
+    def _attend_one_query(self, q_BHD, kv_cache, scale, query_start_B, query_lens_B) -> torch.Tensor:
+        if self.decode.split:
             from tandemrl.engine.triton_decode import decode_attend
 
             return decode_attend(
-                q_THD,
+                q_BHD,
                 kv_cache,
                 self.block_tables_BW,
                 self.context_lens_B,
@@ -269,13 +315,13 @@ class FastMetadata:
                 self.decode,
             )
         return attend(
-            q_THD,
+            q_BHD,
             kv_cache,
             self.block_tables_BW,
-            self.query_start_B,
-            self.query_lens_B,
+            query_start_B,
+            query_lens_B,
             self.context_lens_B,
-            self.max_query_len,
+            1,
             self.block_size,
             scale,
             self.decode,
@@ -317,6 +363,36 @@ def tune_decode(
     return best, timings
 
 
+def tune_prefill(
+    kv_cache: torch.Tensor, num_heads: int, num_tokens: int, prompt_len: int, block_size: int
+) -> tuple[PrefillConfig, dict[str, float]]:
+    """Time each candidate prefill tiling on fresh prompts of `prompt_len` tokens filling `num_tokens`;
+    returns the fastest and every timing (ms). Reads the cache only, so it is safe at any time."""
+    from triton.testing import do_bench
+
+    device = kv_cache.device
+    num_seqs = max(1, num_tokens // prompt_len)
+    num_blocks = kv_cache.shape[1] // block_size
+    width = triton.cdiv(prompt_len, block_size)
+    tables = torch.randint(0, num_blocks, (num_seqs, width), device=device)
+    q = torch.randn(num_seqs * prompt_len, num_heads, kv_cache.shape[3], device=device, dtype=kv_cache.dtype)
+    lens = torch.full((num_seqs,), prompt_len, dtype=torch.long, device=device)
+    starts = torch.arange(num_seqs, device=device) * prompt_len
+    timings = {}
+    for config in PREFILL_CANDIDATES:
+        timings[str(config)] = do_bench(
+            lambda c=config: attend(
+                q, kv_cache, tables, starts, lens, lens, prompt_len, block_size, 0.1, prefill=c
+            ),
+            warmup=5,
+            rep=20,
+        )
+    best = min(PREFILL_CANDIDATES, key=lambda c: timings[str(c)])
+    if timings[str(best)] > 0.95 * timings[str(DEFAULT_PREFILL)]:
+        best = DEFAULT_PREFILL  # within timing noise: keep the default, so runs pick the same kernel
+    return best, timings
+
+
 def build_fast_metadata(
     query_lens: list[int],
     context_lens: list[int],
@@ -324,6 +400,7 @@ def build_fast_metadata(
     block_size: int,
     device: torch.device,
     decode: DecodeConfig = DEFAULT_DECODE,
+    prefill: PrefillConfig = DEFAULT_PREFILL,
 ) -> FastMetadata:
     """Host-built metadata for an eager (not graph-captured) step, e.g. a prefill."""
     num_seqs = len(query_lens)
@@ -363,4 +440,5 @@ def build_fast_metadata(
         block_size=block_size,
         max_context_len=max(context_lens),
         decode=decode,
+        prefill=prefill,
     )

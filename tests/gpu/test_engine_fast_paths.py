@@ -73,6 +73,57 @@ def test_triton_attention_matches_reference(
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 2, 128), (4, 4, 64)])
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([7, 100, 1, 64, 256], [7, 100, 1, 64, 256]),  # ragged prefill from scratch
+        ([3, 50, 1, 17, 130], [40, 200, 65, 17, 300]),  # prefill behind cached prefixes
+    ],
+)
+@pytest.mark.parametrize("prefill_index", range(8))
+def test_prefill_tiles_match_reference(
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens, prefill_index
+):
+    """Every prefill tiling equals the reference; `attend_last` gives each sequence's last row of it."""
+    from tandemrl.engine.attention import build_metadata, paged_attention
+    from tandemrl.engine.triton_attention import DEFAULT_DECODE, PREFILL_CANDIDATES, build_fast_metadata
+
+    assert len(PREFILL_CANDIDATES) == 8, "parametrize prefill_index over every candidate"
+    rng, block_size, device = random.Random(1), 16, torch.device("cuda")
+    torch.manual_seed(1)
+    tables, num_blocks = _tables(context_lens, block_size, rng)
+    num_tokens = sum(query_lens)
+    cache = torch.randn(
+        2, num_blocks * block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16
+    )
+    q = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=torch.bfloat16)
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    ref_cache = cache.float()
+    ref = paged_attention(
+        q.float(),
+        k.float(),
+        v.float(),
+        ref_cache,
+        build_metadata(query_lens, context_lens, tables, block_size, device),
+        head_dim**-0.5,
+    )
+    meta = build_fast_metadata(
+        query_lens,
+        context_lens,
+        tables,
+        block_size,
+        device,
+        DEFAULT_DECODE,
+        PREFILL_CANDIDATES[prefill_index],
+    )
+    out = meta.attend(q, k, v, cache, head_dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    last = meta.attend_last(q[meta.last_token_index], cache, head_dim**-0.5)
+    torch.testing.assert_close(last.float(), ref[meta.last_token_index], atol=2e-2, rtol=2e-2)
+
+
 def test_padding_rows_write_nothing():
     from tandemrl.engine.triton_attention import store_kv
 
@@ -142,9 +193,12 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
 
     # Every engine here must run the same decode kernel: only CUDA graphs (or prefix reuse) may differ.
     monkeypatch.setattr(triton_attention, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
+    monkeypatch.setattr(
+        triton_attention, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {})
+    )
     model_dir = _model_dir(tmp_path / "model")
     rng = random.Random(1)
-    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 90))] for _ in range(16)]
+    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 90))] for _ in range(12)]
     eager, eager_engine = _greedy(model_dir, prompts, graphs=False, prefix=False)
     graphed, graphed_engine = _greedy(model_dir, prompts, graphs=True, prefix=False)
     serial, _ = _greedy(model_dir, prompts, graphs=True, prefix=False, overlap=False)
@@ -182,10 +236,13 @@ def test_cuda_graphs_follow_weight_updates(tmp_path, monkeypatch):
     from tandemrl.engine import triton_attention
 
     monkeypatch.setattr(triton_attention, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
+    monkeypatch.setattr(
+        triton_attention, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {})
+    )
     model_dir = _model_dir(tmp_path / "model")
     new_weights = load_file(str(_model_dir(tmp_path / "other", seed=1) / "model.safetensors"))
     rng = random.Random(3)
-    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 60))] for _ in range(16)]
+    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 60))] for _ in range(12)]
     _, graphed = _greedy(model_dir, prompts, graphs=True, prefix=True)
     _, eager = _greedy(model_dir, prompts, graphs=False, prefix=True)
     before = _serve(graphed, prompts, "old")
@@ -216,15 +273,20 @@ def test_fused_forward_matches_reference_forward(tmp_path):
         ref = model(ids, pos, caches, build_metadata(query_lens, context_lens, tables, 16, device))
         fused = fuse_projections(model)
         again = model(ids, pos, caches, build_metadata(query_lens, context_lens, tables, 16, device))
+        fast_caches = [torch.zeros_like(c) for c in caches]
         fast = fast_forward(
             model,
             fused,
             ids,
             pos,
-            [torch.zeros_like(c) for c in caches],
+            fast_caches,
             build_fast_metadata(query_lens, context_lens, tables, 16, device),
         ).float()
     torch.testing.assert_close(again, ref, atol=0, rtol=0)  # fusing re-points parameters, values unchanged
+    # The last layer runs its attention output and MLP for the last tokens only, but stores every K/V.
+    for fast_cache, ref_cache in zip(fast_caches, caches, strict=True):
+        used = ref_cache[:, : 5 * 16].float()
+        assert ((fast_cache[:, : 5 * 16].float() - used).norm() / used.norm()).item() < 0.02
     # bf16: RoPE is rounded once here (fp32 inside) but after each product in the reference
     error = (fast - ref).norm() / ref.norm()
     assert error.item() < 0.02

@@ -1,0 +1,77 @@
+"""Decode attention alone: each candidate kernel's time and effective bandwidth at several context lengths.
+
+    python benchmarks/engine_attention.py [--batch 256] [--contexts 256 384 512]
+
+Batch 256 of Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads, head_dim 128, bf16), block size 16;
+block tables are laid out as the engine allocates them for requests admitted together (each request's
+blocks in a run, requests interleaved by admission order), plus one layout of shuffled blocks. Bytes
+counted: every context token's K and V once. JSON under benchmarks/results/engine_attention.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--contexts", type=int, nargs="+", default=[256, 384, 512])
+    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_attention.json"))
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs CUDA", file=sys.stderr)
+        return 1
+    from triton.testing import do_bench
+
+    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, FastMetadata
+
+    device, block_size, heads, kv_heads, dim = torch.device("cuda"), 16, 12, 2, 128
+    max_ctx = max(args.contexts)
+    width = -(-max_ctx // block_size)
+    num_blocks = args.batch * width + 16
+    cache = torch.randn(2, num_blocks * block_size, kv_heads, dim, device=device, dtype=torch.bfloat16)
+    q = torch.randn(args.batch, heads, dim, device=device, dtype=torch.bfloat16)
+    rows = torch.arange(args.batch, device=device)
+    layouts = {
+        "runs": (torch.arange(args.batch * width, device=device).view(args.batch, width)),
+        "shuffled": torch.randperm(args.batch * width, device=device).view(args.batch, width),
+    }
+    report = dict(
+        command=" ".join([Path(sys.executable).name, *sys.argv]), gpu=torch.cuda.get_device_name(), results={}
+    )
+    per_token = 2 * kv_heads * dim * 2
+    for layout, tables in layouts.items():
+        for ctx in args.contexts:
+            lens = torch.full((args.batch,), ctx, dtype=torch.long, device=device)
+            for config in DECODE_CANDIDATES:
+                meta = FastMetadata(
+                    slot_mapping_T=rows,
+                    query_start_B=rows,
+                    query_lens_B=torch.ones_like(rows),
+                    context_lens_B=lens,
+                    block_tables_BW=tables,
+                    last_token_index=rows,
+                    max_query_len=1,
+                    block_size=block_size,
+                    max_context_len=ctx,
+                    decode=config,
+                )
+                ms = do_bench(lambda m=meta: m.attend_stored(q, cache, 0.1), warmup=10, rep=50)
+                tb_s = args.batch * ctx * per_token / (ms / 1e3) / 1e12
+                report["results"][f"{layout} ctx={ctx} {config}"] = dict(
+                    us=round(ms * 1e3, 2), tb_per_s=round(tb_s, 3)
+                )
+                print(f"{layout:8s} ctx {ctx:4d} {ms * 1e3:7.2f} us {tb_s:5.2f} TB/s  {config}", flush=True)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -278,6 +278,7 @@ class FastModelRunner(ModelRunner):
         temps = [p.temperature for p in params]
         seed = int(self.seeds.integers(2**31 - 1))
         truncated = any(t > 0 and (p.top_p < 1 or p.top_k > 0) for t, p in zip(temps, params, strict=True))
+        # A prefill chunk stops short of its request's last token (>= 2 uncached): it never replays a graph.
         if self.graphs is not None and self.graphs.can_run(seqs):
             logits = self.graphs.run(seqs, src_rows, temps, seed)  # samples too
         else:
@@ -292,7 +293,7 @@ class FastModelRunner(ModelRunner):
             )
             self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs] = ids, logprobs
         for seq in seqs:
-            seq.num_cached_tokens = seq.num_tokens
+            seq.num_cached_tokens = seq.step_end
         self.prev_rows = {s.rid: i for i, s in enumerate(seqs)}
         ids_host, logprobs_host = self.readback[self.num_launches % 2]
         self.num_launches += 1
@@ -305,7 +306,8 @@ class FastModelRunner(ModelRunner):
     def _forward_eager(
         self, seqs: list[Sequence], src_rows: list[int], temps: list[float], seed: int
     ) -> torch.Tensor:
-        """Prefill (or a decode batch no graph fits): forward and fused sampling, eagerly."""
+        """Prefill, chunks included (or a decode batch no graph fits): forward and fused sampling, eagerly.
+        A row's pending token is its last input (a chunk has none), so it sits at the row's query end."""
         from tandemrl.engine.gpu_sampler import fused_sample
         from tandemrl.engine.triton_attention import build_fast_metadata
 

@@ -5,6 +5,8 @@ and pauses always fall between two steps. On CUDA the runner's `launch` returns 
 `step()` postprocesses the *previous* step meanwhile (one step in flight, as SGLang's overlap scheduler):
 a request that stops at step n was already scheduled in step n+1, whose token for it is dropped. Every
 operation that is not a step (abort, retract, weight load, flush) first drains the step in flight.
+A prefill step may forward only a chunk of a long request (see `scheduler.py`): that row samples
+nothing, so it gets no pending token and its postprocessed token is discarded.
 Invariant: every added request is returned by `step()` or `abort*()` exactly once, with its finish reason
 (requests finished while draining come out of the next `step()` or `take_finished()`); the weight version
 stamped on a token is the version of the weights that produced its logits.
@@ -39,6 +41,7 @@ class _Launched:
     """A step handed to the runner, waiting to be postprocessed."""
 
     seqs: list[Sequence]
+    samples: list[bool]  # per row: False for a prefill chunk, whose row's token is not a sample
     result: StepResult
     weight_version: int
 
@@ -57,6 +60,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (issue 9)
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
+
+    def __post_init__(self):
+        if self.max_prefill_tokens < 1:
+            raise ValueError(
+                f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}: it is the number of "
+                "prompt tokens one prefill step forwards (longer prompts are prefilled in chunks)"
+            )
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -166,10 +176,13 @@ class Engine:
         seqs, is_prefill = self.scheduler.schedule()
         launched = None
         if seqs:
-            num_new = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-            launched = _Launched(seqs, self.runner.launch(seqs), self.weight_version)
-            for seq in seqs:
-                seq.num_pending += 1
+            num_new = sum(s.step_end - s.num_cached_tokens for s in seqs)
+            samples = [s.chunk_end is None for s in seqs]
+            launched = _Launched(seqs, samples, self.runner.launch(seqs), self.weight_version)
+            for seq, sampled in zip(seqs, samples, strict=True):
+                seq.chunk_end = None
+                if sampled:
+                    seq.num_pending += 1
             if is_prefill:
                 self.num_prefill_tokens += num_new
             else:
@@ -186,7 +199,10 @@ class Engine:
     def _postprocess(self, launched: _Launched) -> list[Sequence]:
         token_ids, logprobs = launched.result.get()
         finished = []
-        for seq, token_id, logprob in zip(launched.seqs, token_ids, logprobs, strict=True):
+        rows = zip(launched.seqs, launched.samples, token_ids, logprobs, strict=True)
+        for seq, sampled, token_id, logprob in rows:
+            if not sampled:
+                continue
             seq.num_pending -= 1
             if seq.status is Status.FINISHED:  # stopped at the step before: this token is past its end
                 continue

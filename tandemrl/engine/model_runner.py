@@ -1,10 +1,11 @@
 """Runs one scheduled step on the model: builds the flat inputs and attention metadata, forwards, samples.
 
 Owns the model, the KV cache tensors and the sampling generator. Invariant: after `launch`, every
-sequence in the batch has all its tokens but the newly sampled one in the cache (`num_cached_tokens`
-updated); the caller appends the sampled token once the step's `StepResult` is read. This reference
-runner computes the step inside `launch`; the CUDA runner (`cuda_graphs.FastModelRunner`, `overlaps`)
-returns while the GPU works, so the engine can schedule the next step meanwhile.
+sequence in the batch has its tokens up to the step's end in the cache (`num_cached_tokens` =
+`Sequence.step_end`: a prefill chunk's end, else all its tokens but the newly sampled one); the caller
+appends the sampled token once the step's `StepResult` is read, and ignores a chunk's row. This
+reference runner computes the step inside `launch`; the CUDA runner (`cuda_graphs.FastModelRunner`,
+`overlaps`) returns while the GPU works, so the engine can schedule the next step meanwhile.
 """
 
 from __future__ import annotations
@@ -31,15 +32,17 @@ class StepResult:
 def flatten_uncached(
     seqs: list[Sequence], pending_ids: dict[str, int] | None = None
 ) -> tuple[list[int], list[int], list[int], list[int]]:
-    """The step's flat inputs: each sequence's uncached token ids and positions, with the per-sequence
-    query lengths (new tokens) and context lengths (cached + new). A pending token (sampled by the last
-    launch, not yet postprocessed) is its sequence's last input: its id comes from `pending_ids` (by
-    request id), or is 0 for the CUDA runner to fill in on the device."""
+    """The step's flat inputs: each sequence's uncached token ids and positions up to its step end (a
+    prefill chunk's end, else all its tokens), with the per-sequence query lengths (new tokens) and
+    context lengths (cached + new). A pending token (sampled by the last launch, not yet postprocessed)
+    is its sequence's last input: its id comes from `pending_ids` (by request id), or is 0 for the CUDA
+    runner to fill in on the device."""
     input_ids, positions, query_lens, context_lens = [], [], [], []
     for seq in seqs:
-        start, end = seq.num_cached_tokens, seq.num_tokens
+        start, end = seq.num_cached_tokens, seq.step_end
         assert end > start, "a scheduled sequence must have an uncached token"
         assert seq.num_pending <= 1, "only the last launch's token can be pending at a launch"
+        assert seq.chunk_end is None or not seq.num_pending, "a prefill chunk's tokens are all known"
         input_ids.extend(seq.all_ids[start:end])
         if seq.num_pending:
             input_ids.append(pending_ids[seq.rid] if pending_ids is not None else 0)
@@ -69,7 +72,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Forward the uncached tokens of each sequence; returns the last-token logits `[B, V]` (fp32)."""
+        """Forward each sequence's uncached tokens up to its step end; returns last-token logits `[B, V]`."""
         input_ids, positions, query_lens, context_lens = flatten_uncached(seqs, self.last_sampled)
         meta = build_metadata(
             query_lens, context_lens, [s.block_table for s in seqs], self.block_size, self.device
@@ -78,7 +81,7 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, pos, self.kv_caches, meta)
         for seq in seqs:
-            seq.num_cached_tokens = seq.num_tokens
+            seq.num_cached_tokens = seq.step_end
         return logits
 
     def launch(self, seqs: list[Sequence]) -> StepResult:

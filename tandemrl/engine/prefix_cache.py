@@ -14,7 +14,6 @@ retracted KV is dropped deliberately.
 
 from __future__ import annotations
 
-import itertools
 from collections import OrderedDict
 
 from tandemrl.engine.kv_cache import BlockManager
@@ -125,20 +124,21 @@ class PrefixCachingScheduler(Scheduler):
         super().__init__(blocks, max_running_requests, max_prefill_tokens)
         self.num_prefix_hit_tokens = 0
 
-    def _admit(self) -> list[Sequence]:
-        # Match the requests that could be admitted now; those left waiting let go of their matches, so
-        # a waiting request never holds blocks (and never old-weight KV across an update).
-        room = max(0, self.max_running_requests - len(self.running))
-        candidates = list(itertools.islice(self.waiting, room))
-        for seq in candidates:
-            self.blocks.match_prefix(seq)
-        batch = super()._admit()
-        for seq in candidates:
-            if seq.status is Status.WAITING:
-                self.blocks.free(seq.block_table)
-                seq.num_cached_tokens = 0
-        self.num_prefix_hit_tokens += sum(s.num_cached_tokens for s in batch)
+    def _prefill_batch(self) -> list[Sequence]:
+        continuing = self.prefilling
+        batch = super()._prefill_batch()
+        # An admitted request's cached tokens are its prefix hit (its step has not run yet).
+        self.num_prefix_hit_tokens += sum(s.num_cached_tokens for s in batch if s is not continuing)
         return batch
+
+    def _match(self, seq: Sequence) -> None:
+        # Matched only when it is next in line: a request left waiting holds no blocks (so it never keeps
+        # old-weight KV across an update, nor blocks the requests ahead of it from being allocated).
+        self.blocks.match_prefix(seq)
+
+    def _unmatch(self, seq: Sequence) -> None:
+        self.blocks.free(seq.block_table)
+        seq.num_cached_tokens = 0
 
     def finish(self, seq: Sequence, reason: dict) -> None:
         if seq.status is Status.RUNNING:

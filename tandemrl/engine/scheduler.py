@@ -1,12 +1,20 @@
 """Continuous batching: which requests run in the next step, and who gets retracted when memory runs out.
 
-A step is either a prefill step (newly admitted or retracted requests, all their uncached tokens, up to
-`max_prefill_tokens`) or a decode step (one token for every running request), as in nano-vllm.
-Invariants: at most `max_running_requests` run at once; a running request always holds the blocks for
-its next token; a running request whose pending token is its last (`Sequence.can_grow`) is not
-scheduled again, it only waits for that token to be read; a retracted request goes back to the front of
-the waiting queue with its generated tokens and no KV, so it is re-prefilled over prompt + output when
-it is admitted again.
+A step is either a prefill step or a decode step (one token for every running request done with its
+prefill), as in nano-vllm. Prefill is chunked, as in SGLang and vLLM: a prefill step forwards at most
+`max_prefill_tokens` tokens, first the rest of the request the step before left partially prefilled,
+then requests admitted from the waiting queue in order; the one that overruns the budget gets what is
+left of it (`Sequence.chunk_end`, a chunk samples nothing) and goes on in the next prefill step.
+Which step runs: prefill first, except that a prefill step that leaves a partially prefilled request is
+followed by a decode step whenever a running request can decode, so a long prompt's chunks alternate
+with decode steps instead of stalling them.
+Invariants: at most `max_running_requests` run at once; at most one request is partially prefilled
+(`prefilling`: only the last request of a prefill step can be cut, and it leads the next one); it holds
+the blocks of all its tokens, allocated at admission, and is never in a decode batch; a running request
+always holds the blocks for its next token; a running request whose pending token is its last
+(`Sequence.can_grow`) is not scheduled again, it only waits for that token to be read; a retracted
+request goes back to the front of the waiting queue with its generated tokens and no KV, so it is
+re-prefilled from its first token (prompt + output) when it is admitted again.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: Sequence | None = None  # the running request cut short by the last prefill step
+        self.is_decode_due = False  # the last step was a chunk: decode the others before the next one
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
@@ -35,36 +45,65 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """Returns (sequences, is_prefill); empty when nothing can run."""
-        batch = self._admit()
+        if self.is_decode_due:
+            self.is_decode_due = False
+            batch = self._decode_batch()
+            if batch:
+                return batch, False
+        batch = self._prefill_batch()
         if batch:
+            self.is_decode_due = self.prefilling is not None
             return batch, True
         return self._decode_batch(), False
 
-    def _admit(self) -> list[Sequence]:
+    def _prefill_batch(self) -> list[Sequence]:
+        """The partially prefilled request's next chunk, then admissions, within `max_prefill_tokens`."""
         batch: list[Sequence] = []
-        num_tokens = 0
-        while self.waiting and len(self.running) + len(batch) < self.max_running_requests:
+        budget = self.max_prefill_tokens
+        if self.prefilling is not None:
+            seq, self.prefilling = self.prefilling, None
+            budget -= self._schedule_chunk(seq, budget)
+            batch.append(seq)
+        while budget and self.waiting and len(self.running) < self.max_running_requests:
             seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_cached_tokens
+            # A decode batch runs before this in the same call only if the last step left a partial request
+            # and the batch came out empty: retraction empties none while that request runs (it is the
+            # newest, so the first victim, and its blocks make room), and if it was aborted or retracted
+            # since, the engine drained first. So no request retracted with a pending token gets here.
             assert not seq.num_pending, "a waiting request's tokens are all known"
-            if batch and num_tokens + num_new > self.max_prefill_tokens:
-                break
+            self._match(seq)
             if not self.blocks.can_allocate(seq.block_table, seq.num_tokens):
+                self._unmatch(seq)
                 break
             self.blocks.allocate(seq.block_table, seq.num_tokens)
             self.waiting.popleft()
             seq.status = Status.RUNNING
+            self.running.append(seq)
+            budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
-            num_tokens += num_new
-        self.running.extend(batch)
         return batch
+
+    def _match(self, seq: Sequence) -> None:
+        """Hook: give the head of the waiting queue whatever KV the cache already holds for it."""
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Hook: take back `_match`'s blocks from a request that stays waiting."""
+
+    def _schedule_chunk(self, seq: Sequence, budget: int) -> int:
+        """Schedule up to `budget` of `seq`'s uncached tokens (a request cut short is `prefilling`)."""
+        num_new = seq.num_tokens - seq.num_cached_tokens
+        if num_new <= budget:
+            return num_new
+        seq.chunk_end = seq.num_cached_tokens + budget
+        self.prefilling = seq
+        return budget
 
     def _decode_batch(self) -> list[Sequence]:
         """Make room for one more token per running request, retracting the newest when out of blocks."""
         index, batch, block_size = 0, [], self.blocks.block_size
         while index < len(self.running):
             seq = self.running[index]
-            if not seq.can_grow:
+            if not seq.can_grow or seq is self.prefilling:
                 index += 1
                 continue
             num_tokens = seq.num_tokens
@@ -80,6 +119,8 @@ class Scheduler:
         return batch
 
     def _to_waiting(self, seq: Sequence) -> None:
+        if seq is self.prefilling:
+            self.prefilling = None
         self.blocks.free(seq.block_table)
         seq.num_cached_tokens = 0
         seq.num_retractions += 1
@@ -95,6 +136,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: dict) -> None:
         """Remove `seq` from whichever queue holds it and release its blocks."""
+        if seq is self.prefilling:
+            self.prefilling = None
         if seq.status is Status.RUNNING:
             self.running.remove(seq)
         elif seq.status is Status.WAITING:

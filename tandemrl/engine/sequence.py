@@ -5,7 +5,9 @@ tokens are only appended, so a retracted request keeps everything it generated a
 over `prompt_ids + output_ids`. A token the GPU has sampled but the host has not read yet is *pending*
 (`num_pending`: the last launch's token, and for a moment the one before it while the engine overlaps
 steps): it counts in `num_tokens` (its position and KV slot are known) but not in `output_ids` until
-the step that sampled it is postprocessed.
+the step that sampled it is postprocessed. A prefill step may forward only a chunk of a request's
+uncached tokens: `chunk_end` then marks where it stops (set by the scheduler, cleared by the engine once
+the step is launched) and the step samples nothing for that request.
 """
 
 from __future__ import annotations
@@ -116,10 +118,16 @@ class Sequence:
     num_retractions: int = 0
     extra: dict = field(default_factory=dict)  # request metadata echoed back (e.g. task_name)
     num_pending: int = 0  # sampled on the GPU, not yet appended (see the module doc)
+    chunk_end: int | None = None  # the scheduled step stops at this token, short of `num_tokens`
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def step_end(self) -> int:
+        """The end of the tokens the scheduled step forwards: its chunk's end, else all the tokens."""
+        return self.num_tokens if self.chunk_end is None else self.chunk_end
 
     @property
     def num_known_tokens(self) -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tandemrl.engine.engine import Engine, EngineConfig
-from tandemrl.engine.prefix_cache import PrefixCachingBlockManager
+from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence
 
 BLOCK = 4
@@ -50,6 +50,25 @@ def test_invalidate_never_registers_stale_blocks():
     blocks.free(running.block_table, list(range(12)))
     assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
     assert blocks.match_prefix(_seq(list(range(12)))) == 0
+
+
+def test_a_waiting_request_matches_only_when_admitted():
+    """Regression: matching every admissible request before admitting any let a later request's match pin
+    the cached blocks the head of the queue needed, and with nothing running the engine stalled."""
+    blocks = PrefixCachingBlockManager(num_blocks=6, block_size=BLOCK)
+    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
+    done = _seq(list(range(16)))
+    blocks.allocate(done.block_table, 16)
+    blocks.free(done.block_table, list(range(16)))  # 4 cached blocks, 2 free
+    head = Sequence(rid="head", prompt_ids=list(range(100, 120)), params=SamplingParams(), max_total_len=99)
+    behind = Sequence(
+        rid="behind", prompt_ids=list(range(16)) + [99], params=SamplingParams(), max_total_len=99
+    )
+    scheduler.add(head)  # needs 5 blocks: the 2 free ones and 3 evicted from the cache
+    scheduler.add(behind)  # would match all 4 cached blocks
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == [head]
+    assert behind.block_table == [] and behind.num_cached_tokens == 0  # waiting requests hold no blocks
 
 
 def _run(engine: Engine, prompts: dict[str, list[int]], max_new_tokens: int) -> dict[str, list[int]]:

@@ -30,18 +30,27 @@ def test_block_manager_allocates_and_frees():
     assert table == [] and blocks.num_free_blocks == 4
 
 
+def run(batch: list[Sequence]) -> None:
+    """What the runner and engine do to a launched step's sequences (tokens cached, chunk mark cleared)."""
+    for s in batch:
+        s.num_cached_tokens, s.chunk_end = s.step_end, None
+
+
 def test_scheduler_respects_running_limit_and_prefill_budget():
     scheduler = Scheduler(BlockManager(64, 16), max_running_requests=3, max_prefill_tokens=50)
     for i, n in enumerate([30, 30, 10, 10]):
         scheduler.add(seq(str(i), n))
     batch, is_prefill = scheduler.schedule()
-    assert is_prefill and [s.rid for s in batch] == ["0"]  # the second would exceed the 50-token budget
-    for s in batch:
-        s.num_cached_tokens = s.num_tokens
-    batch, _ = scheduler.schedule()
-    assert [s.rid for s in batch] == ["1", "2"]  # 40 tokens; the running limit (3) stops "3"
-    for s in batch:
-        s.num_cached_tokens = s.num_tokens
+    assert is_prefill and [s.rid for s in batch] == ["0", "1"]  # "1" gets what is left of the 50
+    assert [s.chunk_end for s in batch] == [None, 20] and scheduler.prefilling is batch[1]
+    run(batch)
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and [s.rid for s in batch] == ["0"]  # a chunk ran: decode before the next
+    run(batch)
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and [s.rid for s in batch] == ["1", "2"]  # 10 + 10; the running limit (3) stops "3"
+    assert batch[0].chunk_end is None and scheduler.prefilling is None
+    run(batch)
     batch, is_prefill = scheduler.schedule()
     assert not is_prefill and len(batch) == 3 and [s.rid for s in scheduler.waiting] == ["3"]
 

@@ -100,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve_engine.add_argument("--max-context-len", type=int, default=4096)
     serve_engine.add_argument("--seed", type=int, default=0)
     serve_engine.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: auto)")
+    serve_engine.add_argument(
+        "--chunked-prefill-size",
+        type=int,
+        default=8192,
+        help="prompt tokens per prefill step; longer prompts are prefilled in chunks",
+    )
     serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
     return parser
 

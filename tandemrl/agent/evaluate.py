@@ -113,6 +113,9 @@ def engine_url(config: TandemConfig):
         max_running_requests=rollout.max_running_requests,
         max_context_len=rollout.max_context_len,
         seed=config.runner.seed,
+        kv_cache_gb=rollout.kv_cache_gb,
+        chunked_prefill_size=rollout.chunked_prefill_size,
+        startup_timeout_s=rollout.startup_timeout_s,
     ) as engine:
         yield engine.url
 

@@ -134,9 +134,13 @@ class RolloutConfig:
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
     kv_cache_gb: float | None = None  # embedded engine KV cache; None: auto (CPU 1 GiB, CUDA 40% of free)
+    # embedded engine: prompt tokens one prefill step forwards; a longer prompt is prefilled in chunks
+    # that alternate with decode steps (SGLang's --chunked-prefill-size)
+    chunked_prefill_size: int = 8192
 
     def __post_init__(self):
         _check_positive("rollout.kv_cache_gb", self.kv_cache_gb, allow_none=True)
+        _check_positive("rollout.chunked_prefill_size", self.chunked_prefill_size)
         _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))

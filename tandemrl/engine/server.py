@@ -206,6 +206,7 @@ def run_serve(args) -> int:
         max_context_len=args.max_context_len,
         seed=args.seed,
         kv_cache_gb=getattr(args, "kv_cache_gb", None),
+        max_prefill_tokens=args.chunked_prefill_size,
     )
     engine = Engine(config)
     loop = EngineLoop(engine)

@@ -24,6 +24,7 @@ class EngineProcess(ChildServer):
         max_context_len: int = 4096,
         seed: int = 0,
         kv_cache_gb: float | None = None,
+        chunked_prefill_size: int = 8192,
         startup_timeout_s: float = 300.0,
         env: dict | None = None,
         log_path: str | Path | None = None,
@@ -32,7 +33,7 @@ class EngineProcess(ChildServer):
         self.model_path = str(model_path)
         self.device, self.dtype, self.seed = device, dtype, seed
         self.max_running_requests, self.max_context_len = max_running_requests, max_context_len
-        self.kv_cache_gb = kv_cache_gb
+        self.kv_cache_gb, self.chunked_prefill_size = kv_cache_gb, chunked_prefill_size
 
     def server_args(self) -> list[str]:
         args = [
@@ -53,6 +54,8 @@ class EngineProcess(ChildServer):
             str(self.max_context_len),
             "--seed",
             str(self.seed),
+            "--chunked-prefill-size",
+            str(self.chunked_prefill_size),
         ]
         if self.kv_cache_gb is not None:
             args += ["--kv-cache-gb", str(self.kv_cache_gb)]

@@ -88,6 +88,9 @@ class Services:
                 max_running_requests=rollout.max_running_requests,
                 max_context_len=rollout.max_context_len,
                 seed=self.config.runner.seed + index,
+                kv_cache_gb=rollout.kv_cache_gb,
+                chunked_prefill_size=rollout.chunked_prefill_size,
+                startup_timeout_s=rollout.startup_timeout_s,
             )
             self.engine_processes.append(process)
             process.start()

@@ -225,3 +225,31 @@ def test_cli_config_show_marks_derived_and_fails_cleanly():
     assert bad.returncode != 0
     assert "rollout_buffer.max_buffered_groups" in bad.stderr and "Traceback" not in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
+    """rollout.kv_cache_gb, chunked_prefill_size and startup_timeout_s become the engine's flags."""
+    from tandemrl.cli import build_parser
+    from tandemrl.rollout.engine_process import EngineProcess
+    from tandemrl.runner.services import Services
+
+    (tmp_path / "model").mkdir()
+    config = load_config(
+        None,
+        [
+            f"rollout.model.model_path={tmp_path / 'model'}",
+            "rollout.device=cpu",
+            "rollout.kv_cache_gb=0.5",
+            "rollout.chunked_prefill_size=512",
+            "rollout.startup_timeout_s=12",
+        ],
+    )
+    monkeypatch.setattr(EngineProcess, "start", lambda self: self)
+    services = Services(config)
+    services._start_engines()
+    (process,) = services.engine_processes
+    args = build_parser().parse_args(process.server_args())
+    assert (args.kv_cache_gb, args.chunked_prefill_size) == (0.5, 512)
+    assert process.startup_timeout_s == 12
+    with pytest.raises(ConfigError, match="rollout.chunked_prefill_size"):
+        load_config(None, ["rollout.chunked_prefill_size=0"])

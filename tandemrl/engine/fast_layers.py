@@ -6,6 +6,8 @@ one QKV GEMM, RoPE fused with the K/V cache write, the Triton attention, the out
 one gate/up GEMM, fused SiLU * up, the down GEMM. The fused GEMMs read concatenated weights; the HF-named
 parameters are re-pointed at slices of them (`fuse_projections`), so `load_weights` (in-place copies)
 keeps updating exactly the tensors this forward reads, and the parameter names stay HF's.
+In a step with more tokens than sequences (a prefill), the last layer stores every token's K/V but runs
+its attention output, o_proj and MLP for each sequence's last token only: nothing else reaches the logits.
 Numerics follow the reference (bf16 rounding at the same places, fp32 inside the norms and RoPE), not
 bit for bit; `tests/gpu/test_engine_fast_paths.py` compares the two forwards.
 """

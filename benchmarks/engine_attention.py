@@ -29,7 +29,7 @@ def main() -> int:
         return 1
     from triton.testing import do_bench
 
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, FastMetadata
+    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, decode_metadata
 
     device, block_size, heads, kv_heads, dim = torch.device("cuda"), 16, 12, 2, 128
     max_ctx = max(args.contexts)
@@ -37,7 +37,6 @@ def main() -> int:
     num_blocks = args.batch * width + 16
     cache = torch.randn(2, num_blocks * block_size, kv_heads, dim, device=device, dtype=torch.bfloat16)
     q = torch.randn(args.batch, heads, dim, device=device, dtype=torch.bfloat16)
-    rows = torch.arange(args.batch, device=device)
     layouts = {
         "runs": (torch.arange(args.batch * width, device=device).view(args.batch, width)),
         "shuffled": torch.randperm(args.batch * width, device=device).view(args.batch, width),
@@ -50,18 +49,7 @@ def main() -> int:
         for ctx in args.contexts:
             lens = torch.full((args.batch,), ctx, dtype=torch.long, device=device)
             for config in DECODE_CANDIDATES:
-                meta = FastMetadata(
-                    slot_mapping_T=rows,
-                    query_start_B=rows,
-                    query_lens_B=torch.ones_like(rows),
-                    context_lens_B=lens,
-                    block_tables_BW=tables,
-                    last_token_index=rows,
-                    max_query_len=1,
-                    block_size=block_size,
-                    max_context_len=ctx,
-                    decode=config,
-                )
+                meta = decode_metadata(tables, lens, ctx, block_size, config)
                 ms = do_bench(lambda m=meta: m.attend_stored(q, cache, 0.1), warmup=10, rep=50)
                 tb_s = args.batch * ctx * per_token / (ms / 1e3) / 1e12
                 report["results"][f"{layout} ctx={ctx} {config}"] = dict(

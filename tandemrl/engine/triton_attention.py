@@ -328,6 +328,37 @@ class FastMetadata:
         )
 
 
+def decode_metadata(
+    block_tables_BW: torch.Tensor,
+    context_lens_B: torch.Tensor,
+    max_context_len: int,
+    block_size: int,
+    config: DecodeConfig,
+) -> FastMetadata:
+    """Metadata of a decode step over given block tables and context lengths (row b is sequence b; no
+    slots: for timing the attention alone, with the K/V already in the cache)."""
+    rows = torch.arange(context_lens_B.shape[0], device=context_lens_B.device)
+    return FastMetadata(
+        slot_mapping_T=rows,
+        query_start_B=rows,
+        query_lens_B=torch.ones_like(rows),
+        context_lens_B=context_lens_B,
+        block_tables_BW=block_tables_BW,
+        last_token_index=rows,
+        max_query_len=1,
+        block_size=block_size,
+        max_context_len=max_context_len,
+        decode=config,
+    )
+
+
+def _fastest(candidates: tuple, timings: dict[str, float], default):
+    best = min(candidates, key=lambda c: timings[str(c)])
+    if timings[str(best)] > 0.95 * timings[str(default)]:
+        return default  # within timing noise: keep the default, so runs pick the same kernel
+    return best
+
+
 def tune_decode(
     kv_cache: torch.Tensor, num_heads: int, batch: int, context_len: int, block_size: int
 ) -> tuple[DecodeConfig, dict[str, float]]:
@@ -341,26 +372,11 @@ def tune_decode(
     tables = torch.randint(0, num_blocks, (batch, width), device=device)
     q = torch.randn(batch, num_heads, kv_cache.shape[3], device=device, dtype=kv_cache.dtype)
     ctx = torch.full((batch,), context_len, dtype=torch.long, device=device)
-    rows = torch.arange(batch, device=device)
     timings = {}
     for config in DECODE_CANDIDATES:
-        meta = FastMetadata(
-            slot_mapping_T=rows,
-            query_start_B=rows,
-            query_lens_B=torch.ones_like(rows),
-            context_lens_B=ctx,
-            block_tables_BW=tables,
-            last_token_index=rows,
-            max_query_len=1,
-            block_size=block_size,
-            max_context_len=context_len,
-            decode=config,
-        )
+        meta = decode_metadata(tables, ctx, context_len, block_size, config)
         timings[str(config)] = do_bench(lambda m=meta: m.attend_stored(q, kv_cache, 0.1), warmup=5, rep=20)
-    best = min(DECODE_CANDIDATES, key=lambda c: timings[str(c)])
-    if timings[str(best)] > 0.95 * timings[str(DEFAULT_DECODE)]:
-        best = DEFAULT_DECODE  # within timing noise: keep the default, so runs pick the same kernel
-    return best, timings
+    return _fastest(DECODE_CANDIDATES, timings, DEFAULT_DECODE), timings
 
 
 def tune_prefill(
@@ -387,10 +403,7 @@ def tune_prefill(
             warmup=5,
             rep=20,
         )
-    best = min(PREFILL_CANDIDATES, key=lambda c: timings[str(c)])
-    if timings[str(best)] > 0.95 * timings[str(DEFAULT_PREFILL)]:
-        best = DEFAULT_PREFILL  # within timing noise: keep the default, so runs pick the same kernel
-    return best, timings
+    return _fastest(PREFILL_CANDIDATES, timings, DEFAULT_PREFILL), timings
 
 
 def build_fast_metadata(

@@ -25,27 +25,15 @@ def _tables(context_lens: list[int], block_size: int, rng: random.Random) -> tup
     return tables, num_blocks
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 2, 128), (4, 4, 64), (16, 2, 64)])
-@pytest.mark.parametrize(
-    "query_lens,context_lens",
-    [
-        ([1] * 9, [1, 5, 16, 17, 33, 100, 257, 300, 1000]),  # decode
-        ([7, 100, 1, 64], [7, 100, 1, 64]),  # ragged prefill from scratch
-        ([3, 50, 1, 17], [40, 200, 65, 17]),  # prefill behind cached prefixes
-    ],
-)
-@pytest.mark.parametrize("decode_index", range(12))
-@pytest.mark.parametrize("head_major", [False, True])
-def test_triton_attention_matches_reference(
-    num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index, head_major
+def _attention_case(
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens, seed: int, head_major: bool = False
 ):
+    """Random bf16 cache, queries and new K/V, and the reference output (fp32 gather + SDPA) with the
+    reference's cache after it stored the new K/V; returns (tables, cache, q, k, v, ref_cache, ref)."""
     from tandemrl.engine.attention import build_metadata, paged_attention
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, build_fast_metadata
 
-    assert len(DECODE_CANDIDATES) == 12, "parametrize decode_index over every candidate"
-
-    rng, block_size, device = random.Random(0), 16, torch.device("cuda")
-    torch.manual_seed(0)
+    rng, block_size, device = random.Random(seed), 16, torch.device("cuda")
+    torch.manual_seed(seed)
     tables, num_blocks = _tables(context_lens, block_size, rng)
     num_tokens = sum(query_lens)
     cache = torch.randn(
@@ -65,8 +53,31 @@ def test_triton_attention_matches_reference(
         build_metadata(query_lens, context_lens, tables, block_size, device),
         head_dim**-0.5,
     )
+    return tables, cache, q, k, v, ref_cache, ref
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(12, 2, 128), (4, 4, 64), (16, 2, 64)])
+@pytest.mark.parametrize(
+    "query_lens,context_lens",
+    [
+        ([1] * 9, [1, 5, 16, 17, 33, 100, 257, 300, 1000]),  # decode
+        ([7, 100, 1, 64], [7, 100, 1, 64]),  # ragged prefill from scratch
+        ([3, 50, 1, 17], [40, 200, 65, 17]),  # prefill behind cached prefixes
+    ],
+)
+@pytest.mark.parametrize("decode_index", range(12))
+@pytest.mark.parametrize("head_major", [False, True])
+def test_triton_attention_matches_reference(
+    num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index, head_major
+):
+    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, build_fast_metadata
+
+    assert len(DECODE_CANDIDATES) == 12, "parametrize decode_index over every candidate"
+    tables, cache, q, k, v, ref_cache, ref = _attention_case(
+        num_heads, num_kv_heads, head_dim, query_lens, context_lens, 0, head_major
+    )
     fast_meta = build_fast_metadata(
-        query_lens, context_lens, tables, block_size, device, DECODE_CANDIDATES[decode_index]
+        query_lens, context_lens, tables, 16, torch.device("cuda"), DECODE_CANDIDATES[decode_index]
     )
     out = fast_meta.attend(q, k, v, cache, head_dim**-0.5)
     torch.testing.assert_close(cache.float(), ref_cache.to(torch.bfloat16).float(), atol=0, rtol=0)
@@ -86,35 +97,18 @@ def test_prefill_tiles_match_reference(
     num_heads, num_kv_heads, head_dim, query_lens, context_lens, prefill_index
 ):
     """Every prefill tiling equals the reference; `attend_last` gives each sequence's last row of it."""
-    from tandemrl.engine.attention import build_metadata, paged_attention
     from tandemrl.engine.triton_attention import DEFAULT_DECODE, PREFILL_CANDIDATES, build_fast_metadata
 
     assert len(PREFILL_CANDIDATES) == 8, "parametrize prefill_index over every candidate"
-    rng, block_size, device = random.Random(1), 16, torch.device("cuda")
-    torch.manual_seed(1)
-    tables, num_blocks = _tables(context_lens, block_size, rng)
-    num_tokens = sum(query_lens)
-    cache = torch.randn(
-        2, num_blocks * block_size, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16
-    )
-    q = torch.randn(num_tokens, num_heads, head_dim, device=device, dtype=torch.bfloat16)
-    k = torch.randn(num_tokens, num_kv_heads, head_dim, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    ref_cache = cache.float()
-    ref = paged_attention(
-        q.float(),
-        k.float(),
-        v.float(),
-        ref_cache,
-        build_metadata(query_lens, context_lens, tables, block_size, device),
-        head_dim**-0.5,
+    tables, cache, q, k, v, _, ref = _attention_case(
+        num_heads, num_kv_heads, head_dim, query_lens, context_lens, 1
     )
     meta = build_fast_metadata(
         query_lens,
         context_lens,
         tables,
-        block_size,
-        device,
+        16,
+        torch.device("cuda"),
         DEFAULT_DECODE,
         PREFILL_CANDIDATES[prefill_index],
     )

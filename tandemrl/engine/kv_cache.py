@@ -8,8 +8,12 @@ ceil(num_cached_tokens / block_size) blocks, and freed blocks return to the pool
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from tandemrl.engine.sequence import Sequence
 
 
 class BlockManager:
@@ -34,6 +38,11 @@ class BlockManager:
         assert missing <= len(self.free_blocks), "caller must check can_allocate first"
         for _ in range(missing):
             block_table.append(self.free_blocks.popleft())
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Tokens of `seq` whose KV the pool already holds: none here (`PrefixCachingBlockManager` finds
+        them)."""
+        return 0
 
     def free(self, block_table: list[int]) -> None:
         self.free_blocks.extend(block_table)

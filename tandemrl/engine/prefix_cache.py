@@ -116,7 +116,8 @@ class PrefixCachingBlockManager(BlockManager):
 
 
 class PrefixCachingScheduler(Scheduler):
-    """The scheduler with prefix matching at admission and block registration at finish."""
+    """The scheduler that counts prefix hits and registers a finished request's blocks (the base scheduler
+    matches each request as it is admitted, through `blocks.match_prefix`)."""
 
     blocks: PrefixCachingBlockManager
 
@@ -130,15 +131,6 @@ class PrefixCachingScheduler(Scheduler):
         # An admitted request's cached tokens are its prefix hit (its step has not run yet).
         self.num_prefix_hit_tokens += sum(s.num_cached_tokens for s in batch if s is not continuing)
         return batch
-
-    def _match(self, seq: Sequence) -> None:
-        # Matched only when it is next in line: a request left waiting holds no blocks (so it never keeps
-        # old-weight KV across an update, nor blocks the requests ahead of it from being allocated).
-        self.blocks.match_prefix(seq)
-
-    def _unmatch(self, seq: Sequence) -> None:
-        self.blocks.free(seq.block_table)
-        seq.num_cached_tokens = 0
 
     def finish(self, seq: Sequence, reason: dict) -> None:
         if seq.status is Status.RUNNING:

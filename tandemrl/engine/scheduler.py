@@ -71,9 +71,12 @@ class Scheduler:
             # newest, so the first victim, and its blocks make room), and if it was aborted or retracted
             # since, the engine drained first. So no request retracted with a pending token gets here.
             assert not seq.num_pending, "a waiting request's tokens are all known"
-            self._match(seq)
+            # Matched only when next in line: a request left waiting holds no blocks (so it never keeps
+            # old-weight KV across an update, nor the blocks the requests ahead of it need).
+            self.blocks.match_prefix(seq)
             if not self.blocks.can_allocate(seq.block_table, seq.num_tokens):
-                self._unmatch(seq)
+                self.blocks.free(seq.block_table)
+                seq.num_cached_tokens = 0
                 break
             self.blocks.allocate(seq.block_table, seq.num_tokens)
             self.waiting.popleft()
@@ -82,12 +85,6 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget)
             batch.append(seq)
         return batch
-
-    def _match(self, seq: Sequence) -> None:
-        """Hook: give the head of the waiting queue whatever KV the cache already holds for it."""
-
-    def _unmatch(self, seq: Sequence) -> None:
-        """Hook: take back `_match`'s blocks from a request that stays waiting."""
 
     def _schedule_chunk(self, seq: Sequence, budget: int) -> int:
         """Schedule up to `budget` of `seq`'s uncached tokens (a request cut short is `prefilling`)."""

@@ -1,11 +1,14 @@
-"""Decode attention alone: each candidate kernel's time and effective bandwidth at several context lengths.
+"""Decode attention: each candidate kernel's time and effective bandwidth at several context lengths.
 
     python benchmarks/engine_attention.py [--batch 256] [--contexts 256 384 512]
 
 Batch 256 of Qwen2.5-1.5B's attention shape (12 query heads, 2 KV heads, head_dim 128, bf16), block size 16;
 block tables are laid out as the engine allocates them for requests admitted together (each request's
 blocks in a run, requests interleaved by admission order), plus one layout of shuffled blocks. Bytes
-counted: every context token's K and V once. JSON under benchmarks/results/engine_attention.json.
+counted: every context token's K and V once. Three timings per candidate: the attention alone (`attend`,
+K/V already stored), and the whole decode attention of a step from the QKV output, once as two kernels
+(`rope_store` then `attend`) and once as the step runs it (`rope_attend`: one kernel for RoPE, the K/V
+store and the attention, except for split-KV candidates). JSON under benchmarks/results/engine_attention.json.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ def main() -> int:
         return 1
     from triton.testing import do_bench
 
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, decode_metadata
+    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, decode_metadata, rope_store
 
     device, block_size, heads, kv_heads, dim = torch.device("cuda"), 16, 12, 2, 128
     max_ctx = max(args.contexts)
@@ -37,6 +40,9 @@ def main() -> int:
     num_blocks = args.batch * width + 16
     cache = torch.randn(2, num_blocks * block_size, kv_heads, dim, device=device, dtype=torch.bfloat16)
     q = torch.randn(args.batch, heads, dim, device=device, dtype=torch.bfloat16)
+    qkv = torch.randn(args.batch, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
+    angles = torch.rand(args.batch, dim, device=device) * 6.28
+    cos, sin = angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16)
     layouts = {
         "runs": (torch.arange(args.batch * width, device=device).view(args.batch, width)),
         "shuffled": torch.randperm(args.batch * width, device=device).view(args.batch, width),
@@ -49,13 +55,30 @@ def main() -> int:
         for ctx in args.contexts:
             lens = torch.full((args.batch,), ctx, dtype=torch.long, device=device)
             for config in DECODE_CANDIDATES:
-                meta = decode_metadata(tables, lens, ctx, block_size, config)
-                ms = do_bench(lambda m=meta: m.attend_stored(q, cache, 0.1), warmup=10, rep=50)
-                tb_s = args.batch * ctx * per_token / (ms / 1e3) / 1e12
-                report["results"][f"{layout} ctx={ctx} {config}"] = dict(
-                    us=round(ms * 1e3, 2), tb_per_s=round(tb_s, 3)
+                meta = decode_metadata(tables, lens, ctx, block_size, config)  # slots -1: no K/V writes
+
+                def two_kernels(m=meta):
+                    return m.attend_stored(
+                        rope_store(qkv, cos, sin, cache, m.slot_mapping_T, heads), cache, 0.1
+                    )
+
+                runs = {
+                    "attend": lambda m=meta: m.attend_stored(q, cache, 0.1),
+                    "rope_store+attend": two_kernels,
+                    "rope_attend": lambda m=meta: m.rope_attend(qkv, cos, sin, cache, heads, 0.1),
+                }
+                entry = {}
+                for name, fn in runs.items():
+                    ms = do_bench(fn, warmup=10, rep=50)
+                    tb_s = args.batch * ctx * per_token / (ms / 1e3) / 1e12
+                    entry[name] = dict(us=round(ms * 1e3, 2), tb_per_s=round(tb_s, 3))
+                report["results"][f"{layout} ctx={ctx} {config}"] = entry
+                print(
+                    f"{layout:8s} ctx {ctx:4d} "
+                    + " ".join(f"{n} {e['us']:7.2f} us ({e['tb_per_s']:4.2f} TB/s)" for n, e in entry.items())
+                    + f"  {config}",
+                    flush=True,
                 )
-                print(f"{layout:8s} ctx {ctx:4d} {ms * 1e3:7.2f} us {tb_s:5.2f} TB/s  {config}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0

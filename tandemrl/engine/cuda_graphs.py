@@ -225,7 +225,7 @@ class FastModelRunner(ModelRunner):
 
         fused = fuse_projections(model)
         self.forward = lambda ids, pos, kv_caches, meta: fast_forward(model, fused, ids, pos, kv_caches, meta)
-        from tandemrl.engine.triton_attention import tune_decode, tune_prefill
+        from tandemrl.engine.kernel_tuning import tune_decode, tune_prefill
 
         self.decode_config, self.decode_timings = tune_decode(
             self.kv_caches[0],

@@ -2,7 +2,8 @@
 
 At decode batch sizes a step is bound by kernel count as much as by bytes: the reference forward runs
 about 40 kernels per layer (RMSNorm alone is eight). This forward runs nine: fused residual-add + RMSNorm,
-one QKV GEMM, RoPE fused with the K/V cache write, the Triton attention, the output GEMM, add + RMSNorm,
+one QKV GEMM, RoPE fused with the K/V cache write, the Triton attention (in a decode step one kernel
+does RoPE, the K/V write and the attention: `triton_decode.rope_decode_attend`), the output GEMM, add + RMSNorm,
 one gate/up GEMM, fused SiLU * up, the down GEMM. The fused GEMMs read concatenated weights; the HF-named
 parameters are re-pointed at slices of them (`fuse_projections`), so `load_weights` (in-place copies)
 keeps updating exactly the tensors this forward reads, and the parameter names stay HF's.
@@ -42,57 +43,6 @@ def _add_rmsnorm_kernel(
     normed = (x32 * rstd).to(Out.dtype.element_ty).to(tl.float32)
     w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(Out + row * stride_o + cols, (normed * w).to(Out.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rope_store_kernel(
-    QKV,
-    Cos,
-    Sin,
-    QOut,
-    Cache,
-    Slots,
-    stride_t,
-    stride_cos,
-    stride_qo,
-    stride_c_kv,
-    stride_c_slot,
-    stride_c_head,
-    NUM_HEADS: tl.constexpr,
-    NUM_KV: tl.constexpr,
-    HEADS_P2: tl.constexpr,
-    KV_P2: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
-    t = tl.program_id(0)
-    half = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + t * stride_cos + half).to(tl.float32)
-    cos2 = tl.load(Cos + t * stride_cos + HALF + half).to(tl.float32)
-    sin1 = tl.load(Sin + t * stride_cos + half).to(tl.float32)
-    sin2 = tl.load(Sin + t * stride_cos + HALF + half).to(tl.float32)
-    heads = tl.arange(0, HEADS_P2)[:, None]
-    hmask = heads < NUM_HEADS
-    base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
-    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
-    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
-    tl.store(out, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(QOut.dtype.element_ty), mask=hmask)
-    tl.store(out + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(QOut.dtype.element_ty), mask=hmask)
-    slot = tl.load(Slots + t)
-    kv = tl.arange(0, KV_P2)[:, None]
-    kmask = (kv < NUM_KV) & (slot >= 0)
-    kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
-    k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
-    k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
-    cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
-    tl.store(cache, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(Cache.dtype.element_ty), mask=kmask)
-    tl.store(cache + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(Cache.dtype.element_ty), mask=kmask)
-    vbase = kbase + NUM_KV * 2 * HALF
-    v1 = tl.load(vbase, mask=kmask, other=0.0)
-    v2 = tl.load(vbase + HALF, mask=kmask, other=0.0)
-    tl.store(cache + stride_c_kv, v1, mask=kmask)
-    tl.store(cache + stride_c_kv + HALF, v2, mask=kmask)
 
 
 @triton.jit
@@ -234,29 +184,5 @@ def _attention(
         q = attn.q_norm(q.reshape(num_tokens, attn.num_heads, dim)).reshape(num_tokens, q_size)
         k = attn.k_norm(k.reshape(num_tokens, attn.num_kv_heads, dim)).reshape(num_tokens, k_size)
         qkv = torch.cat([q, k, v], dim=-1)
-    q = torch.empty(num_tokens, attn.num_heads, dim, dtype=h.dtype, device=h.device)
-    _rope_store_kernel[(num_tokens,)](
-        qkv,
-        cos,
-        sin,
-        q,
-        kv_cache,
-        meta.slot_mapping_T,
-        qkv.stride(0),
-        cos.stride(0),
-        q.stride(0),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        NUM_HEADS=attn.num_heads,
-        NUM_KV=attn.num_kv_heads,
-        HEADS_P2=triton.next_power_of_2(attn.num_heads),
-        KV_P2=triton.next_power_of_2(attn.num_kv_heads),
-        HALF=dim // 2,
-        num_warps=4,
-    )
-    if only_last:
-        out = meta.attend_last(q[meta.last_token_index], kv_cache, dim**-0.5)
-    else:
-        out = meta.attend_stored(q, kv_cache, dim**-0.5)
+    out = meta.rope_attend(qkv, cos, sin, kv_cache, attn.num_heads, dim**-0.5, only_last)
     return attn.o_proj(out.reshape(out.shape[0], attn.num_heads * dim))

@@ -9,8 +9,8 @@ nothing is gathered or padded in memory. The query tile stacks the GQA heads tha
 each K/V block is read once for all of them. Padding rows (a slot of -1, a context of 0) write nothing
 and produce zeros, which is what lets CUDA graphs run a batch padded to a captured size.
 Decode has tunable variants (`DecodeConfig`: tile sizes, or the split-KV kernel of `triton_decode`);
-`tune_decode` times them on the engine's cache at start-up and the fastest serves every decode step.
-Prefill tiles (`PrefillConfig`) are timed the same way by `tune_prefill`.
+`kernel_tuning.tune_decode` times them on the engine's cache at start-up and the fastest serves every
+decode step. Prefill tiles (`PrefillConfig`) are timed the same way by `kernel_tuning.tune_prefill`.
 """
 
 from __future__ import annotations
@@ -99,6 +99,57 @@ def _store_kv_kernel(
     dest = Cache + slot * stride_c_slot + (offs // HEAD_DIM) * stride_c_head + offs % HEAD_DIM
     tl.store(dest, k, mask=mask)
     tl.store(dest + stride_c_kv, v, mask=mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    QKV,
+    Cos,
+    Sin,
+    QOut,
+    Cache,
+    Slots,
+    stride_t,
+    stride_cos,
+    stride_qo,
+    stride_c_kv,
+    stride_c_slot,
+    stride_c_head,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_P2: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
+    t = tl.program_id(0)
+    half = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + t * stride_cos + half).to(tl.float32)
+    cos2 = tl.load(Cos + t * stride_cos + HALF + half).to(tl.float32)
+    sin1 = tl.load(Sin + t * stride_cos + half).to(tl.float32)
+    sin2 = tl.load(Sin + t * stride_cos + HALF + half).to(tl.float32)
+    heads = tl.arange(0, HEADS_P2)[:, None]
+    hmask = heads < NUM_HEADS
+    base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
+    x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
+    tl.store(out, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(QOut.dtype.element_ty), mask=hmask)
+    tl.store(out + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(QOut.dtype.element_ty), mask=hmask)
+    slot = tl.load(Slots + t)
+    kv = tl.arange(0, KV_P2)[:, None]
+    kmask = (kv < NUM_KV) & (slot >= 0)
+    kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
+    k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
+    k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+    cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
+    tl.store(cache, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(Cache.dtype.element_ty), mask=kmask)
+    tl.store(cache + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(Cache.dtype.element_ty), mask=kmask)
+    vbase = kbase + NUM_KV * 2 * HALF
+    v1 = tl.load(vbase, mask=kmask, other=0.0)
+    v2 = tl.load(vbase + HALF, mask=kmask, other=0.0)
+    tl.store(cache + stride_c_kv, v1, mask=kmask)
+    tl.store(cache + stride_c_kv + HALF, v2, mask=kmask)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])  # the table width changes every step: no recompiles
@@ -198,6 +249,41 @@ def store_kv(k_TKD: torch.Tensor, v_TKD: torch.Tensor, kv_cache: torch.Tensor, s
     )
 
 
+def rope_store(
+    qkv_TF: torch.Tensor,
+    cos_TD: torch.Tensor,
+    sin_TD: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slots_T: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:
+    """Rotate the fused QKV output's q and k; k and v go to their cache slots (none for slot -1), the
+    rotated queries are returned `[T, heads, head_dim]`."""
+    num_tokens, (num_kv_heads, dim) = qkv_TF.shape[0], kv_cache.shape[2:]
+    q = torch.empty(num_tokens, num_heads, dim, dtype=qkv_TF.dtype, device=qkv_TF.device)
+    _rope_store_kernel[(num_tokens,)](
+        qkv_TF,
+        cos_TD,
+        sin_TD,
+        q,
+        kv_cache,
+        slots_T,
+        qkv_TF.stride(0),
+        cos_TD.stride(0),
+        q.stride(0),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV=num_kv_heads,
+        HEADS_P2=triton.next_power_of_2(num_heads),
+        KV_P2=triton.next_power_of_2(num_kv_heads),
+        HALF=dim // 2,
+        num_warps=4,
+    )
+    return q
+
+
 def attend(
     q_THD: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -276,6 +362,39 @@ class FastMetadata:
         store_kv(k_TKD, v_TKD, kv_cache, self.slot_mapping_T)
         return self.attend_stored(q_THD.contiguous(), kv_cache, scale)
 
+    def rope_attend(
+        self,
+        qkv_TF: torch.Tensor,
+        cos_TD: torch.Tensor,
+        sin_TD: torch.Tensor,
+        kv_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        only_last: bool = False,
+    ) -> torch.Tensor:
+        """Attention straight from the fused QKV output: RoPE, the K/V store, then the attention (one kernel
+        for all three in a decode step); with `only_last`, one output row per sequence, its last token's."""
+        if self.max_query_len == 1 and not self.decode.split:
+            from tandemrl.engine.triton_decode import rope_decode_attend
+
+            return rope_decode_attend(
+                qkv_TF,
+                cos_TD,
+                sin_TD,
+                kv_cache,
+                self.slot_mapping_T,
+                self.block_tables_BW,
+                self.context_lens_B,
+                num_heads,
+                self.block_size,
+                scale,
+                self.decode,
+            )
+        q = rope_store(qkv_TF, cos_TD, sin_TD, kv_cache, self.slot_mapping_T, num_heads)
+        if only_last:
+            return self.attend_last(q[self.last_token_index], kv_cache, scale)
+        return self.attend_stored(q, kv_cache, scale)
+
     def attend_stored(self, q_THD: torch.Tensor, kv_cache: torch.Tensor, scale: float) -> torch.Tensor:
         """Attention once this step's K/V are in the cache: split-KV decode, or the ragged kernel."""
         if self.max_query_len == 1:
@@ -335,11 +454,11 @@ def decode_metadata(
     block_size: int,
     config: DecodeConfig,
 ) -> FastMetadata:
-    """Metadata of a decode step over given block tables and context lengths (row b is sequence b; no
-    slots: for timing the attention alone, with the K/V already in the cache)."""
+    """Metadata of a decode step over given block tables and context lengths (row b is sequence b), for
+    timing: every slot is -1, so the step writes no K/V and leaves the cache as it found it."""
     rows = torch.arange(context_lens_B.shape[0], device=context_lens_B.device)
     return FastMetadata(
-        slot_mapping_T=rows,
+        slot_mapping_T=torch.full_like(rows, -1),
         query_start_B=rows,
         query_lens_B=torch.ones_like(rows),
         context_lens_B=context_lens_B,
@@ -350,60 +469,6 @@ def decode_metadata(
         max_context_len=max_context_len,
         decode=config,
     )
-
-
-def _fastest(candidates: tuple, timings: dict[str, float], default):
-    best = min(candidates, key=lambda c: timings[str(c)])
-    if timings[str(best)] > 0.95 * timings[str(default)]:
-        return default  # within timing noise: keep the default, so runs pick the same kernel
-    return best
-
-
-def tune_decode(
-    kv_cache: torch.Tensor, num_heads: int, batch: int, context_len: int, block_size: int
-) -> tuple[DecodeConfig, dict[str, float]]:
-    """Time each candidate decode kernel on this cache's shape at (batch, context_len); returns the fastest
-    and every timing (ms). Reads the cache only (random block tables over it), so it is safe at any time."""
-    from triton.testing import do_bench
-
-    device = kv_cache.device
-    num_blocks = kv_cache.shape[1] // block_size
-    width = triton.cdiv(context_len, block_size)
-    tables = torch.randint(0, num_blocks, (batch, width), device=device)
-    q = torch.randn(batch, num_heads, kv_cache.shape[3], device=device, dtype=kv_cache.dtype)
-    ctx = torch.full((batch,), context_len, dtype=torch.long, device=device)
-    timings = {}
-    for config in DECODE_CANDIDATES:
-        meta = decode_metadata(tables, ctx, context_len, block_size, config)
-        timings[str(config)] = do_bench(lambda m=meta: m.attend_stored(q, kv_cache, 0.1), warmup=5, rep=20)
-    return _fastest(DECODE_CANDIDATES, timings, DEFAULT_DECODE), timings
-
-
-def tune_prefill(
-    kv_cache: torch.Tensor, num_heads: int, num_tokens: int, prompt_len: int, block_size: int
-) -> tuple[PrefillConfig, dict[str, float]]:
-    """Time each candidate prefill tiling on fresh prompts of `prompt_len` tokens filling `num_tokens`;
-    returns the fastest and every timing (ms). Reads the cache only, so it is safe at any time."""
-    from triton.testing import do_bench
-
-    device = kv_cache.device
-    num_seqs = max(1, num_tokens // prompt_len)
-    num_blocks = kv_cache.shape[1] // block_size
-    width = triton.cdiv(prompt_len, block_size)
-    tables = torch.randint(0, num_blocks, (num_seqs, width), device=device)
-    q = torch.randn(num_seqs * prompt_len, num_heads, kv_cache.shape[3], device=device, dtype=kv_cache.dtype)
-    lens = torch.full((num_seqs,), prompt_len, dtype=torch.long, device=device)
-    starts = torch.arange(num_seqs, device=device) * prompt_len
-    timings = {}
-    for config in PREFILL_CANDIDATES:
-        timings[str(config)] = do_bench(
-            lambda c=config: attend(
-                q, kv_cache, tables, starts, lens, lens, prompt_len, block_size, 0.1, prefill=c
-            ),
-            warmup=5,
-            rep=20,
-        )
-    return _fastest(PREFILL_CANDIDATES, timings, DEFAULT_PREFILL), timings
 
 
 def build_fast_metadata(

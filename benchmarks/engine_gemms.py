@@ -1,15 +1,11 @@
 """Decode GEMMs of the Qwen2.5-1.5B shape: which formulation of `x @ W.T` cuBLAS runs fastest at the
 decode batch sizes the engine captures.
 
-    python benchmarks/engine_gemms.py [--rows 256 128] [--sections projections silu_down]
-                                      [--out benchmarks/results/engine_gemms.json]
+    python benchmarks/engine_gemms.py [--rows 256 128] [--out benchmarks/results/engine_gemms.json]
 
 Per projection and batch size: `F.linear` (cuBLAS's default library), `F.linear` with cuBLASLt preferred,
 and the transposed product `(W @ x.T).T` (other tile shapes for a narrow output), with the weight
 bandwidth each reaches (weights dominate the bytes at these batch sizes).
-Section `silu_down` (JSON key "silu_down"): the MLP tail `silu_mul -> down_proj -> add_rmsnorm` of
-`fast_layers` (each kernel alone, then the three together) against `triton_gemm`'s two kernels for every
-`DownConfig` candidate (the fused SiLU + split-K GEMM alone, then with the partial-summing add + RMSNorm).
 """
 
 from __future__ import annotations
@@ -64,78 +60,9 @@ def time_formulations(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return timings
 
 
-def time_silu_down(shape: dict, rows: int, device: torch.device) -> dict:
-    """us of the MLP tail after gate_up at `rows` rows: the cuBLAS path kernel by kernel and whole, and each
-    Triton candidate's partials kernel alone and with the norm (None where this GPU cannot compile it)."""
-    from triton.runtime.errors import OutOfResources
-
-    from tandemrl.engine.fast_layers import add_rmsnorm, silu_mul
-    from tandemrl.engine.triton_gemm import (
-        DOWN_CANDIDATES,
-        add_rmsnorm_partials,
-        silu_down_add_rmsnorm,
-        silu_down_partials,
-    )
-
-    hidden, inter, eps = shape["hidden_size"], shape["intermediate_size"], shape["rms_norm_eps"]
-    weight = torch.randn(hidden, inter, device=device, dtype=torch.bfloat16) * 0.02
-    gate_up = torch.randn(rows, 2 * inter, device=device, dtype=torch.bfloat16)
-    residual = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
-    norm_weight = torch.ones(hidden, device=device, dtype=torch.bfloat16)
-    act = silu_mul(gate_up)
-    down = F.linear(act, weight)
-
-    def bench(fn) -> float:
-        return do_bench(fn, warmup=10, rep=50) * 1e3
-
-    cublas = {
-        "silu_mul": bench(lambda: silu_mul(gate_up)),
-        "F.linear": bench(lambda: F.linear(act, weight)),
-        "add_rmsnorm": bench(lambda: add_rmsnorm(down, residual, norm_weight, eps)),
-        "total": bench(lambda: add_rmsnorm(F.linear(silu_mul(gate_up), weight), residual, norm_weight, eps)),
-    }
-    candidates = {}
-    for config in DOWN_CANDIDATES:
-        try:
-            candidates[str(config)] = dict(
-                partials=bench(lambda c=config: silu_down_partials(gate_up, weight, c)),
-                total=bench(
-                    lambda c=config: silu_down_add_rmsnorm(gate_up, weight, residual, norm_weight, eps, c)
-                ),
-                silu_apart=bench(  # SiLU * up by its own kernel, the GEMM reading the activation
-                    lambda c=config: add_rmsnorm_partials(
-                        silu_down_partials(silu_mul(gate_up), weight, c, fuse_silu=False),
-                        residual,
-                        norm_weight,
-                        eps,
-                    )
-                ),
-            )
-        except OutOfResources:
-            candidates[str(config)] = None
-    return dict(cublas_us=cublas, triton_us=candidates)
-
-
-def print_silu_down(rows: int, timings: dict) -> None:
-    cublas = timings["cublas_us"]
-    print(f"silu_down M={rows:3d}: " + "  ".join(f"{key} {us:5.1f} us" for key, us in cublas.items()))
-    for config, us in timings["triton_us"].items():
-        if us is None:
-            print(f"  {config}: does not compile on this GPU")
-            continue
-        speedup = cublas["total"] / us["total"]
-        print(
-            f"  {config}: {us['total']:6.1f} us ({speedup:.2f}x), partials kernel {us['partials']:6.1f} us,"
-            f" SiLU apart {us['silu_apart']:6.1f} us"
-        )
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, nargs="+", default=[256, 128, 64])
-    p.add_argument(
-        "--sections", nargs="+", choices=["projections", "silu_down"], default=["projections", "silu_down"]
-    )
     p.add_argument("--out", default=str(Path(__file__).parent / "results" / "engine_gemms.json"))
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -147,9 +74,8 @@ def main() -> int:
         gpu=torch.cuda.get_device_name(device),
         torch=torch.__version__,
         shapes={},
-        silu_down={},
     )
-    for name, (n, k, has_bias) in projections(QWEN25_15B).items() if "projections" in args.sections else ():
+    for name, (n, k, has_bias) in projections(QWEN25_15B).items():
         weight = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
         bias = torch.randn(n, device=device, dtype=torch.bfloat16) if has_bias else None
         for rows in args.rows:
@@ -165,9 +91,6 @@ def main() -> int:
             )
             print(f"{name:9s} M={rows:3d} N={n:6d} K={k:5d}: {cells}", flush=True)
         del weight, bias
-    for rows in args.rows if "silu_down" in args.sections else ():
-        report["silu_down"][f"M={rows}"] = time_silu_down(QWEN25_15B, rows, device)
-        print_silu_down(rows, report["silu_down"][f"M={rows}"])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0

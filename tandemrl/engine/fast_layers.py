@@ -23,13 +23,28 @@ import triton
 import triton.language as tl
 
 from tandemrl.engine.model import CausalLM
+from tandemrl.engine.pdl import use_pdl
 from tandemrl.engine.triton_attention import FastMetadata
 
 
 @triton.jit
 def _add_rmsnorm_kernel(
-    X, R, W, Out, ResOut, stride_x, stride_r, stride_o, N, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    X,
+    R,
+    W,
+    Out,
+    ResOut,
+    stride_x,
+    stride_r,
+    stride_o,
+    N,
+    eps,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -46,7 +61,9 @@ def _add_rmsnorm_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr):
+def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
@@ -63,6 +80,7 @@ def add_rmsnorm(
     num_rows, dim = x.shape
     out = torch.empty_like(x)
     new_res = torch.empty_like(x) if residual is not None else x
+    pdl = use_pdl(x)
     res = residual if residual is not None else x
     _add_rmsnorm_kernel[(num_rows,)](
         x,
@@ -77,7 +95,9 @@ def add_rmsnorm(
         eps,
         HAS_RES=residual is not None,
         BLOCK=triton.next_power_of_2(dim),
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out, new_res
 
@@ -85,9 +105,9 @@ def add_rmsnorm(
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     num_rows, width = gate_up.shape
     out = torch.empty(num_rows, width // 2, dtype=gate_up.dtype, device=gate_up.device)
-    block = 1024
+    block, pdl = 1024, use_pdl(gate_up)
     _silu_mul_kernel[(num_rows, triton.cdiv(width // 2, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), width // 2, BLOCK=block
+        gate_up, out, gate_up.stride(0), out.stride(0), width // 2, BLOCK=block, USE_PDL=pdl, launch_pdl=pdl
     )
     return out
 

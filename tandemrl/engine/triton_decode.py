@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tandemrl.engine.pdl import use_pdl
 from tandemrl.engine.triton_attention import DecodeConfig
 
 
@@ -199,6 +200,7 @@ def _rope_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Decode step, program (seq, kv head): rotate the token's query heads of this group and its key, store
     the key and value to the token's slot (none for slot -1), and attend to the cached context plus the
@@ -212,6 +214,9 @@ def _rope_decode_kernel(
     cos2 = tl.load(Cos + seq * stride_cos + HALF + half).to(tl.float32)
     sin1 = tl.load(Sin + seq * stride_cos + half).to(tl.float32)
     sin2 = tl.load(Sin + seq * stride_cos + HALF + half).to(tl.float32)
+    slot = tl.load(Slots + seq)
+    if USE_PDL:  # everything above is a step input; the QKV output comes from the kernel before
+        tl.extra.cuda.gdc_wait()
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP
     head = kv_head * GROUP + rows
@@ -229,7 +234,6 @@ def _rope_decode_kernel(
     v_ptr = k_ptr + NUM_KV * (2 * HALF)
     new_v1 = tl.load(v_ptr)
     new_v2 = tl.load(v_ptr + HALF)
-    slot = tl.load(Slots + seq)
     if slot >= 0:
         dest = Cache + slot * stride_c_slot + kv_head * stride_c_head + half
         tl.store(dest, new_k1)
@@ -301,6 +305,7 @@ def rope_decode_attend(
     assert num_tokens == context_lens_B.shape[0], "a decode step has one token per sequence"
     group = num_heads // num_kv_heads
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv_TF.dtype, device=qkv_TF.device)
+    pdl = use_pdl(qkv_TF)
     _rope_decode_kernel[(num_tokens, num_kv_heads)](
         qkv_TF,
         cos_TD,
@@ -325,7 +330,9 @@ def rope_decode_attend(
         BLOCK_SIZE=block_size,
         BLOCK_M=max(16, triton.next_power_of_2(group)),
         BLOCK_N=config.block_n,
+        USE_PDL=pdl,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        launch_pdl=pdl,
     )
     return out

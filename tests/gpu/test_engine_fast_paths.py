@@ -135,6 +135,13 @@ def test_padding_rows_write_nothing():
     assert cache.count_nonzero().item() == 2 * 2 * 2 * 64
 
 
+def test_programmatic_dependent_launch_on_hopper_only():
+    from tandemrl.engine.pdl import use_pdl
+
+    assert not use_pdl(torch.zeros(1))  # CPU tensors: the reference path, no PDL
+    assert use_pdl(torch.zeros(1, device="cuda")) == (torch.cuda.get_device_capability()[0] >= 9)
+
+
 def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config

@@ -102,6 +102,23 @@ def _store_kv_kernel(
 
 
 @triton.jit
+def _rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
+    """A token's cos and sin rows as fp32 halves: (cos1, cos2, sin1, sin2)."""
+    half = tl.arange(0, HALF)
+    cos1 = tl.load(Cos + row * stride + half).to(tl.float32)
+    cos2 = tl.load(Cos + row * stride + HALF + half).to(tl.float32)
+    sin1 = tl.load(Sin + row * stride + half).to(tl.float32)
+    sin2 = tl.load(Sin + row * stride + HALF + half).to(tl.float32)
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def _rotate(x1, x2, cos1, cos2, sin1, sin2):
+    """RoPE of heads given as fp32 halves `[..., HALF]`: x * cos + rotate_half(x) * sin, half by half."""
+    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
+
+
+@triton.jit
 def _rope_store_kernel(
     QKV,
     Cos,
@@ -124,27 +141,26 @@ def _rope_store_kernel(
     """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
     t = tl.program_id(0)
     half = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + t * stride_cos + half).to(tl.float32)
-    cos2 = tl.load(Cos + t * stride_cos + HALF + half).to(tl.float32)
-    sin1 = tl.load(Sin + t * stride_cos + half).to(tl.float32)
-    sin2 = tl.load(Sin + t * stride_cos + HALF + half).to(tl.float32)
+    cos1, cos2, sin1, sin2 = _rope_tables(Cos, Sin, t, stride_cos, HALF)
     heads = tl.arange(0, HEADS_P2)[:, None]
     hmask = heads < NUM_HEADS
     base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
     x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
+    q1, q2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
     out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
-    tl.store(out, (x1 * cos1[None, :] - x2 * sin1[None, :]).to(QOut.dtype.element_ty), mask=hmask)
-    tl.store(out + HALF, (x2 * cos2[None, :] + x1 * sin2[None, :]).to(QOut.dtype.element_ty), mask=hmask)
+    tl.store(out, q1.to(QOut.dtype.element_ty), mask=hmask)
+    tl.store(out + HALF, q2.to(QOut.dtype.element_ty), mask=hmask)
     slot = tl.load(Slots + t)
     kv = tl.arange(0, KV_P2)[:, None]
     kmask = (kv < NUM_KV) & (slot >= 0)
     kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
     k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
+    k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
     cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
-    tl.store(cache, (k1 * cos1[None, :] - k2 * sin1[None, :]).to(Cache.dtype.element_ty), mask=kmask)
-    tl.store(cache + HALF, (k2 * cos2[None, :] + k1 * sin2[None, :]).to(Cache.dtype.element_ty), mask=kmask)
+    tl.store(cache, k1.to(Cache.dtype.element_ty), mask=kmask)
+    tl.store(cache + HALF, k2.to(Cache.dtype.element_ty), mask=kmask)
     vbase = kbase + NUM_KV * 2 * HALF
     v1 = tl.load(vbase, mask=kmask, other=0.0)
     v2 = tl.load(vbase + HALF, mask=kmask, other=0.0)

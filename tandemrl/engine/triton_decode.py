@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from tandemrl.engine.pdl import use_pdl
-from tandemrl.engine.triton_attention import DecodeConfig
+from tandemrl.engine.triton_attention import DecodeConfig, _rope_tables, _rotate
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -210,10 +210,7 @@ def _rope_decode_kernel(
     kv_head = tl.program_id(1)
     ctx = tl.load(ContextLens + seq)  # includes the new token; 0 = padding row
     half = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + seq * stride_cos + half).to(tl.float32)
-    cos2 = tl.load(Cos + seq * stride_cos + HALF + half).to(tl.float32)
-    sin1 = tl.load(Sin + seq * stride_cos + half).to(tl.float32)
-    sin2 = tl.load(Sin + seq * stride_cos + HALF + half).to(tl.float32)
+    cos1, cos2, sin1, sin2 = _rope_tables(Cos, Sin, seq, stride_cos, HALF)
     slot = tl.load(Slots + seq)
     if USE_PDL:  # everything above is a step input; the QKV output comes from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -224,13 +221,13 @@ def _rope_decode_kernel(
     x1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
     dtype = Cache.dtype.element_ty
-    q1 = (x1 * cos1[None, :] - x2 * sin1[None, :]).to(dtype)
-    q2 = (x2 * cos2[None, :] + x1 * sin2[None, :]).to(dtype)
+    q1, q2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
+    q1, q2 = q1.to(dtype), q2.to(dtype)
     k_ptr = QKV + seq * stride_t + (NUM_HEADS + kv_head) * (2 * HALF) + half
     k1 = tl.load(k_ptr).to(tl.float32)
     k2 = tl.load(k_ptr + HALF).to(tl.float32)
-    new_k1 = (k1 * cos1 - k2 * sin1).to(dtype)
-    new_k2 = (k2 * cos2 + k1 * sin2).to(dtype)
+    new_k1, new_k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
+    new_k1, new_k2 = new_k1.to(dtype), new_k2.to(dtype)
     v_ptr = k_ptr + NUM_KV * (2 * HALF)
     new_v1 = tl.load(v_ptr)
     new_v2 = tl.load(v_ptr + HALF)

@@ -197,6 +197,9 @@ class Engine:
         return finished
 
     def _postprocess(self, launched: _Launched) -> list[Sequence]:
+        # Before waiting for the GPU: bookkeeping on the tokens appended so far (prefix reuse hashes the
+        # blocks they filled) runs while the step computes, not after it.
+        self.scheduler.after_step(launched.seqs)
         token_ids, logprobs = launched.result.get()
         finished = []
         rows = zip(launched.seqs, launched.samples, token_ids, logprobs, strict=True)

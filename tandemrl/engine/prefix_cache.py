@@ -1,19 +1,22 @@
 """Prefix reuse: full KV blocks are kept, keyed by the tokens they hold, and shared by later requests.
 
-The agent resends its whole context every turn, so turn t+1 starts with turn t's tokens. When a request
-finishes, each of its full blocks is registered under a hash chained over all tokens up to the block's
-end (so a block matches only behind the same prefix); a later request whose leading tokens hash the same
-points its block table at those blocks and starts with them cached. Blocks are reference counted; an
-unreferenced cached block stays in an LRU pool until a fresh allocation needs it.
+The agent resends its whole context every turn, so turn t+1 starts with turn t's tokens. As soon as a
+request's block is full (its tokens known, its K/V computed) it is registered under a hash chained over
+all tokens up to the block's end (so a block matches only behind the same prefix); the hashes are kept on
+the sequence (`Sequence.block_hashes`), so each is computed once, after the step that filled the block,
+while the GPU runs the next one, and a finishing request only releases its blocks. A later request whose
+leading tokens hash the same points its block table at those blocks and starts with them cached. Blocks
+are reference counted; an unreferenced cached block stays in an LRU pool until a fresh allocation needs
+it, so a retracted request's registered blocks may serve its own re-admission, as SGLang's radix cache does.
 Invariants: a shared block is never written (a match always leaves at least one token to compute, and
 new tokens land in blocks after the matched ones); KV computed under older weights is never matched:
-`invalidate()` (on a weight update) forgets every hash and marks the blocks still in use as stale, and a
-stale block, or any block after it in a table, is never registered. Retraction frees without registering:
-retracted KV is dropped deliberately.
+`invalidate()` (on a weight update) forgets every hash and marks the blocks still in use as stale, and
+no block of a table that held K/V across an update is registered again (`num_registered_blocks`).
 """
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 
 from tandemrl.engine.kv_cache import BlockManager
@@ -21,6 +24,7 @@ from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import Sequence, Status
 
 _ROOT_HASH = 0
+_NEVER = sys.maxsize  # `Sequence.num_registered_blocks` of a table that must not be cached any further
 
 
 class PrefixCachingBlockManager(BlockManager):
@@ -59,14 +63,13 @@ class PrefixCachingBlockManager(BlockManager):
         return block
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Point an uncached sequence's empty table at cached blocks of its leading tokens; returns tokens hit."""
+        """Point an uncached sequence's empty table at cached blocks of its leading tokens; returns the
+        tokens hit."""
         if seq.block_table or seq.num_cached_tokens:
             return 0
-        ids, size = seq.all_ids, self.block_size
-        parent = _ROOT_HASH
-        for index in range((len(ids) - 1) // size):  # leave >= 1 token to compute (its logits are needed)
-            parent = hash((parent, tuple(ids[index * size : (index + 1) * size])))
-            block = self.hash_to_block.get(parent)
+        size = self.block_size
+        for index in range((seq.num_known_tokens - 1) // size):  # leave >= 1 token to compute (for logits)
+            block = self.hash_to_block.get(self._hashes(seq, index + 1)[index])
             if block is None:
                 break
             if self.ref_counts[block] == 0:
@@ -74,32 +77,56 @@ class PrefixCachingBlockManager(BlockManager):
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         seq.num_cached_tokens = len(seq.block_table) * size
+        seq.num_registered_blocks = len(seq.block_table)  # a new table: the matched blocks are cached
         return seq.num_cached_tokens
 
-    def free(self, block_table: list[int], cached_ids: list[int] | None = None) -> None:
-        """Release a table; with `cached_ids` (the tokens whose KV it holds) its full blocks are kept cached."""
-        size, parent = self.block_size, _ROOT_HASH
-        register = cached_ids is not None
-        for index, block in enumerate(block_table):
-            register = register and block not in self.stale and (index + 1) * size <= len(cached_ids)
-            if register:
-                parent = hash((parent, tuple(cached_ids[index * size : (index + 1) * size])))
-                self._register(block, parent)
-            self.ref_counts[block] -= 1
-            assert self.ref_counts[block] >= 0, f"block {block} freed twice"
-            if self.ref_counts[block] == 0:
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[int]:
+        """`seq.block_hashes`, extended to cover its first `num_blocks` blocks (of known tokens)."""
+        hashes, size = seq.block_hashes, self.block_size
+        if len(hashes) < num_blocks:
+            ids = seq.all_ids
+            parent = hashes[-1] if hashes else _ROOT_HASH
+            for index in range(len(hashes), num_blocks):
+                parent = hash((parent, tuple(ids[index * size : (index + 1) * size])))
+                hashes.append(parent)
+        return hashes
+
+    def register(self, seq: Sequence) -> None:
+        """Cache `seq`'s full blocks whose K/V is computed (its step launched) and whose tokens are known,
+        each once. The engine calls this for every step while the GPU computes it, so a block is shared
+        about one step after it is full (vLLM caches full blocks too) and a finishing request has at most
+        its last block left to hash."""
+        start = seq.num_registered_blocks
+        end = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
+        if end <= start:
+            return
+        hashes, table = self._hashes(seq, end), seq.block_table
+        for index in range(start, end):
+            block = table[index]
+            if block in self.stale:  # K/V of older weights, and every later block attends to it
+                seq.num_registered_blocks = _NEVER
+                return
+            block_hash = hashes[index]
+            # skip a block cached already (it was matched) or content cached in another block
+            if block not in self.block_hash and block_hash not in self.hash_to_block:
+                self.hash_to_block[block_hash] = block
+                self.block_hash[block] = block_hash
+        seq.num_registered_blocks = end
+
+    def free(self, block_table: list[int]) -> None:
+        """Release a table: its cached blocks wait in the LRU pool once unreferenced, the others are free."""
+        ref_counts, cached = self.ref_counts, self.block_hash
+        for block in block_table:
+            count = ref_counts[block] - 1
+            assert count >= 0, f"block {block} freed twice"
+            ref_counts[block] = count
+            if not count:
                 self.stale.discard(block)
-                if block in self.block_hash:
+                if block in cached:
                     self.evictable[block] = None
                 else:
                     self.free_blocks.append(block)
         block_table.clear()
-
-    def _register(self, block: int, block_hash: int) -> None:
-        if block in self.block_hash or block_hash in self.hash_to_block:
-            return  # already cached (it was matched), or the same content is cached in another block
-        self.hash_to_block[block_hash] = block
-        self.block_hash[block] = block_hash
 
     def invalidate(self) -> None:
         """Forget all cached content (weights changed); blocks in use become stale, never to be registered."""
@@ -132,10 +159,17 @@ class PrefixCachingScheduler(Scheduler):
         self.num_prefix_hit_tokens += sum(s.num_cached_tokens for s in batch if s is not continuing)
         return batch
 
+    def after_step(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.blocks.register(seq)
+
     def finish(self, seq: Sequence, reason: dict) -> None:
         if seq.status is Status.RUNNING:
-            self.blocks.free(seq.block_table, seq.all_ids[: seq.num_cached_tokens])
+            self.blocks.register(seq)  # the blocks its last steps filled
         super().finish(seq, reason)
 
     def invalidate_prefix_cache(self) -> None:
         self.blocks.invalidate()
+        for seq in self.running:  # their next blocks attend to K/V of the old weights: never cached
+            seq.num_registered_blocks = _NEVER

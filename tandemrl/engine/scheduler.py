@@ -40,6 +40,10 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
+    def after_step(self, seqs: list[Sequence]) -> None:
+        """Called with a launched step's sequences before its tokens are read (the engine calls it while
+        the GPU computes them): bookkeeping on the tokens known so far (prefix reuse caches blocks here)."""
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 

@@ -102,7 +102,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: identity, not field-by-field equality (list.remove etc.)
 class Sequence:
     rid: str
     prompt_ids: list[int]
@@ -119,6 +119,8 @@ class Sequence:
     extra: dict = field(default_factory=dict)  # request metadata echoed back (e.g. task_name)
     num_pending: int = 0  # sampled on the GPU, not yet appended (see the module doc)
     chunk_end: int | None = None  # the scheduled step stops at this token, short of `num_tokens`
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (prefix reuse)
+    num_registered_blocks: int = 0  # leading blocks of the table the prefix cache has seen (prefix reuse)
 
     @property
     def num_tokens(self) -> int:

@@ -19,11 +19,18 @@ def _seq(ids: list[int]) -> Sequence:
     return Sequence(rid="r", prompt_ids=list(ids), params=SamplingParams(), max_total_len=1000)
 
 
+def _computed(blocks: PrefixCachingBlockManager, seq: Sequence) -> None:
+    """As a step does: all of `seq`'s tokens get K/V, then its full blocks are registered."""
+    blocks.allocate(seq.block_table, seq.num_tokens)
+    seq.num_cached_tokens = seq.num_tokens
+    blocks.register(seq)
+
+
 def test_blocks_are_matched_shared_and_evicted_lru():
     blocks = PrefixCachingBlockManager(num_blocks=6, block_size=BLOCK)
     first = _seq(list(range(10)))
-    blocks.allocate(first.block_table, 10)  # 3 blocks, the last one partial
-    blocks.free(first.block_table, list(range(10)))
+    _computed(blocks, first)  # 3 blocks, the last one partial
+    blocks.free(first.block_table)
     assert blocks.num_cached_blocks == 2 and blocks.num_free_blocks == 6
     second = _seq(list(range(9)) + [99])
     assert blocks.match_prefix(second) == 8  # both full blocks
@@ -47,9 +54,64 @@ def test_invalidate_never_registers_stale_blocks():
     running = _seq(list(range(12)))
     blocks.allocate(running.block_table, 12)
     blocks.invalidate()  # a weight update while `running` holds its KV (in_place)
-    blocks.free(running.block_table, list(range(12)))
+    running.num_cached_tokens = 12
+    blocks.register(running)
+    blocks.free(running.block_table)
     assert blocks.num_cached_blocks == 0 and blocks.num_free_blocks == 8
     assert blocks.match_prefix(_seq(list(range(12)))) == 0
+
+
+def test_full_blocks_are_shared_while_their_request_runs_and_hashed_once():
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+    running = _seq(list(range(6)))
+    _computed(blocks, running)  # one full block, one partial
+    assert blocks.num_cached_blocks == 1 and running.block_hashes and len(running.block_hashes) == 1
+    for token in (6, 7, 8):  # decode: the second block fills once token 7 is known and computed
+        running.append(token, 0.0, 0)
+        blocks.allocate(running.block_table, running.num_tokens)
+        running.num_cached_tokens = running.num_tokens
+        blocks.register(running)
+    assert blocks.num_cached_blocks == 2 and len(running.block_hashes) == 2
+    first_hash = running.block_hashes[0]
+    follower = _seq(list(range(9)) + [50])
+    assert blocks.match_prefix(follower) == 8  # shares the running request's two full blocks
+    assert follower.block_table == running.block_table[:2]
+    assert blocks.ref_counts[running.block_table[0]] == 2
+    assert running.block_hashes[0] == first_hash and follower.block_hashes[:2] == running.block_hashes[:2]
+
+
+def test_a_pending_token_is_not_hashed_until_known():
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+    seq = _seq(list(range(7)))
+    _computed(blocks, seq)
+    seq.num_pending = 1  # the 8th token's K/V is being computed, its id is not read yet
+    blocks.allocate(seq.block_table, seq.num_tokens)
+    seq.num_cached_tokens = seq.num_tokens
+    blocks.register(seq)
+    assert blocks.num_cached_blocks == 1
+    seq.num_pending = 0
+    seq.append(7, 0.0, 0)
+    blocks.register(seq)
+    assert blocks.num_cached_blocks == 2
+
+
+def test_a_table_held_across_a_weight_update_is_never_cached_again():
+    """Blocks allocated after the update attend to the old weights' K/V: none of them may be matched."""
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
+    seq = _seq(list(range(3)))
+    scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    seq.num_cached_tokens = seq.num_tokens
+    scheduler.invalidate_prefix_cache()  # in_place update while `seq` runs
+    for token in range(3, 10):
+        seq.append(token, 0.0, 1)
+        blocks.allocate(seq.block_table, seq.num_tokens)
+        seq.num_cached_tokens = seq.num_tokens
+        scheduler.after_step([seq])
+    scheduler.finish(seq, {"type": "length"})
+    assert blocks.num_cached_blocks == 0
+    assert blocks.match_prefix(_seq(list(range(10)))) == 0
 
 
 def test_a_waiting_request_matches_only_when_admitted():
@@ -58,8 +120,8 @@ def test_a_waiting_request_matches_only_when_admitted():
     blocks = PrefixCachingBlockManager(num_blocks=6, block_size=BLOCK)
     scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
     done = _seq(list(range(16)))
-    blocks.allocate(done.block_table, 16)
-    blocks.free(done.block_table, list(range(16)))  # 4 cached blocks, 2 free
+    _computed(blocks, done)
+    blocks.free(done.block_table)  # 4 cached blocks, 2 free
     head = Sequence(rid="head", prompt_ids=list(range(100, 120)), params=SamplingParams(), max_total_len=99)
     behind = Sequence(
         rid="behind", prompt_ids=list(range(16)) + [99], params=SamplingParams(), max_total_len=99

@@ -14,6 +14,7 @@ tokens: a sequence's pending input token is read on the device, from the rows st
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import torch
@@ -89,8 +90,10 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         decode_config,
+        down_splits: dict[int, int] | None = None,
     ):
         self.forward, self.kv_caches, self.block_size = forward, kv_caches, block_size
+        self.down_splits = down_splits or {}  # batch size -> split-K parts of the down projection
         self.tokens_B, self.logprobs_B = tokens_B, logprobs_B
         self.decode_config = decode_config
         self.max_batch, self.width = tokens_B.shape[0], max_blocks_per_seq
@@ -128,7 +131,9 @@ class DecodeGraphs:
         inputs = self.inputs
         src = inputs.src[:size]
         ids = torch.where(src >= 0, self.tokens_B[src.clamp(min=0)], inputs.ids[:size])
-        logits = self.forward(ids, inputs.positions[:size], self.kv_caches, self._meta(size))
+        logits = self.forward(
+            ids, inputs.positions[:size], self.kv_caches, self._meta(size), self.down_splits.get(size, 1)
+        )
         fused_sample(logits, inputs.temps_B[:size], inputs.seed, self.tokens_B[:size], self.logprobs_B[:size])
         return logits
 
@@ -184,9 +189,14 @@ class DecodeGraphs:
         tables = h[5 * m + 1 :].reshape(m, self.width)
         for i, seq in enumerate(seqs):  # tables only grow: a row changes when its owner or length does
             key = row_keys[i]  # (owner, table length, retractions); holding the owner keeps `is` sound
-            if key is None or key[0] is not seq or key[1:] != (len(seq.block_table), seq.num_retractions):
-                tables[i, : len(seq.block_table)] = seq.block_table
-                row_keys[i] = (seq, len(seq.block_table), seq.num_retractions)
+            table, retractions = seq.block_table, seq.num_retractions
+            if key is not None and key[0] is seq and key[2] == retractions:
+                if key[1] == len(table):
+                    continue
+                tables[i, key[1] : len(table)] = table[key[1] :]  # the same table, grown: new blocks only
+            else:
+                tables[i, : len(table)] = table
+            row_keys[i] = (seq, len(table), retractions)
         self.inputs.dev.copy_(host, non_blocking=True)
         self.graphs[size].replay()
         self.num_replays += 1
@@ -224,11 +234,13 @@ class FastModelRunner(ModelRunner):
         from tandemrl.engine.fast_layers import fast_forward, fuse_projections
 
         fused = fuse_projections(model)
-        self.forward = lambda ids, pos, kv_caches, meta: fast_forward(model, fused, ids, pos, kv_caches, meta)
-        from tandemrl.engine.kernel_tuning import tune_decode, tune_prefill
+        self.forward = lambda ids, pos, kv_caches, meta, down_split=1: fast_forward(
+            model, fused, ids, pos, kv_caches, meta, down_split
+        )
+        from tandemrl.engine.kernel_tuning import tune_decode, tune_down_split, tune_prefill
 
         self.decode_config, self.decode_timings = tune_decode(
-            self.kv_caches[0],
+            self.kv_caches,
             model.cfg["num_heads"],
             max_batch,
             min(max_context_len, _TUNE_CONTEXT),
@@ -243,6 +255,17 @@ class FastModelRunner(ModelRunner):
             block_size,
         )
         logger.info("prefill attention: %s (timings ms %s)", self.prefill_config, self.prefill_timings)
+        layers = model.model.layers
+        self.batch_sizes = graph_batch_sizes(max_batch)
+        self.down_splits, self.down_split_timings = {}, {}
+        split_k = os.environ.get("TANDEM_ENGINE_SPLIT_K", "1") != "0"  # "0": cuBLAS alone (A/B timing)
+        if split_k and all(layer.mlp.down_proj.bias is None for layer in layers):
+            self.down_splits, self.down_split_timings = tune_down_split(
+                [layer.mlp.down_proj.weight for layer in layers],
+                layers[0].input_layernorm.weight,
+                self.batch_sizes,
+            )
+            logger.info("down projection split-K parts per decode batch size: %s", self.down_splits)
         self.seeds = np.random.default_rng(seed)
         # The last launched step's samples, row by row: the next step reads its pending ids from here.
         self.tokens_B = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -254,6 +277,7 @@ class FastModelRunner(ModelRunner):
             for _ in range(2)
         ]
         self.num_launches = 0
+        self.staging = _PinnedStaging(device)
         max_blocks_per_seq = -(-max_context_len // block_size)
         self.graphs = (
             DecodeGraphs(
@@ -264,6 +288,7 @@ class FastModelRunner(ModelRunner):
                 max_blocks_per_seq,
                 block_size,
                 self.decode_config,
+                self.down_splits,
             )
             if use_cuda_graphs
             else None
@@ -309,44 +334,77 @@ class FastModelRunner(ModelRunner):
         """Prefill, chunks included (or a decode batch no graph fits): forward and fused sampling, eagerly.
         A row's pending token is its last input (a chunk has none), so it sits at the row's query end."""
         from tandemrl.engine.gpu_sampler import fused_sample
-        from tandemrl.engine.triton_attention import build_fast_metadata
+        from tandemrl.engine.triton_attention import host_metadata
 
         input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
-        meta = build_fast_metadata(
-            query_lens,
-            context_lens,
-            [s.block_table for s in seqs],
-            self.block_size,
-            self.device,
-            self.decode_config,
-            self.prefill_config,
-        )
+        meta = host_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size)
         ends = np.cumsum(query_lens) - 1
-        pending = [(int(ends[i]), row) for i, row in enumerate(src_rows) if row >= 0]
-        host = torch.from_numpy(
-            np.array(
-                [
-                    *input_ids,
-                    *positions,
-                    seed,
-                    *(index for index, _ in pending),
-                    *(row for _, row in pending),
-                ],
-                dtype=np.int64,
-            )
-        ).pin_memory()
-        dev = host.to(self.device, non_blocking=True)
-        num_tokens = len(input_ids)
-        ids, pos = dev[:num_tokens], dev[num_tokens : 2 * num_tokens]
-        seed_dev = dev[2 * num_tokens : 2 * num_tokens + 1]
-        if pending:
-            index, rows = dev[2 * num_tokens + 1 :].view(2, len(pending))
+        pending = np.array([(ends[i], row) for i, row in enumerate(src_rows) if row >= 0], dtype=np.int64)
+        num_tokens, num_meta = len(input_ids), len(meta.ints)
+        # metadata | ids | positions | seed | pending token indices | their rows in tokens_B
+        ints = np.concatenate(
+            [
+                meta.ints,
+                np.asarray(input_ids, dtype=np.int64),
+                np.asarray(positions, dtype=np.int64),
+                np.array([seed], dtype=np.int64),
+                pending.T.ravel(),
+            ]
+        )
+        dev, temps_B = self.staging.copy(ints, np.asarray(temps, dtype=np.float32))
+        fast_meta = meta.on_device(dev[:num_meta], self.block_size, self.decode_config, self.prefill_config)
+        step = dev[num_meta:]
+        ids, pos = step[:num_tokens], step[num_tokens : 2 * num_tokens]
+        seed_dev = step[2 * num_tokens : 2 * num_tokens + 1]
+        if len(pending):
+            index, rows = step[2 * num_tokens + 1 :].view(2, len(pending))
             ids[index] = self.tokens_B[rows]
-        logits = self.forward(ids, pos, self.kv_caches, meta)
-        temps_B = torch.tensor(temps, dtype=torch.float32).pin_memory().to(self.device, non_blocking=True)
+        # An eager decode batch (one token per sequence) splits its down projections as the decode graph
+        # of its size would, so greedy outputs do not depend on whether graphs are enabled.
+        down_split = 1
+        if num_tokens == len(seqs):
+            down_split = self.down_splits.get(next((b for b in self.batch_sizes if b >= num_tokens), 0), 1)
+        logits = self.forward(ids, pos, self.kv_caches, fast_meta, down_split)
         num_seqs = len(seqs)
         fused_sample(logits, temps_B, seed_dev, self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs])
         return logits
+
+
+class _PinnedStaging:
+    """An eager step's host inputs (int64 values, then float32 values) in one pinned buffer, copied to a
+    device buffer in one go. Fresh pinned tensors per step cost about a millisecond each to allocate; these
+    buffers grow to the largest step seen and are kept. Two host buffers take turns, and a buffer is
+    refilled only once its last copy has run (its event; two steps back, so it has). The device buffer
+    is rewritten by the next step's copy, which the stream orders after this step's kernels."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.hosts: list[torch.Tensor | None] = [None, None]
+        self.events: list[torch.cuda.Event | None] = [None, None]
+        self.dev = torch.empty(0, dtype=torch.uint8, device=device)
+        self.turn = 0
+
+    def copy(self, ints: np.ndarray, floats: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device copies of `ints` (int64) and `floats` (float32), in that order in one buffer."""
+        int_bytes = len(ints) * 8
+        num_bytes = int_bytes + len(floats) * 4
+        self.turn ^= 1
+        host, event = self.hosts[self.turn], self.events[self.turn]
+        if event is not None:
+            event.synchronize()
+        if host is None or host.numel() < num_bytes:
+            capacity = 1 << (num_bytes - 1).bit_length()
+            host = self.hosts[self.turn] = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+        if self.dev.numel() < num_bytes:
+            self.dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+        array = host.numpy()
+        array[:int_bytes].view(np.int64)[:] = ints
+        array[int_bytes:num_bytes].view(np.float32)[:] = floats
+        dev = self.dev[:num_bytes]
+        dev.copy_(host[:num_bytes], non_blocking=True)
+        self.events[self.turn] = torch.cuda.Event()
+        self.events[self.turn].record()
+        return dev[:int_bytes].view(torch.long), dev[int_bytes:].view(torch.float32)
 
 
 def build_runner(

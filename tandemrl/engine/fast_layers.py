@@ -4,9 +4,12 @@ At decode batch sizes a step is bound by kernel count as much as by bytes: the r
 about 40 kernels per layer (RMSNorm alone is eight). This forward runs nine: fused residual-add + RMSNorm,
 one QKV GEMM, RoPE fused with the K/V cache write, the Triton attention (in a decode step one kernel
 does RoPE, the K/V write and the attention: `triton_decode.rope_decode_attend`), the output GEMM, add + RMSNorm,
-one gate/up GEMM, fused SiLU * up, the down GEMM. The fused GEMMs read concatenated weights; the HF-named
-parameters are re-pointed at slices of them (`fuse_projections`), so `load_weights` (in-place copies)
-keeps updating exactly the tensors this forward reads, and the parameter names stay HF's.
+one gate/up GEMM, fused SiLU * up, the down GEMM. In a decode step the down GEMM may run as split-K fp32
+partials that the next add + RMSNorm sums (`split_k_linear`, chosen per batch size by
+`kernel_tuning.tune_down_split`), which saves cuBLAS's own split-K reduction kernel. The fused GEMMs read
+concatenated weights; the HF-named parameters are re-pointed at slices of them (`fuse_projections`), so
+`load_weights` (in-place copies) keeps updating exactly the tensors this forward reads, and the parameter
+names stay HF's.
 In a step with more tokens than sequences (a prefill), the last layer stores every token's K/V but runs
 its attention output, o_proj and MLP for each sequence's last token only: nothing else reaches the logits.
 Numerics follow the reference (bf16 rounding at the same places, fp32 inside the norms and RoPE), not
@@ -35,11 +38,13 @@ def _add_rmsnorm_kernel(
     Out,
     ResOut,
     stride_x,
+    stride_part,
     stride_r,
     stride_o,
     N,
     eps,
     HAS_RES: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -48,7 +53,13 @@ def _add_rmsnorm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    if NUM_PARTS == 1:
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    else:  # fp32 split-K partial products of a GEMM: their sum, rounded once, is the GEMM's output
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for part in tl.static_range(NUM_PARTS):
+            acc += tl.load(X + part * stride_part + row * stride_x + cols, mask=mask, other=0.0)
+        x = acc.to(Out.dtype.element_ty)
     if HAS_RES:
         x = x.to(tl.float32) + tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(Out.dtype.element_ty)
@@ -76,10 +87,15 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr, USE_P
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual."""
-    num_rows, dim = x.shape
-    out = torch.empty_like(x)
-    new_res = torch.empty_like(x) if residual is not None else x
+    """(norm(x + residual) * weight, x + residual); without a residual, x itself is the new residual.
+    A 3-D `x` holds fp32 split-K partials `[parts, rows, dim]` of a GEMM (see `split_k_linear`): their
+    sum, rounded to the residual's dtype, is the input; it needs a residual."""
+    parts = x.shape[0] if x.dim() == 3 else 1
+    num_rows, dim = x.shape[-2:]
+    assert parts == 1 or residual is not None, "split-K partials need a residual to add to"
+    dtype = x.dtype if parts == 1 else residual.dtype
+    out = torch.empty(num_rows, dim, dtype=dtype, device=x.device)
+    new_res = torch.empty_like(out) if residual is not None else x
     pdl = use_pdl(x)
     res = residual if residual is not None else x
     _add_rmsnorm_kernel[(num_rows,)](
@@ -88,18 +104,34 @@ def add_rmsnorm(
         weight,
         out,
         new_res,
-        x.stride(0),
+        x.stride(-2),
+        x.stride(0) if parts > 1 else 0,
         res.stride(0),
         out.stride(0),
         dim,
         eps,
         HAS_RES=residual is not None,
+        NUM_PARTS=parts,
         BLOCK=triton.next_power_of_2(dim),
         USE_PDL=pdl,
         num_warps=4,
         launch_pdl=pdl,
     )
     return out, new_res
+
+
+def split_k_linear(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
+    """`x @ weight.T` as `parts` fp32 partial products over equal slices of K, `[parts, rows, out]`: one
+    batched GEMM and no reduction kernel; `add_rmsnorm` sums the partials as it reads them. At decode
+    batch sizes this beats cuBLAS's own split-K for the down projection, whose reduction is a kernel of
+    its own (`kernel_tuning.tune_down_split` decides per batch size). The sum is rounded once, as cuBLAS
+    rounds its own."""
+    rows, k = x.shape
+    return torch.bmm(
+        x.view(rows, parts, k // parts).transpose(0, 1),
+        weight.view(weight.shape[0], parts, k // parts).permute(1, 2, 0),
+        out_dtype=torch.float32,
+    )
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -154,9 +186,12 @@ def fast_forward(
     positions_T: torch.Tensor,
     kv_caches: list[torch.Tensor],
     meta: FastMetadata,
+    down_split: int = 1,
 ) -> torch.Tensor:
     """`CausalLM.forward`'s last-token logits over the Triton path, left in the model dtype: the lm_head
-    rounded them already, and the GPU sampler reads them as they are (an fp32 copy would cost a pass)."""
+    rounded them already, and the GPU sampler reads them as they are (an fp32 copy would cost a pass).
+    `down_split` > 1 runs the down projections as split-K partials that the next add + RMSNorm sums
+    (`split_k_linear`; the projections must have no bias)."""
     x = model.model.embed_tokens(input_ids_T)
     cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
     residual = None
@@ -177,9 +212,10 @@ def fast_forward(
             x, residual, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps
         )
         gate_up = F.linear(h, weights.gate_up_w, weights.gate_up_b)
-        x = layer.mlp.down_proj(silu_mul(gate_up))
-    if not prune_last:
-        x, residual = x[meta.last_token_index], residual[meta.last_token_index]
+        down = layer.mlp.down_proj
+        act = silu_mul(gate_up)
+        x = split_k_linear(act, down.weight, down_split) if down_split > 1 else down(act)
+    # Unpruned, the step has one token per sequence (a decode step): every row is already a last token.
     h, _ = add_rmsnorm(x, residual, model.model.norm.weight, model.model.norm.eps)
     return model.lm_head(h)
 

@@ -9,6 +9,7 @@ default by more than timing noise (5 %): otherwise runs of the same engine could
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from tandemrl.engine.triton_attention import (
@@ -31,12 +32,15 @@ def fastest(candidates: tuple, timings: dict[str, float], default):
 
 
 def tune_decode(
-    kv_cache: torch.Tensor, num_heads: int, batch: int, context_len: int, block_size: int
+    kv_caches: list[torch.Tensor], num_heads: int, batch: int, context_len: int, block_size: int
 ) -> tuple[DecodeConfig, dict[str, float]]:
     """Time each candidate's whole decode attention (RoPE and K/V store included, as a step runs it) on
-    this cache's shape at (batch, context_len); returns the fastest and every timing (ms)."""
-    from triton.testing import do_bench
-
+    these caches' shape at (batch, context_len), in a CUDA graph as a step runs it (host-side timing is
+    dominated by launch overhead at these tens of microseconds, and ranked the candidates unstably), one
+    call per layer's cache as a step reads them (calls on one cache ranked two candidates equal that
+    differ by 2-3 % over distinct caches); returns the fastest and every timing (ms per call)."""
+    caches = kv_caches[:8]
+    kv_cache = caches[0]
     device, dtype = kv_cache.device, kv_cache.dtype
     num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3]
     num_blocks = kv_cache.shape[1] // block_size
@@ -49,9 +53,9 @@ def tune_decode(
     timings = {}
     for config in DECODE_CANDIDATES:
         meta = decode_metadata(tables, ctx, context_len, block_size, config)
-        timings[str(config)] = do_bench(
-            lambda m=meta: m.rope_attend(qkv, cos, sin, kv_cache, num_heads, 0.1), warmup=5, rep=20
-        )
+        timings[str(config)] = _graph_ms(
+            lambda i, m=meta: m.rope_attend(qkv, cos, sin, caches[i], num_heads, 0.1), len(caches)
+        ) / len(caches)
     return fastest(DECODE_CANDIDATES, timings, DEFAULT_DECODE), timings
 
 
@@ -80,3 +84,62 @@ def tune_prefill(
             rep=20,
         )
     return fastest(PREFILL_CANDIDATES, timings, DEFAULT_PREFILL), timings
+
+
+def _graph_ms(fn, calls: int, replays: int = 5) -> float:
+    """Milliseconds per replay of a CUDA graph of `fn(i)` for i in range(calls), as a decode step runs
+    its layers (timing in a graph leaves out the host launches, which a captured step does not pay)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm up (and compile) outside the capture
+        fn(0)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def split_candidates(in_features: int) -> tuple[int, ...]:
+    """Split-K part counts for a GEMM over `in_features`: equal slices of whole 16-byte rows."""
+    return tuple(p for p in (2, 3, 4, 5, 6, 7, 8) if in_features % (8 * p) == 0)
+
+
+def tune_down_split(
+    down_weights: list[torch.Tensor], norm_weight: torch.Tensor, batch_sizes: list[int], max_layers: int = 8
+) -> tuple[dict[int, int], dict[str, float]]:
+    """Per decode batch size, how many split-K parts the down projection runs in (1: `F.linear`, cuBLAS's
+    choice), each candidate timed with the add + RMSNorm that consumes it, on the model's own weights
+    (one per layer, as a step reads them, so none sits in L2). Returns {batch size: parts} and every
+    timing (ms per `max_layers` layers, keyed "batch x parts")."""
+    from tandemrl.engine.fast_layers import add_rmsnorm, split_k_linear
+
+    weights = down_weights[:max_layers]
+    out_features, in_features = weights[0].shape
+    device, dtype = weights[0].device, weights[0].dtype
+
+    def run(i: int, x: torch.Tensor, residual: torch.Tensor, parts: int):
+        out = split_k_linear(x[i], weights[i], parts) if parts > 1 else F.linear(x[i], weights[i])
+        return add_rmsnorm(out, residual, norm_weight, 1e-6)
+
+    choices, timings = {}, {}
+    candidates = (1, *split_candidates(in_features))
+    for batch in batch_sizes:
+        x = torch.randn(len(weights), batch, in_features, device=device, dtype=dtype)
+        residual = torch.randn(batch, out_features, device=device, dtype=dtype)
+        for parts in candidates:
+            timings[f"{batch}x{parts}"] = _graph_ms(
+                lambda i, x=x, r=residual, p=parts: run(i, x, r, p), len(weights)
+            )
+        best = min(candidates, key=lambda p: timings[f"{batch}x{p}"])
+        # as `fastest`: a split must beat cuBLAS by more than timing noise
+        choices[batch] = best if timings[f"{batch}x{best}"] < 0.95 * timings[f"{batch}x1"] else 1
+    return choices, timings

@@ -389,8 +389,10 @@ class FastMetadata:
         only_last: bool = False,
     ) -> torch.Tensor:
         """Attention straight from the fused QKV output: RoPE, the K/V store, then the attention (one kernel
-        for all three in a decode step); with `only_last`, one output row per sequence, its last token's."""
-        if self.max_query_len == 1 and not self.decode.split:
+        for all three in a decode step); with `only_last`, one output row per sequence, its last token's.
+        The fused decode kernel multiplies half-heads (`tl.dot` needs K >= 16): heads under 32 take the
+        RoPE + store kernel and then the attention."""
+        if self.max_query_len == 1 and not self.decode.split and kv_cache.shape[-1] >= 32:
             from tandemrl.engine.triton_decode import rope_decode_attend
 
             return rope_decode_attend(
@@ -487,16 +489,46 @@ def decode_metadata(
     )
 
 
-def build_fast_metadata(
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    device: torch.device,
-    decode: DecodeConfig = DEFAULT_DECODE,
-    prefill: PrefillConfig = DEFAULT_PREFILL,
-) -> FastMetadata:
-    """Host-built metadata for an eager (not graph-captured) step, e.g. a prefill."""
+@dataclass
+class HostMetadata:
+    """An eager step's attention metadata as one int64 host array (slots | query starts | query lengths |
+    context lengths | last-token indices | block tables), which the runner copies to the GPU together
+    with the step's other inputs (one copy from a pinned buffer); `on_device` views the copied array."""
+
+    ints: np.ndarray
+    num_tokens: int
+    num_seqs: int
+    width: int
+    max_query_len: int
+    max_context_len: int
+
+    def on_device(
+        self,
+        dev: torch.Tensor,
+        block_size: int,
+        decode: DecodeConfig = DEFAULT_DECODE,
+        prefill: PrefillConfig = DEFAULT_PREFILL,
+    ) -> FastMetadata:
+        b = self.num_seqs
+        parts = torch.split(dev, [self.num_tokens, b, b, b, b, b * self.width])
+        return FastMetadata(
+            slot_mapping_T=parts[0],
+            query_start_B=parts[1],
+            query_lens_B=parts[2],
+            context_lens_B=parts[3],
+            last_token_index=parts[4],
+            block_tables_BW=parts[5].view(b, self.width),
+            max_query_len=self.max_query_len,
+            block_size=block_size,
+            max_context_len=self.max_context_len,
+            decode=decode,
+            prefill=prefill,
+        )
+
+
+def host_metadata(
+    query_lens: list[int], context_lens: list[int], block_tables: list[list[int]], block_size: int
+) -> HostMetadata:
     num_seqs = len(query_lens)
     width = max(len(t) for t in block_tables)
     tables = np.zeros((num_seqs, width), dtype=np.int64)
@@ -507,32 +539,24 @@ def build_fast_metadata(
         slots.append(tables[i, positions // block_size] * block_size + positions % block_size)
     qlens = np.asarray(query_lens, dtype=np.int64)
     starts = np.cumsum(qlens) - qlens
-    host = torch.from_numpy(
-        np.concatenate(
-            [
-                *slots,
-                starts,
-                qlens,
-                np.asarray(context_lens, dtype=np.int64),
-                starts + qlens - 1,
-                tables.ravel(),
-            ]
-        )
+    ints = np.concatenate(
+        [*slots, starts, qlens, np.asarray(context_lens, dtype=np.int64), starts + qlens - 1, tables.ravel()]
     )
+    return HostMetadata(ints, int(qlens.sum()), num_seqs, width, max(query_lens), max(context_lens))
+
+
+def build_fast_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    decode: DecodeConfig = DEFAULT_DECODE,
+    prefill: PrefillConfig = DEFAULT_PREFILL,
+) -> FastMetadata:
+    """Host-built metadata for an eager (not graph-captured) step, copied to `device` on its own."""
+    host = host_metadata(query_lens, context_lens, block_tables, block_size)
+    ints = torch.from_numpy(host.ints)
     is_cuda = torch.device(device).type == "cuda"
-    dev = host.pin_memory().to(device, non_blocking=True) if is_cuda else host.to(device)
-    num_tokens = int(qlens.sum())
-    parts = torch.split(dev, [num_tokens, num_seqs, num_seqs, num_seqs, num_seqs, num_seqs * width])
-    return FastMetadata(
-        slot_mapping_T=parts[0],
-        query_start_B=parts[1],
-        query_lens_B=parts[2],
-        context_lens_B=parts[3],
-        last_token_index=parts[4],
-        block_tables_BW=parts[5].view(num_seqs, width),
-        max_query_len=max(query_lens),
-        block_size=block_size,
-        max_context_len=max(context_lens),
-        decode=decode,
-        prefill=prefill,
-    )
+    dev = ints.pin_memory().to(device, non_blocking=True) if is_cuda else ints.to(device)
+    return host.on_device(dev, block_size, decode, prefill)

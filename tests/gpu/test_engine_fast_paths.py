@@ -166,6 +166,18 @@ def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
     return root
 
 
+def _pin_kernels(monkeypatch, down_split: int = 1) -> None:
+    """The default attention kernels and `down_split` parts for the down projection at every batch size,
+    instead of the start-up tuners' timed choices (which may differ between two engines of one test)."""
+    from tandemrl.engine import kernel_tuning, triton_attention
+
+    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
+    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
+    monkeypatch.setattr(
+        kernel_tuning, "tune_down_split", lambda weights, norm, sizes: ({b: down_split for b in sizes}, {})
+    )
+
+
 def _greedy(
     model_dir: Path,
     prompts: list[list[int]],
@@ -203,11 +215,8 @@ def _greedy(
 
 
 def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
-    from tandemrl.engine import kernel_tuning, triton_attention
-
-    # Every engine here must run the same decode kernel: only CUDA graphs (or prefix reuse) may differ.
-    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
-    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
+    # Every engine here must run the same kernels: only CUDA graphs (or prefix reuse) may differ.
+    _pin_kernels(monkeypatch)
     model_dir = _model_dir(tmp_path / "model")
     rng = random.Random(1)
     prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 90))] for _ in range(12)]
@@ -229,12 +238,64 @@ def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
     assert sum(r[0][0] == g[0][0] for r, g in turn2) >= num_prompts - 2
 
 
+def test_split_k_down_projection_greedy_equal_with_and_without_graphs(tmp_path, monkeypatch):
+    """Down projections as 4 split-K partials summed by the next norm: decode graphs and eager decode steps
+    (which split the same way) give identical greedy tokens and logprobs, and the tokens match plain
+    cuBLAS GEMMs for all but rounding near-ties."""
+    model_dir = _model_dir(tmp_path / "model")
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 90))] for _ in range(12)]
+    _pin_kernels(monkeypatch, down_split=4)
+    split, split_engine = _greedy(model_dir, prompts, graphs=True, prefix=False)
+    eager, eager_engine = _greedy(model_dir, prompts, graphs=False, prefix=False)
+    assert set(split_engine.runner.graphs.down_splits.values()) == {4}
+    assert split_engine.runner.graphs.num_replays > 0 and eager_engine.runner.down_splits[16] == 4
+    assert split == eager
+    _pin_kernels(monkeypatch, down_split=1)
+    plain, _ = _greedy(model_dir, prompts, graphs=True, prefix=False)
+    assert sum(s[0] == p[0] for s, p in zip(split, plain, strict=True)) >= len(plain) - 2
+
+
+@pytest.mark.parametrize("parts", [2, 4, 5, 7])
+@pytest.mark.parametrize("rows", [1, 13, 256])
+def test_split_k_linear_summed_by_add_rmsnorm_matches_linear(parts, rows):
+    import torch.nn.functional as F
+
+    from tandemrl.engine.fast_layers import add_rmsnorm, split_k_linear
+
+    torch.manual_seed(rows + parts)
+    x = torch.randn(rows, 8960, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1536, 8960, device="cuda", dtype=torch.bfloat16) * 0.02
+    residual = torch.randn(rows, 1536, device="cuda", dtype=torch.bfloat16)
+    norm = torch.rand(1536, device="cuda", dtype=torch.bfloat16) + 0.5
+    partials = split_k_linear(x, weight, parts)
+    assert partials.shape == (parts, rows, 1536) and partials.dtype == torch.float32
+    torch.testing.assert_close(partials.sum(0), (x.float() @ weight.float().T), atol=2e-3, rtol=1e-3)
+    out, new_residual = add_rmsnorm(partials, residual, norm, 1e-6)
+    ref_out, ref_residual = add_rmsnorm(F.linear(x, weight), residual, norm, 1e-6)
+    # fp32 sums in another order, rounded once to bf16: equal but for rare last-bit flips
+    for got, want in ((out, ref_out), (new_residual, ref_residual)):
+        assert got.dtype == torch.bfloat16
+        assert (got != want).float().mean().item() < 1e-2
+        # a flipped last bit of a GEMM output (|x| up to ~8, bf16 steps of 1/16 there) reaches both outputs
+        torch.testing.assert_close(got, want, atol=0.07, rtol=1e-2)
+
+
+def test_down_split_tuner_times_every_candidate():
+    from tandemrl.engine.kernel_tuning import split_candidates, tune_down_split
+
+    assert split_candidates(8960) == (2, 4, 5, 7, 8) and split_candidates(100) == ()
+    weights = [torch.randn(1536, 8960, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(3)]
+    norm = torch.ones(1536, device="cuda", dtype=torch.bfloat16)
+    choices, timings = tune_down_split(weights, norm, [1, 256])
+    assert set(choices) == {1, 256} and all(parts in (1, 2, 4, 5, 7, 8) for parts in choices.values())
+    assert set(timings) == {f"{b}x{p}" for b in (1, 256) for p in (1, 2, 4, 5, 7, 8)}
+    assert all(ms > 0 for ms in timings.values())
+
+
 def test_chunked_prefill_matches_whole_prefill(tmp_path, monkeypatch):
     """Prompts of up to 300 tokens prefilled 64 tokens a step, on the CUDA runner (graphs, overlap)."""
-    from tandemrl.engine import kernel_tuning, triton_attention
-
-    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
-    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
+    _pin_kernels(monkeypatch)
     model_dir = _model_dir(tmp_path / "model")
     rng = random.Random(4)
     prompts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(5, 300))] for _ in range(16)]
@@ -266,10 +327,7 @@ def test_cuda_graphs_follow_weight_updates(tmp_path, monkeypatch):
     """Captured graphs read the parameters in place: after `load_weights` they decode with the new weights."""
     from safetensors.torch import load_file
 
-    from tandemrl.engine import kernel_tuning, triton_attention
-
-    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
-    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
+    _pin_kernels(monkeypatch)
     model_dir = _model_dir(tmp_path / "model")
     new_weights = load_file(str(_model_dir(tmp_path / "other", seed=1) / "model.safetensors"))
     rng = random.Random(3)
@@ -341,6 +399,22 @@ def test_fused_forward_matches_reference_forward(tmp_path):
     fast = fast[:3].float()
     assert ((fast - ref).norm() / ref.norm()).item() < 0.02
     assert torch.nn.functional.cosine_similarity(fast, ref, dim=-1).min().item() > 0.999
+    # The same decode step with the down projections as split-K partials summed by the next norm
+    with torch.inference_mode():
+        split = fast_forward(
+            model,
+            fused,
+            torch.cat([ids, ids[:1]]),
+            torch.cat([pos, pos[:1]]),
+            [c.clone() for c in fast_caches],
+            meta,
+            down_split=4,
+        )
+        again = fast_forward(
+            model, fused, torch.cat([ids, ids[:1]]), torch.cat([pos, pos[:1]]), fast_caches, meta
+        )
+    split = split[:3].float()
+    assert ((split - again[:3].float()).norm() / again[:3].float().norm()).item() < 0.02
 
 
 def test_fused_sampler_greedy_and_distribution():

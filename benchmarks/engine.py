@@ -49,6 +49,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--turn-trajectories", type=int, default=None, help="multi-turn trajectories (default 128)"
     )
+    p.add_argument(
+        "--prefill-tokens",
+        type=int,
+        default=16384,
+        help="the engine's max_prefill_tokens (tokens per prefill step)",
+    )
     p.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     p.add_argument("--no-multi-turn", action="store_true", help="skip the multi-turn prefix-reuse workload")
     p.add_argument("--profile-host", action="store_true", help="print a cProfile of 20 decode steps")
@@ -124,7 +130,7 @@ def make_engine(
             max_running_requests=args.num_requests,
             max_context_len=max_context,
             kv_cache_gb=None if device.type == "cuda" else 0.25,
-            max_prefill_tokens=16384,
+            max_prefill_tokens=args.prefill_tokens,
             enable_prefix_caching=prefix_caching,
             enable_cuda_graphs=cuda_graphs,
         )
@@ -246,6 +252,8 @@ def decode_breakdown(engine: Engine, args) -> dict:
         timings[name] = start.elapsed_time(end) / 10
     timings["batch"] = size
     timings["kernels_us"] = kernel_profile(graphs.graphs[size].replay)
+    timings["down_split_parts"] = engine.runner.down_splits
+    timings["down_split_tuning_ms"] = engine.runner.down_split_timings
     timings["decode_attention_config"] = str(engine.runner.decode_config)
     timings["decode_attention_tuning_ms"] = engine.runner.decode_timings
     timings["prefill_attention_config"] = str(engine.runner.prefill_config)
@@ -438,6 +446,7 @@ def main() -> int:
             prompt_len=args.prompt_len,
             new_tokens=args.new_tokens,
             temperature=1.0,
+            max_prefill_tokens=args.prefill_tokens,
         ),
     )
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,24 +25,9 @@ import torch
 
 def graph_us_per_call(fn, caches: list[torch.Tensor], replays: int = 20) -> float:
     """Microseconds per call of `fn(cache)`, from replays of a CUDA graph that calls it once per cache."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        for cache in caches[:2]:
-            fn(cache)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for cache in caches:
-            fn(cache)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(caches))
+    from tandemrl.engine.kernel_tuning import graph_ms
+
+    return graph_ms(lambda i: fn(caches[i]), len(caches), replays) * 1e3 / len(caches)
 
 
 def main() -> int:

@@ -22,30 +22,14 @@ import torch.nn.functional as F
 from model_shapes import QWEN25_15B  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from tandemrl.engine.fast_layers import add_rmsnorm, split_k_linear
+from tandemrl.engine.kernel_tuning import graph_ms
 
 LAYERS = 28
 
 
 def graph_us(fn, calls: int, replays: int = 20) -> float:
     """Microseconds per call of `fn(i)`, from replays of a CUDA graph of `calls` calls."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for i in range(2):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * calls)
+    return graph_ms(fn, calls, replays) * 1e3 / calls
 
 
 def bf16_partials(x: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:

@@ -336,6 +336,7 @@ class FastModelRunner(ModelRunner):
         from tandemrl.engine.gpu_sampler import fused_sample
         from tandemrl.engine.triton_attention import host_metadata
 
+        num_seqs = len(seqs)
         input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
         meta = host_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size)
         ends = np.cumsum(query_lens) - 1
@@ -362,10 +363,9 @@ class FastModelRunner(ModelRunner):
         # An eager decode batch (one token per sequence) splits its down projections as the decode graph
         # of its size would, so greedy outputs do not depend on whether graphs are enabled.
         down_split = 1
-        if num_tokens == len(seqs):
+        if num_tokens == num_seqs:
             down_split = self.down_splits.get(next((b for b in self.batch_sizes if b >= num_tokens), 0), 1)
         logits = self.forward(ids, pos, self.kv_caches, fast_meta, down_split)
-        num_seqs = len(seqs)
         fused_sample(logits, temps_B, seed_dev, self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs])
         return logits
 

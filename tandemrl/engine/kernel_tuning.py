@@ -141,7 +141,6 @@ def tune_down_split(
             timings[f"{batch}x{parts}"] = graph_ms(
                 lambda i, x=x, r=residual, p=parts: run(i, x, r, p), len(weights)
             )
-        best = min(candidates, key=lambda p: timings[f"{batch}x{p}"])
-        # as `fastest`: a split must beat cuBLAS by more than timing noise
-        choices[batch] = best if timings[f"{batch}x{best}"] < 0.95 * timings[f"{batch}x1"] else 1
+        # a split must beat cuBLAS (1 part) by more than timing noise
+        choices[batch] = fastest(candidates, {str(p): timings[f"{batch}x{p}"] for p in candidates}, 1)
     return choices, timings

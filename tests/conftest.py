@@ -25,6 +25,18 @@ def smollm2_dir() -> Path:
     return prepare_model()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """In-process engine + HF on a shared 2-core machine: one thread avoids OpenMP oversubscription
+    (a module opts in with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, smollm2_dir):
     from tests.tiny_models import make_tiny_model_dir

@@ -19,12 +19,7 @@ BUDGET = 16
 UNCHUNKED = 4096  # every prompt here fits in one prefill step
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def make_engine(model_dir, budget: int = BUDGET, overlap: bool = False, **overrides) -> Engine:

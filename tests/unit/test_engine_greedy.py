@@ -14,13 +14,7 @@ from tandemrl.engine.sequence import SamplingParams
 NUM_REQUESTS = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """In-process engine + HF on a shared 2-core machine: one thread avoids OpenMP oversubscription."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def random_prompts(num: int, seed: int, min_len: int = 3, max_len: int = 48) -> list[list[int]]:

@@ -13,13 +13,7 @@ from tandemrl.engine.kv_cache import BlockManager
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def make_engine(model_dir, overlap: bool, kv_cache_gb: float | None = None, prefix: bool = True) -> Engine:

@@ -17,13 +17,7 @@ CHUNK = 5_000
 SCALE = 9.0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """In-process engine + HF on a shared 2-core machine: one thread avoids OpenMP oversubscription."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

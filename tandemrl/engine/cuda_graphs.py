@@ -90,9 +90,11 @@ class DecodeGraphs:
         max_blocks_per_seq: int,
         block_size: int,
         decode_config,
+        embed_weight: torch.Tensor,
         down_splits: dict[int, int] | None = None,
     ):
         self.forward, self.kv_caches, self.block_size = forward, kv_caches, block_size
+        self.embed_weight = embed_weight
         self.down_splits = down_splits or {}  # batch size -> split-K parts of the down projection
         self.tokens_B, self.logprobs_B = tokens_B, logprobs_B
         self.decode_config = decode_config
@@ -126,13 +128,18 @@ class DecodeGraphs:
 
     def _step(self, size: int) -> torch.Tensor:
         """The captured work: gather pending ids, forward, sample into tokens_B / logprobs_B."""
+        from tandemrl.engine.fast_layers import embed_pending
         from tandemrl.engine.gpu_sampler import fused_sample
 
         inputs = self.inputs
-        src = inputs.src[:size]
-        ids = torch.where(src >= 0, self.tokens_B[src.clamp(min=0)], inputs.ids[:size])
+        embeds = embed_pending(inputs.src[:size], self.tokens_B, inputs.ids[:size], self.embed_weight)
         logits = self.forward(
-            ids, inputs.positions[:size], self.kv_caches, self._meta(size), self.down_splits.get(size, 1)
+            None,
+            inputs.positions[:size],
+            self.kv_caches,
+            self._meta(size),
+            self.down_splits.get(size, 1),
+            embeds,
         )
         fused_sample(logits, inputs.temps_B[:size], inputs.seed, self.tokens_B[:size], self.logprobs_B[:size])
         return logits
@@ -234,9 +241,10 @@ class FastModelRunner(ModelRunner):
         from tandemrl.engine.fast_layers import fast_forward, fuse_projections
 
         fused = fuse_projections(model)
-        self.forward = lambda ids, pos, kv_caches, meta, down_split=1: fast_forward(
-            model, fused, ids, pos, kv_caches, meta, down_split
+        self.forward = lambda ids, pos, kv_caches, meta, down_split=1, embeds=None: fast_forward(
+            model, fused, ids, pos, kv_caches, meta, down_split, embeds
         )
+        model.rope.keep_table(max_context_len, dtype)  # a step gathers its positions' cos/sin rows
         from tandemrl.engine.kernel_tuning import tune_decode, tune_down_split, tune_prefill
 
         self.decode_config, self.decode_timings = tune_decode(
@@ -288,6 +296,7 @@ class FastModelRunner(ModelRunner):
                 max_blocks_per_seq,
                 block_size,
                 self.decode_config,
+                model.model.embed_tokens.weight,
                 self.down_splits,
             )
             if use_cuda_graphs

@@ -84,6 +84,41 @@ def _silu_mul_kernel(GU, Out, stride_gu, stride_o, N, BLOCK: tl.constexpr, USE_P
     tl.store(Out + row * stride_o + cols, silu * up, mask=mask)
 
 
+@triton.jit
+def _embed_pending_kernel(Src, Pending, Ids, Embed, Out, stride_e, stride_o, D, BLOCK: tl.constexpr):
+    """Row t's input id is Pending[Src[t]] when Src[t] >= 0 (a token sampled by the step before, not yet
+    read by the host), else Ids[t]; its embedding row goes to Out[t]."""
+    t = tl.program_id(0)
+    src = tl.load(Src + t)
+    token = tl.load(Ids + t)
+    if src >= 0:
+        token = tl.load(Pending + src)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < D
+    tl.store(Out + t * stride_o + cols, tl.load(Embed + token * stride_e + cols, mask=mask), mask=mask)
+
+
+def embed_pending(
+    src_B: torch.Tensor, pending_B: torch.Tensor, ids_B: torch.Tensor, weight: torch.Tensor
+) -> torch.Tensor:
+    """Embeddings of a decode step's input ids, where row t's id is `pending_B[src_B[t]]` if `src_B[t] >= 0`
+    and `ids_B[t]` otherwise: one kernel where `where`, `clamp`, the gather and the embedding take five."""
+    num_rows, dim = src_B.shape[0], weight.shape[1]
+    out = torch.empty(num_rows, dim, dtype=weight.dtype, device=weight.device)
+    _embed_pending_kernel[(num_rows,)](
+        src_B,
+        pending_B,
+        ids_B,
+        weight,
+        out,
+        weight.stride(0),
+        out.stride(0),
+        dim,
+        BLOCK=triton.next_power_of_2(dim),
+    )
+    return out
+
+
 def add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,17 +222,19 @@ def fast_forward(
     kv_caches: list[torch.Tensor],
     meta: FastMetadata,
     down_split: int = 1,
+    embeds_TD: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`CausalLM.forward`'s last-token logits over the Triton path, left in the model dtype: the lm_head
     rounded them already, and the GPU sampler reads them as they are (an fp32 copy would cost a pass).
     `down_split` > 1 runs the down projections as split-K partials that the next add + RMSNorm sums
-    (`split_k_linear`; the projections must have no bias)."""
-    x = model.model.embed_tokens(input_ids_T)
-    cos, sin = (t.squeeze(1) for t in model.rope.cos_sin(positions_T, x.dtype))
+    (`split_k_linear`; the projections must have no bias). `embeds_TD`, when given, are the embeddings of
+    `input_ids_T` (`None` then), computed by the caller (a decode graph: `embed_pending`)."""
+    x = model.model.embed_tokens(input_ids_T) if embeds_TD is None else embeds_TD
+    cos, sin = model.rope.cos_sin_rows(positions_T, x.dtype)
     residual = None
     # Past the last layer's K/V only the last token of each sequence matters: when a step carries more
     # tokens than sequences (a prefill), that layer attends, projects and runs its MLP for those rows only.
-    prune_last = input_ids_T.shape[0] > meta.last_token_index.shape[0]
+    prune_last = x.shape[0] > meta.last_token_index.shape[0]
     last_layer = len(model.model.layers) - 1
     for index, (layer, weights, kv_cache) in enumerate(
         zip(model.model.layers, fused, kv_caches, strict=True)

@@ -48,9 +48,12 @@ class RotaryEmbedding:
 
             self.inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
         self.inv_freq = self.inv_freq.float()
+        self.table: torch.Tensor | None = None  # [positions, 2, head_dim]: cos, sin (see `keep_table`)
 
     def to_device(self, device: torch.device) -> None:
         self.inv_freq = self.inv_freq.to(device)
+        if self.table is not None:
+            self.table = self.table.to(device)
 
     def cos_sin(self, positions_T: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions_T[:, None].float() * self.inv_freq[None, :]
@@ -58,6 +61,23 @@ class RotaryEmbedding:
         cos = (emb.cos() * self.attention_scaling).to(dtype)
         sin = (emb.sin() * self.attention_scaling).to(dtype)
         return cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim], broadcast over heads
+
+    def keep_table(self, length: int, dtype: torch.dtype) -> None:
+        """Keep cos and sin of positions [0, length) in `dtype`, computed by `cos_sin` itself (so the values
+        are the same): `cos_sin_rows` then gathers a step's rows in one kernel where `cos_sin` runs nine."""
+        cos, sin = self.cos_sin(torch.arange(length, device=self.inv_freq.device), dtype)
+        self.table = torch.stack([cos[:, 0], sin[:, 0]], dim=1)
+
+    def cos_sin_rows(
+        self, positions_T: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` as `[T, head_dim]` rows; with a kept table of `dtype`, two views of one gather (cos and sin
+        share a row stride). Positions must lie in the table; -1 (a padded decode row) reads its last row."""
+        if self.table is None or self.table.dtype != dtype:
+            cos, sin = self.cos_sin(positions_T, dtype)
+            return cos[:, 0], sin[:, 0]
+        rows = self.table[positions_T]
+        return rows[:, 0], rows[:, 1]
 
     @staticmethod
     def apply(q_THD: torch.Tensor, k_THD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):

@@ -281,6 +281,31 @@ def test_split_k_linear_summed_by_add_rmsnorm_matches_linear(parts, rows):
         torch.testing.assert_close(got, want, atol=0.07, rtol=1e-2)
 
 
+def test_embed_pending_and_rope_rows_match_the_unfused_ops():
+    """A decode graph's first two kernels: the input ids (pending ones read on the device) with their
+    embeddings, and the cos/sin rows gathered from the kept table, bit-equal to the ops they replace."""
+    from transformers import Qwen2Config
+
+    from tandemrl.engine.fast_layers import embed_pending
+    from tandemrl.engine.rope import RotaryEmbedding
+
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 1536, device="cuda", dtype=torch.bfloat16)
+    pending = torch.randint(0, 1000, (256,), device="cuda")
+    ids = torch.randint(0, 1000, (40,), device="cuda")
+    src = torch.randint(-1, 256, (40,), device="cuda")  # -1: the id is known to the host
+    expected = torch.nn.functional.embedding(torch.where(src >= 0, pending[src.clamp(min=0)], ids), weight)
+    assert torch.equal(embed_pending(src, pending, ids, weight), expected)
+    rope = RotaryEmbedding(Qwen2Config(hidden_size=1536, num_attention_heads=12), 128)
+    rope.to_device(torch.device("cuda"))
+    positions = torch.randint(0, 4096, (300,), device="cuda")
+    cos, sin = rope.cos_sin(positions, torch.bfloat16)
+    rope.keep_table(4096, torch.bfloat16)
+    rows = rope.cos_sin_rows(positions, torch.bfloat16)
+    assert torch.equal(rows[0], cos[:, 0]) and torch.equal(rows[1], sin[:, 0])
+    assert rows[0].stride() == rows[1].stride() and rows[0].stride(1) == 1  # as the RoPE kernels read them
+
+
 def test_down_split_tuner_times_every_candidate():
     from tandemrl.engine.kernel_tuning import split_candidates, tune_down_split
 

@@ -133,6 +133,7 @@ def make_engine(
             max_prefill_tokens=args.prefill_tokens,
             enable_prefix_caching=prefix_caching,
             enable_cuda_graphs=cuda_graphs,
+            freeze_gc=True,  # as `tandem serve-engine` runs it
         )
     )
 
@@ -192,11 +193,23 @@ def throughput(engine: Engine, args, vocab: int, device) -> dict:
         return postprocess(launched)
 
     engine._postprocess = timed_postprocess
+    # Garbage collections during the run: each one stalls the host, and the GPU once its queue runs dry.
+    collections, started = [], {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            collections.append((info["generation"], time.perf_counter() - started.pop("t")))
+
+    gc.callbacks.append(on_gc)
     try:
         result = run_batch(engine, {f"r{i}": p for i, p in enumerate(prompts)}, args.new_tokens, device)
     finally:
         del engine._postprocess
+        gc.callbacks.remove(on_gc)
     result["host_wait_s"] = waits[0]
+    result["gc_collections"] = [dict(generation=g, ms=round(s * 1e3, 3)) for g, s in collections]
     assert result["output_tokens"] == args.num_requests * args.new_tokens, "every request must run to length"
     result["num_steps"] = engine.num_steps - steps_before
     result["tokens_per_s"] = result["output_tokens"] / result["wall_s"]
@@ -426,6 +439,7 @@ def compare_prefix_reuse(engine: Engine, model_dir: Path, args, vocab: int, devi
 
 def release(engine: Engine) -> None:
     del engine.runner, engine.model
+    gc.unfreeze()  # the engine froze the heap (`freeze_gc`): give its objects back to the collector
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -468,6 +482,7 @@ def main() -> int:
             engine_decode_s=tp["decode_s"],
             engine_prefill_tokens=tp["prefill_tokens"],
             host_wait_s=tp["host_wait_s"],
+            gc_collections_in_run=tp["gc_collections"],
             prefill_phase_s=tp.get("prefill_phase_s"),
             decode_phase_s=tp.get("decode_phase_s"),
             decode_tokens_per_s=args.num_requests * (args.new_tokens - 1) / tp["decode_s"],

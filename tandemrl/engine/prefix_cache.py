@@ -115,13 +115,14 @@ class PrefixCachingBlockManager(BlockManager):
 
     def free(self, block_table: list[int]) -> None:
         """Release a table: its cached blocks wait in the LRU pool once unreferenced, the others are free."""
-        ref_counts, cached = self.ref_counts, self.block_hash
-        for block in block_table:
+        ref_counts, cached, stale = self.ref_counts, self.block_hash, self.stale
+        for block in block_table:  # 8,192 blocks when a batch of 256 x 512 tokens ends: keep it lean
             count = ref_counts[block] - 1
             assert count >= 0, f"block {block} freed twice"
             ref_counts[block] = count
             if not count:
-                self.stale.discard(block)
+                if stale:  # empty but after a weight update
+                    stale.discard(block)
                 if block in cached:
                     self.evictable[block] = None
                 else:

@@ -207,6 +207,7 @@ def run_serve(args) -> int:
         seed=args.seed,
         kv_cache_gb=getattr(args, "kv_cache_gb", None),
         max_prefill_tokens=args.chunked_prefill_size,
+        freeze_gc=True,  # this process serves one engine
     )
     engine = Engine(config)
     loop = EngineLoop(engine)

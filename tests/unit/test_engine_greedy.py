@@ -90,6 +90,23 @@ def test_retraction_under_memory_pressure_keeps_greedy_outputs(tiny_llama_dir):
     check_against_hf(tiny_llama_dir, prompts, done, set(range(NUM_REQUESTS)), 20)
 
 
+def test_bad_prompts_are_refused_and_nothing_is_queued(tiny_llama_dir):
+    """`validate` (the engine's and the server's check) names what is wrong; a refused request is not added."""
+    engine = Engine(EngineConfig(str(tiny_llama_dir), max_context_len=64))
+    vocab = engine.model.cfg["vocab_size"]
+    params = SamplingParams(max_new_tokens=2)
+    for bad in ([1, 2.0], [1, "2"], [1, None], [-1, 2], [1, vocab], [2**40], [1, 2**70]):
+        with pytest.raises(ValueError, match=rf"token ids in \[0, {vocab}\)"):
+            engine.add_request("bad", bad, params)
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        engine.add_request("bad", [], params)
+    with pytest.raises(ValueError, match="max_context_len"):
+        engine.add_request("bad", [1] * 64, params)
+    assert not engine.has_work() and engine.stats()["num_requests_added"] == 0
+    engine.add_request("ok", [0, vocab - 1], params)  # both ends of the vocabulary are token ids
+    assert engine.has_work()
+
+
 def test_smollm2_matches_hf(smollm2_dir):
     engine = Engine(
         EngineConfig(

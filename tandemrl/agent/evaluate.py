@@ -106,17 +106,7 @@ def engine_url(config: TandemConfig):
 
     model_path = rollout.model.model_path or str(prepare_model())
     device, dtype = resolve_device_dtype(rollout.device, rollout.dtype)
-    with EngineProcess(
-        model_path,
-        device=device,
-        dtype=dtype,
-        max_running_requests=rollout.max_running_requests,
-        max_context_len=rollout.max_context_len,
-        seed=config.runner.seed,
-        kv_cache_gb=rollout.kv_cache_gb,
-        chunked_prefill_size=rollout.chunked_prefill_size,
-        startup_timeout_s=rollout.startup_timeout_s,
-    ) as engine:
+    with EngineProcess.from_rollout(rollout, model_path, device, dtype, config.runner.seed) as engine:
         yield engine.url
 
 

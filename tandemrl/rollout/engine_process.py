@@ -35,6 +35,24 @@ class EngineProcess(ChildServer):
         self.max_running_requests, self.max_context_len = max_running_requests, max_context_len
         self.kv_cache_gb, self.chunked_prefill_size = kv_cache_gb, chunked_prefill_size
 
+    @classmethod
+    def from_rollout(
+        cls, rollout, model_path: str | Path, device: str, dtype: str, seed: int
+    ) -> EngineProcess:
+        """An engine process for `rollout` (a `RolloutConfig`): every engine setting of that section
+        reaches `serve-engine` from here (the run's services and `tandem evaluate` both start engines)."""
+        return cls(
+            model_path,
+            device=device,
+            dtype=dtype,
+            max_running_requests=rollout.max_running_requests,
+            max_context_len=rollout.max_context_len,
+            seed=seed,
+            kv_cache_gb=rollout.kv_cache_gb,
+            chunked_prefill_size=rollout.chunked_prefill_size,
+            startup_timeout_s=rollout.startup_timeout_s,
+        )
+
     def server_args(self) -> list[str]:
         args = [
             "serve-engine",

@@ -81,16 +81,12 @@ class Services:
 
         device = resolve_device(rollout.device)
         for index in range(rollout.instances):
-            process = EngineProcess(
+            process = EngineProcess.from_rollout(
+                rollout,
                 model_path(self.config),
-                device=device,
-                dtype=resolve_dtype(rollout.dtype, device),
-                max_running_requests=rollout.max_running_requests,
-                max_context_len=rollout.max_context_len,
-                seed=self.config.runner.seed + index,
-                kv_cache_gb=rollout.kv_cache_gb,
-                chunked_prefill_size=rollout.chunked_prefill_size,
-                startup_timeout_s=rollout.startup_timeout_s,
+                device,
+                resolve_dtype(rollout.dtype, device),
+                self.config.runner.seed + index,
             )
             self.engine_processes.append(process)
             process.start()

@@ -47,6 +47,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sorted(s for s in sizes if s <= max_batch)
 
 
+def graph_size(sizes: list[int], num_seqs: int) -> int | None:
+    """The captured batch size a decode batch of `num_seqs` rows runs at (padded up), None past the largest."""
+    return next((s for s in sizes if s >= num_seqs), None)
+
+
 class _HostInputs:
     """A decode step's host inputs in one pinned buffer (int64 part, then float32 temperatures), copied to
     the device buffer in one go. Two host buffers take turns: the host fills step n+1's while the copy
@@ -171,7 +176,7 @@ class DecodeGraphs:
     def run(self, seqs: list[Sequence], src_rows: list[int], temps: list[float], seed: int) -> torch.Tensor:
         """Replay the step for this decode batch; returns its logits `[B, V]` (a view of a static buffer)."""
         num_seqs = len(seqs)
-        size = next(s for s in self.sizes if s >= num_seqs)
+        size = graph_size(self.sizes, num_seqs)
         m, bs = self.max_batch, self.block_size
         host, h, host_temps, row_keys = self.inputs.next_host()
         ids, context_lens, slots = [], [], []
@@ -373,7 +378,7 @@ class FastModelRunner(ModelRunner):
         # of its size would, so greedy outputs do not depend on whether graphs are enabled.
         down_split = 1
         if num_tokens == num_seqs:
-            down_split = self.down_splits.get(next((b for b in self.batch_sizes if b >= num_tokens), 0), 1)
+            down_split = self.down_splits.get(graph_size(self.batch_sizes, num_tokens), 1)
         logits = self.forward(ids, pos, self.kv_caches, fast_meta, down_split)
         fused_sample(logits, temps_B, seed_dev, self.tokens_B[:num_seqs], self.logprobs_B[:num_seqs])
         return logits

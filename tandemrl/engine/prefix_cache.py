@@ -144,8 +144,9 @@ class PrefixCachingBlockManager(BlockManager):
 
 
 class PrefixCachingScheduler(Scheduler):
-    """The scheduler that counts prefix hits and registers a finished request's blocks (the base scheduler
-    matches each request as it is admitted, through `blocks.match_prefix`)."""
+    """The scheduler that counts prefix hits and registers each running request's full blocks after every
+    step and at its finish (the base scheduler matches each request as it is admitted, through
+    `blocks.match_prefix`)."""
 
     blocks: PrefixCachingBlockManager
 

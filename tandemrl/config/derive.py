@@ -20,11 +20,34 @@ INFLIGHT_HEADROOM = 1.2  # issue slightly more groups than the engines can run, 
 def derive_and_validate(config: TandemConfig) -> list[str]:
     """Fill derived keys, check cross-section rules; returns the warnings (also logged)."""
     config.derived.clear()
+    _derive_model_paths(config)
     _derive_instances(config)
     _derive_buffer_limits(config)
     _derive_output_dir(config)
     _validate_cross_section(config)
     return _warnings(config)
+
+
+COLDSTART = "coldstart"  # model_path alias: the embedded policy after `tandem sft`
+
+
+def _derive_model_paths(config: TandemConfig) -> None:
+    """`coldstart` names the cold-started embedded policy; the actor trains what the rollout serves
+    unless its own path is given (a model path set on the rollout side alone would otherwise leave
+    the actor on the default SmolLM2 until the first weight push failed)."""
+    from tandemrl.data.home import default_coldstart_dir
+
+    for key, model in (
+        ("rollout.model.model_path", config.rollout.model),
+        ("actor.model.model_path", config.actor.model),
+    ):
+        if model.model_path == COLDSTART:
+            model.model_path = str(default_coldstart_dir())
+            config.derived[key] = f"{model.model_path} (coldstart: the output of `tandem sft`)"
+    rollout_path = config.rollout.model.model_path
+    if config.actor.model.model_path is None and rollout_path is not None:
+        config.actor.model.model_path = rollout_path
+        config.derived["actor.model.model_path"] = f"{rollout_path} (= rollout.model.model_path)"
 
 
 def _derive_instances(config: TandemConfig) -> None:

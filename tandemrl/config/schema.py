@@ -40,6 +40,7 @@ class RunnerConfig:
     max_steps: int = 10
     save_interval: int = 0  # 0: save only at the end
     val_interval: int = 0  # 0: no validation during training
+    val_before_train: bool = False  # validate once before the first step (the starting val EM)
     output_dir: str | None = None  # derived: runs/<name>-<time>
     resume_from: str | None = None
     seed: int = 1
@@ -68,7 +69,9 @@ class AgentLoopConfig:
     task_name: str | None = None
     max_turns: int = 4
     max_actor_accept_staleness: int | None = None  # None: unlimited
-    max_response_tokens: int = 512  # model + tool tokens after the prompt
+    # model + tool tokens after the prompt; a 2-hop KB question takes ~370 tokens when all goes well
+    # (two model turns, two information blocks, the answer) and needs room for one more search
+    max_response_tokens: int = 1024
     max_new_tokens_per_turn: int = 256
     max_info_tokens: int = 256  # per information block; documents are truncated to fit
     temperature: float = 1.0
@@ -227,6 +230,7 @@ class OptimConfig:
 class SftConfig:
     """`tandem sft`: the supervised cold start on knowledge-base demonstrations."""
 
+    init_model_path: str | None = None  # the model the cold start fine-tunes; None: the embedded SmolLM2
     demos_path: str | None = None  # None: demos.jsonl of the default KB under $TANDEM_HOME
     rendered_path: str | None = None  # jsonl of {"input_ids", "loss_mask"}: skip rendering (no retriever)
     num_demos: int | None = None  # seeded subset of the demos (the cold-start size knob); None: all
@@ -234,7 +238,9 @@ class SftConfig:
     batch_size: int = 16  # demonstrations per parameter update
     lr: float = 1e-5
     skip_on_miss: bool = True  # drop demos whose searches miss the fact they rely on
-    out_dir: str | None = None  # None: <runner.output_dir>/sft_model (an HF directory)
+    # None: $TANDEM_HOME/models/SmolLM2-135M-Instruct-coldstart (what `model_path: coldstart` names) when
+    # fine-tuning the embedded SmolLM2, else <runner.output_dir>/sft_model; an HF directory either way
+    out_dir: str | None = None
 
     def __post_init__(self):
         _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)

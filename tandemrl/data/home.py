@@ -18,6 +18,11 @@ def default_model_dir() -> Path:
     return tandem_home() / "models" / "SmolLM2-135M-Instruct"
 
 
+def default_coldstart_dir() -> Path:
+    """Where `tandem sft` writes the embedded policy after its cold start; `model_path: coldstart` names it."""
+    return tandem_home() / "models" / "SmolLM2-135M-Instruct-coldstart"
+
+
 def default_retriever_dir() -> Path:
     return tandem_home() / "models" / "all-MiniLM-L6-v2"
 

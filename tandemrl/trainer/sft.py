@@ -108,7 +108,7 @@ def render_demos(config, demos: list[dict]) -> list[tuple[list[int], list[int]]]
 
     from tandemrl.data.home import default_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(config.actor.model.model_path or default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(sft_init_model_path(config) or default_model_dir())
     with _search_addr(config) as addr:
         return asyncio.run(_render_all(config, addr, demos, tokenizer))
 
@@ -148,6 +148,7 @@ def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float
     sft = config.actor.sft
     config = copy.deepcopy(config)
     config.actor.optim.lr = sft.lr
+    config.actor.model.model_path = sft_init_model_path(config)  # None: the embedded SmolLM2
     num_batches = math.ceil(len(samples) / sft.batch_size)
     actor = Actor(config, total_updates=sft.num_epochs * num_batches)
     output_dir = Path(config.runner.output_dir)
@@ -173,6 +174,32 @@ def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float
     finally:
         if logger is not None:
             logger.close()
-    out_dir = Path(sft.out_dir) if sft.out_dir else output_dir / "sft_model"
+    out_dir = sft_out_dir(config)
     actor.export_hf(out_dir)
     return out_dir, metrics
+
+
+def sft_out_dir(config) -> Path:
+    """Where the cold-started model goes: `actor.sft.out_dir`, else the embedded recipe's `coldstart`
+    directory when fine-tuning the embedded SmolLM2, else `<runner.output_dir>/sft_model`."""
+    from tandemrl.data.home import default_coldstart_dir
+
+    sft = config.actor.sft
+    if sft.out_dir:
+        return Path(sft.out_dir)
+    if sft_init_model_path(config) is None:
+        return default_coldstart_dir()
+    return Path(config.runner.output_dir) / "sft_model"
+
+
+def sft_init_model_path(config) -> str | None:
+    """The model the cold start fine-tunes: `actor.sft.init_model_path`, else the actor's model unless
+    that is the cold start's own output (`model_path: coldstart`), else None (the embedded SmolLM2)."""
+    from tandemrl.data.home import default_coldstart_dir
+
+    if config.actor.sft.init_model_path:
+        return config.actor.sft.init_model_path
+    actor_path = config.actor.model.model_path
+    if actor_path is None or Path(actor_path) == default_coldstart_dir():
+        return None
+    return actor_path

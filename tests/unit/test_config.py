@@ -253,3 +253,38 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
     assert process.startup_timeout_s == 12
     with pytest.raises(ConfigError, match="rollout.chunked_prefill_size"):
         load_config(None, ["rollout.chunked_prefill_size=0"])
+
+
+def test_coldstart_alias_and_the_actor_following_the_rollout(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    config = TandemConfig()
+    config.rollout.model.model_path = "coldstart"
+    derive_and_validate(config)
+    expected = str(tmp_path / "models" / "SmolLM2-135M-Instruct-coldstart")
+    assert config.rollout.model.model_path == expected
+    assert config.actor.model.model_path == expected  # follows the rollout: one model path
+    assert "rollout.model.model_path" in config.derived and "actor.model.model_path" in config.derived
+
+
+def test_an_actor_path_of_its_own_is_kept():
+    config = TandemConfig()
+    config.rollout.model.model_path, config.actor.model.model_path = "/models/a", "/models/b"
+    derive_and_validate(config)
+    assert (config.rollout.model.model_path, config.actor.model.model_path) == ("/models/a", "/models/b")
+    assert "actor.model.model_path" not in config.derived
+
+
+def test_the_cold_start_fine_tunes_the_base_model_not_its_own_output(tmp_path, monkeypatch):
+    from tandemrl.trainer.sft import sft_init_model_path, sft_out_dir
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
+    config = TandemConfig()
+    config.rollout.model.model_path = "coldstart"  # the H200 recipe's configs
+    derive_and_validate(config)
+    assert sft_init_model_path(config) is None  # the embedded SmolLM2
+    assert sft_out_dir(config) == tmp_path / "models" / "SmolLM2-135M-Instruct-coldstart"
+    config.actor.model.model_path = "/models/qwen"
+    assert sft_init_model_path(config) == "/models/qwen"
+    assert sft_out_dir(config) == Path(config.runner.output_dir) / "sft_model"
+    config.actor.sft.init_model_path, config.actor.sft.out_dir = "/models/llama", str(tmp_path / "out")
+    assert (sft_init_model_path(config), sft_out_dir(config)) == ("/models/llama", tmp_path / "out")

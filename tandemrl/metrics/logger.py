@@ -43,7 +43,9 @@ class MetricsLogger:
             dynamic_ncols=True,
         )
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float], advance: bool = True) -> None:
+        """Record `metrics` at `step`; `advance=False` for rows that are not a step (validation before
+        the first one)."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
         for key, value in sorted(clean.items()):
             self._writer.add_scalar(key, value, global_step=step)
@@ -51,7 +53,8 @@ class MetricsLogger:
         with self.jsonl_path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
         self._bar.write(console_line(step, self._bar.total, clean))
-        self._bar.update(1)
+        if advance:
+            self._bar.update(1)
 
     def close(self) -> None:
         self._bar.close()

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 import logging
 
-from tandemrl.runner.context import RunContext, end_of_step, sync_weights, train_on
+from tandemrl.runner.context import (
+    RunContext,
+    end_of_step,
+    sync_weights,
+    train_on,
+    validate_before_training,
+)
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +32,7 @@ log = logging.getLogger(__name__)
 async def run_async(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = None  # only the buffer's limits bound admission
+    await validate_before_training(ctx)
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         handoff = await driver.next_handoff(ctx.weight_version)

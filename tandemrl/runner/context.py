@@ -144,6 +144,15 @@ async def validate(ctx: RunContext) -> dict[str, float]:
     return {f"val/em/{'all' if source == OVERALL else source}": row["em"] for source, row in summary.items()}
 
 
+async def validate_before_training(ctx: RunContext) -> None:
+    """`runner.val_before_train`: the starting val EM, logged at the start step (0 on a fresh run)
+    before any rollout, so the step clock starts after it."""
+    if not (ctx.config.runner.val_before_train and ctx.val_prompts):
+        return
+    ctx.logger.log(ctx.start_step, await validate(ctx), advance=False)
+    ctx.last_step_end_s = time.monotonic()
+
+
 async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
     """Everything after the weight sync: step metrics, validation, ledger, checkpoint, logging."""
     from tandemrl.runner.checkpoint import save_checkpoint

@@ -117,7 +117,9 @@ async def run_session(config: Any, services: Services, actor: Any) -> RunContext
         await actor.call("push_weights", weight_version)
     driver = build_driver(config, engines, search, tokenizer, weight_version, loader_state)
     val_prompts = (
-        load_prompts(train_paths(config, "val"), config.data.val_limit) if runner.val_interval else []
+        load_prompts(train_paths(config, "val"), config.data.val_limit)
+        if runner.val_interval or runner.val_before_train
+        else []
     )
     logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step)
     ctx = RunContext(

@@ -13,7 +13,13 @@ from __future__ import annotations
 
 import logging
 
-from tandemrl.runner.context import RunContext, end_of_step, sync_weights, train_on
+from tandemrl.runner.context import (
+    RunContext,
+    end_of_step,
+    sync_weights,
+    train_on,
+    validate_before_training,
+)
 
 log = logging.getLogger(__name__)
 
@@ -21,6 +27,7 @@ log = logging.getLogger(__name__)
 async def run_sync(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = ctx.config.data.rollout_batch_size  # in flight + buffered: exactly one batch
+    await validate_before_training(ctx)
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         driver.resume_admission()

@@ -15,7 +15,7 @@ import pytest
 
 from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
 from tandemrl.config.loader import load_config
-from tandemrl.metrics.logger import read_tensorboard_scalars
+from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 from tandemrl.runner.launch import train
 from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
@@ -69,9 +69,18 @@ def check_run(config, ctx, expect_stale: bool):
 
 def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):
     config, ctx = run(
-        tmp_path, tiny_llama_dir, small_kb, "runner.async_mode=true", "rollout.pause_mode=retract"
+        tmp_path,
+        tiny_llama_dir,
+        small_kb,
+        "runner.async_mode=true",
+        "rollout.pause_mode=retract",
+        "runner.val_before_train=true",
     )
     scalars, sets = check_run(config, ctx, expect_stale=True)
+    # val_before_train: the starting val EM is a row of its own at step 0, before any rollout
+    rows = read_history(tmp_path / "run" / "metrics.jsonl")
+    assert rows[0]["step"] == 0 and "val/em/all" in rows[0] and "time/step" not in rows[0]
+    assert [r["step"] for r in rows[1:]] == [1, 2, 3, 4]
     print(
         "staleness per step:",
         [v for _, v in scalars["rollout/data_staleness/mean"]],

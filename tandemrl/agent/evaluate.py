@@ -61,6 +61,15 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
     return summary
 
 
+def finish_reasons(trajectories: list[Trajectory]) -> dict[str, dict[str, int]]:
+    """Per data source, how many trajectories ended how (answer, length, max_turns, abort): where a
+    kind of question fails (out of response budget, out of turns) shows here first."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for traj in trajectories:
+        counts[traj.data_source][traj.finish_reason] += 1
+    return {source: dict(reasons) for source, reasons in sorted(counts.items())}
+
+
 def format_summary(summary: dict[str, dict[str, float]]) -> str:
     columns = ["num", "em", "searches", "turns", "response_length", "answered", "search_errors"]
     width = max(len(OVERALL), *(len(source) for source in summary)) + 2
@@ -161,8 +170,15 @@ def run_eval(args) -> int:
         for traj in trajectories:
             stream.write(json.dumps(traj.to_dict()) + "\n")
     summary = summarize(trajectories)
+    summary_path = out.with_name(f"{args.split}_summary.json")
+    summary_path.write_text(
+        json.dumps({"summary": summary, "finish_reasons": finish_reasons(trajectories)}, indent=2) + "\n"
+    )
     print(format_summary(summary))
-    print(f"{len(trajectories)} questions in {elapsed_s:.1f} s; trajectories written to {out}")
+    print(
+        f"{len(trajectories)} questions in {elapsed_s:.1f} s; trajectories written to {out}, "
+        f"summary to {summary_path}"
+    )
     return 0
 
 

@@ -1,0 +1,210 @@
+"""The sync-vs-async reference table: the same configuration run by both runners for the same steps.
+
+    python benchmarks/sync_vs_async.py --steps 60 [--out benchmarks/results/sync_vs_async_h200.json]
+        [--sync-config C] [--async-config C] [--runs-dir runs/sync_vs_async] [key=value ...]
+    python benchmarks/sync_vs_async.py --from-runs SYNC_RUN_DIR ASYNC_RUN_DIR --out ...
+
+Each run is a separate `tandem train` process (its own services, a cold GPU for neither), so the two
+see the same start-up. The table is read from each run's `metrics.jsonl`:
+- mean step time, throughput (tokens/s) and mean staleness after `--warmup` steps;
+- reward and ratio_abs ranges (min, max) after warm-up;
+- val EM at the start (`runner.val_before_train`) and at the end (the last validation);
+- the sync run's generation time G (the actor waiting for data: `time/wait_data`, else the step minus
+  training and weight sync) and its training-plus-sync time T;
+- overlap efficiency = max(G, T) / async mean step time: 1.0 means async hides the shorter side
+  completely; above 1 it also gains from something else (e.g. no long tail per step).
+Plots overlaying both runs are written next to the JSON (`tandem plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sync-config", default=str(CONFIG_DIR / "smollm2_h200_sync.yaml"))
+    parser.add_argument("--async-config", default=str(CONFIG_DIR / "smollm2_h200_async.yaml"))
+    parser.add_argument("--steps", type=int, default=None, help="runner.max_steps of both runs")
+    parser.add_argument("--warmup", type=int, default=3, help="steps left out of the means and ranges")
+    parser.add_argument("--runs-dir", default="runs/sync_vs_async")
+    parser.add_argument("--only", choices=["sync", "async"], default=None, help="run one side only")
+    parser.add_argument("--from-runs", nargs=2, metavar=("SYNC_RUN", "ASYNC_RUN"), default=None)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sync_vs_async.json"))
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
+    return parser.parse_args()
+
+
+def run_train(config: str, output_dir: Path, steps: int | None, overrides: list[str]) -> float:
+    """One `tandem train` in its own process; returns its wall time."""
+    command = [sys.executable, "-m", "tandemrl.cli", "train", config, f"runner.output_dir={output_dir}"]
+    command += [f"runner.max_steps={steps}"] if steps else []
+    command += overrides
+    print("$", " ".join(command), flush=True)
+    start_s = time.monotonic()
+    subprocess.run(command, check=True, cwd=ROOT)
+    return time.monotonic() - start_s
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    from tandemrl.metrics.logger import read_history
+
+    rows = read_history(run_dir / "metrics.jsonl")
+    if not rows:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'} holds no steps: did the run start?")
+    return rows
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [row[key] for row in rows if key in row]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _range(values: list[float]) -> list[float] | None:
+    return [min(values), max(values)] if values else None
+
+
+def generation_time(row: dict) -> float:
+    """The part of a step the actor spent waiting for its batch (sync: the whole generation)."""
+    if "time/wait_data" in row:
+        return row["time/wait_data"]
+    return row["time/step"] - row.get("time/train", 0.0) - row.get("time/sync_weights", 0.0)
+
+
+def summarize_run(rows: list[dict], warmup: int) -> dict:
+    steps = [row for row in rows if row["step"] >= 1]
+    timed = [row for row in steps if row["step"] > warmup] or steps
+    val = [(row["step"], row["val/em/all"]) for row in rows if "val/em/all" in row]
+    summary = {
+        "steps": len(steps),
+        "mean_step_time_s": _mean(_values(timed, "time/step")),
+        "throughput_tok_s": _mean(_values(timed, "throughput")),
+        "mean_staleness": _mean(_values(timed, "rollout/data_staleness/mean")),
+        "reward_range": _range(_values(timed, "rollout/reward/mean")),
+        "ratio_abs_range": _range(_values(timed, "train/actor/ratio_abs")),
+        "val_em_start": val[0][1] if val else None,
+        "val_em_end": val[-1][1] if val else None,
+        "val_em_curve": val,
+        "mean_generation_time_s": _mean([generation_time(row) for row in timed]),
+        "mean_train_and_sync_time_s": _mean(
+            [row.get("time/train", 0.0) + row.get("time/sync_weights", 0.0) for row in timed]
+        ),
+    }
+    for source in sorted({k.removeprefix("val/em/") for row in rows for k in row if k.startswith("val/em/")}):
+        curve = [row[f"val/em/{source}"] for row in rows if f"val/em/{source}" in row]
+        summary[f"val_em_{source}_start_end"] = [curve[0], curve[-1]]
+    return summary
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - the table is still worth writing without a GPU name
+        return "unknown"
+
+
+def compare(sync: dict, asyn: dict) -> dict:
+    generation, train_sync = sync["mean_generation_time_s"], sync["mean_train_and_sync_time_s"]
+    overlap = None
+    if generation is not None and train_sync is not None and asyn["mean_step_time_s"]:
+        overlap = max(generation, train_sync) / asyn["mean_step_time_s"]
+    ratio = asyn["mean_step_time_s"] / sync["mean_step_time_s"] if sync["mean_step_time_s"] else None
+    return {"overlap_efficiency": overlap, "async_over_sync_step_time": ratio}
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, list):
+        return "[" + ", ".join(_fmt(v) for v in value) + "]"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def print_table(result: dict) -> None:
+    keys = [
+        "mean_step_time_s",
+        "throughput_tok_s",
+        "mean_staleness",
+        "reward_range",
+        "ratio_abs_range",
+        "val_em_start",
+        "val_em_end",
+        "mean_generation_time_s",
+        "mean_train_and_sync_time_s",
+    ]
+    print(f"\n{'':32}{'sync':>24}{'async':>24}")
+    for key in keys:
+        print(f"{key:32}{_fmt(result['sync'].get(key)):>24}{_fmt(result['async'].get(key)):>24}")
+    print(
+        f"\nsteps {result['steps']} on {result['gpu']}: async / sync step time "
+        f"{_fmt(result['async_over_sync_step_time'])}, overlap efficiency {_fmt(result['overlap_efficiency'])}"
+    )
+
+
+def main() -> int:
+    args = parse_args()
+    runs = Path(args.runs_dir)
+    sync_dir, async_dir = (
+        (Path(p) for p in args.from_runs) if args.from_runs else (runs / "sync", runs / "async")
+    )
+    wall = {}
+    if not args.from_runs:
+        if args.only in (None, "sync"):
+            wall["sync"] = run_train(args.sync_config, sync_dir, args.steps, args.overrides)
+        if args.only in (None, "async"):
+            wall["async"] = run_train(args.async_config, async_dir, args.steps, args.overrides)
+        if args.only:
+            return 0
+    sync, asyn = (
+        summarize_run(read_rows(sync_dir), args.warmup),
+        summarize_run(read_rows(async_dir), args.warmup),
+    )
+    result = {
+        "gpu": gpu_name(),
+        "steps": min(sync["steps"], asyn["steps"]),
+        "warmup_steps": args.warmup,
+        **compare(sync, asyn),
+        "sync": {**sync, "run_dir": str(sync_dir), "wall_s": wall.get("sync")},
+        "async": {**asyn, "run_dir": str(async_dir), "wall_s": wall.get("async")},
+        "command": " ".join(sys.argv),
+    }
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if not args.no_plots:
+        write_plots(sync_dir, async_dir, out.parent / f"{out.stem}_plots")
+    return 0
+
+
+def write_plots(sync_dir: Path, async_dir: Path, plot_dir: Path) -> None:
+    try:
+        from tandemrl.metrics.plots import plot_runs
+    except ImportError:  # `tandem plot` not in this checkout: the table stands alone
+        print("no tandemrl.metrics.plots.plot_runs: plots skipped")
+        return
+    for path in plot_runs([sync_dir, async_dir], plot_dir):
+        print(f"plot {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,7 +119,7 @@ async def run_session(config: Any, services: Services, actor: Any) -> RunContext
     val_prompts = (
         load_prompts(train_paths(config, "val"), config.data.val_limit) if runner.val_interval else []
     )
-    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step)
+    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step, is_async=runner.async_mode)
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )

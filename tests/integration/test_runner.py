@@ -16,6 +16,7 @@ import pytest
 from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
+from tandemrl.metrics.plots import load_run, overlay_runs
 from tandemrl.runner.launch import train
 from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
@@ -48,6 +49,9 @@ def check_run(config, ctx, expect_stale: bool):
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)
+    plotted = overlay_runs([load_run(output_dir)], Path(output_dir) / "overlay")  # as `tandem plot` does
+    updates = next(iter(plotted["reward_vs_updates"].values()))[0]
+    assert len(updates) == 4 and updates == sorted(updates) and updates[0] > 0
     assert any(k.startswith("val/em/kb_") for k in scalars)  # per data source
     assert all(v == 4.0 for _, v in scalars["rollout/total_num_sequence"])  # 2 groups x 2 trajectories
     staleness = [v for _, v in scalars["rollout/data_staleness/mean"]]

@@ -95,15 +95,11 @@ def _derive_output_dir(config: TandemConfig) -> None:
 def _derive_recompute_logprobs(config: TandemConfig) -> None:
     algorithm = config.algorithm
     if algorithm.recompute_logprobs is None:
-        algorithm.recompute_logprobs = algorithm.off_policy_correction != "none"
+        needs = algorithm.off_policy_correction != "none"
+        algorithm.recompute_logprobs = needs
+        why = "its importance weight needs the proximal logprobs" if needs else "no correction"
         config.derived["algorithm.recompute_logprobs"] = (
-            f"{str(algorithm.recompute_logprobs).lower()} (algorithm.off_policy_correction="
-            f"{algorithm.off_policy_correction}"
-            + (
-                ": its importance weight needs the proximal logprobs)"
-                if algorithm.recompute_logprobs
-                else ")"
-            )
+            f"{str(needs).lower()} (algorithm.off_policy_correction={algorithm.off_policy_correction}: {why})"
         )
 
 

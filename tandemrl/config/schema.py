@@ -184,9 +184,8 @@ class AlgorithmConfig:
     # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py
     off_policy_correction: str = "none"
     tis_cap: float = 2.0  # tis: the importance weight is truncated at this value
-    decoupled_weight_cap: float = (
-        5.0  # decoupled: tokens whose weight exceeds it are left out of the gradient
-    )
+    # decoupled: tokens whose importance weight exceeds this are left out of the gradient
+    decoupled_weight_cap: float = 5.0
     ratio_clip_eps: float = 0.2
     ratio_clip_eps_high: float | None = None  # None: same as ratio_clip_eps
     dual_clip_c: float | None = None  # e.g. 3.0; None disables the dual clip

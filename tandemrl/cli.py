@@ -56,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True)
     export.set_defaults(handler="tandemrl.trainer.export:run_export")
 
+    plot = sub.add_parser(
+        "plot", help="overlay runs' logs as PNGs (step time, reward, ratio, staleness, val EM)"
+    )
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runner.output_dir of each run")
+    plot.add_argument("--out", default="tandem_plots", help="folder for the PNGs (default: ./tandem_plots)")
+    plot.set_defaults(handler="tandemrl.metrics.plots:run_plot")
+
     prepare = sub.add_parser("prepare", help="prepare the embedded defaults").add_subparsers(
         dest="what", required=True
     )

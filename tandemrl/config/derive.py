@@ -24,6 +24,7 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_instances(config)
     _derive_buffer_limits(config)
     _derive_output_dir(config)
+    _derive_recompute_logprobs(config)
     _validate_cross_section(config)
     return _warnings(config)
 
@@ -112,6 +113,17 @@ def _derive_output_dir(config: TandemConfig) -> None:
     if config.runner.output_dir is None:
         config.runner.output_dir = f"runs/{config.runner.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         config.derived["runner.output_dir"] = "runs/<runner.name>-<start time>"
+
+
+def _derive_recompute_logprobs(config: TandemConfig) -> None:
+    algorithm = config.algorithm
+    if algorithm.recompute_logprobs is None:
+        needs = algorithm.off_policy_correction != "none"
+        algorithm.recompute_logprobs = needs
+        why = "its importance weight needs the proximal logprobs" if needs else "no correction"
+        config.derived["algorithm.recompute_logprobs"] = (
+            f"{str(needs).lower()} (algorithm.off_policy_correction={algorithm.off_policy_correction}: {why})"
+        )
 
 
 def _validate_cross_section(config: TandemConfig) -> None:

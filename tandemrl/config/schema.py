@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 
 
 class ConfigError(ValueError):
@@ -181,7 +182,13 @@ class DownSamplingConfig:
 class AlgorithmConfig:
     group_size: int = 4
     n_minibatches: int = 4
-    recompute_logprobs: bool = False
+    # None: derived (true when off_policy_correction needs the proximal logprobs, else false)
+    recompute_logprobs: bool | None = None
+    # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py
+    off_policy_correction: str = "none"
+    tis_cap: float = 2.0  # tis: the importance weight is truncated at this value
+    # decoupled: tokens whose importance weight exceeds this are left out of the gradient
+    decoupled_weight_cap: float = 5.0
     ratio_clip_eps: float = 0.2
     ratio_clip_eps_high: float | None = None  # None: same as ratio_clip_eps
     dual_clip_c: float | None = None  # e.g. 3.0; None disables the dual clip
@@ -202,6 +209,19 @@ class AlgorithmConfig:
                 "Use e.g. 3.0, or null to disable the dual clip.",
             )
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
+        _check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        for key, cap in (("tis_cap", self.tis_cap), ("decoupled_weight_cap", self.decoupled_weight_cap)):
+            _check(
+                cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled)."
+            )
+        _check(
+            self.recompute_logprobs is not False or self.off_policy_correction == "none",
+            "algorithm.recompute_logprobs",
+            self.recompute_logprobs,
+            f"contradicts algorithm.off_policy_correction={self.off_policy_correction!r}, whose importance "
+            "weight needs the actor's own logprobs recomputed before the update",
+            "Leave algorithm.recompute_logprobs unset (or true), or set algorithm.off_policy_correction=none.",
+        )
 
 
 @dataclass

@@ -2,7 +2,9 @@
 
 Everything that touches the engine (new requests, aborts, pauses, weight loads) is a command run on
 this thread, so a weight update can never land inside a step. Invariant: every submitted request's
-`on_finish` callback runs exactly once, on this thread, with the finished sequence.
+`on_finish` callback runs exactly once, on this thread, with the finished sequence. `busy_s` counts
+the seconds spent in `Engine.step()` (the engine had requests to run), never decreasing, so a reader
+gets a busy fraction from two samples (`/get_server_info`, read at the runner's step boundaries).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -30,6 +33,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
+        self.busy_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -140,7 +144,10 @@ class EngineLoop:
                 is_idle = self.is_paused or not self.engine.has_work()
                 self._run_commands(block=is_idle)
                 if not self.is_paused and self.engine.has_work():
-                    self._deliver(self.engine.step())
+                    start_s = time.perf_counter()
+                    finished = self.engine.step()
+                    self.busy_s += time.perf_counter() - start_s
+                    self._deliver(finished)
         except BaseException as error:
             logger.exception("engine loop crashed")
             self.error = error

@@ -170,6 +170,7 @@ class EngineServer:
             {
                 **stats,
                 "is_paused": self.loop.is_paused,
+                "busy_s": self.loop.busy_s,  # cumulative seconds with requests running
                 "model_path": self.model_path,
                 "uptime_s": time.time() - self.started_s,
             }

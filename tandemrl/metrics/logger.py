@@ -2,7 +2,7 @@
 
 Invariant: the TensorBoard step of every scalar is the rollout step (hand-off); plots convert it to
 "parameter updates" (step x algorithm.n_minibatches, SPEC §7) from `metrics.jsonl`, which holds the
-same numbers as the event files.
+same numbers as the event files. The console line names the step's bottleneck (`bottleneck`).
 """
 
 from __future__ import annotations
@@ -17,19 +17,33 @@ CONSOLE_FIELDS = (  # (metric, label, format)
     ("time/step", "step_s", "{:.1f}"),
     ("throughput", "tok/s", "{:.0f}"),
     ("rollout/buffer/dropped_groups", "dropped", "{:.0f}"),
+    ("time/wait_data", "wait_s", "{:.1f}"),
+    ("time/train", "train_s", "{:.1f}"),
+    ("time/sync_weights", "sync_s", "{:.1f}"),
+    ("rollout/engine_busy_fraction", "engine_busy", "{:.2f}"),
 )
+# Share of the step the actor may wait for data before the rollout is named the bottleneck. Async: the
+# engines should always be ahead, so any real wait means generation is too slow. Sync: the two sides
+# take turns, so the rollout limits the step when generating takes more than all the rest.
+BOTTLENECK_WAIT_SHARE = {True: 0.1, False: 0.5}  # runner.async_mode -> share
 
 
 class MetricsLogger:
     """Writes each step's metrics to `<output_dir>/tensorboard` and `<output_dir>/metrics.jsonl`."""
 
     def __init__(
-        self, output_dir: str | Path, max_steps: int, start_step: int = 0, show_progress: bool = True
+        self,
+        output_dir: str | Path,
+        max_steps: int,
+        start_step: int = 0,
+        show_progress: bool = True,
+        is_async: bool = False,
     ):
         from torch.utils.tensorboard import SummaryWriter  # torch's writer: tensorboard event files
         from tqdm import tqdm
 
         self.output_dir = Path(output_dir)
+        self.is_async = is_async
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tensorboard_dir = self.output_dir / "tensorboard"
         self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
@@ -52,7 +66,7 @@ class MetricsLogger:
         self._writer.flush()
         with self.jsonl_path.open("a") as f:
             f.write(json.dumps({"step": step, **clean}) + "\n")
-        self._bar.write(console_line(step, self._bar.total, clean))
+        self._bar.write(console_line(step, self._bar.total, clean, self.is_async))
         if advance:
             self._bar.update(1)
 
@@ -61,7 +75,16 @@ class MetricsLogger:
         self._writer.close()
 
 
-def console_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
+def bottleneck(metrics: dict[str, float], is_async: bool) -> str | None:
+    """'rollout' when the actor waited for data (`time/wait_data`) more than BOTTLENECK_WAIT_SHARE of
+    the step (`time/step`), else 'training' (train + weight sync + bookkeeping); None without both."""
+    if "time/wait_data" not in metrics or not metrics.get("time/step"):
+        return None
+    share = metrics["time/wait_data"] / metrics["time/step"]
+    return "rollout" if share > BOTTLENECK_WAIT_SHARE[is_async] else "training"
+
+
+def console_line(step: int, max_steps: int, metrics: dict[str, float], is_async: bool = False) -> str:
     parts = [f"step {step}/{max_steps}"]
     for key, label, fmt in CONSOLE_FIELDS:
         if key in metrics:
@@ -71,6 +94,9 @@ def console_line(step: int, max_steps: int, metrics: dict[str, float]) -> str:
     ]
     if val:
         parts.append("val_em " + " ".join(val))
+    side = bottleneck(metrics, is_async)
+    if side is not None:
+        parts.append(f"bottleneck: {side}")
     return " | ".join(parts)
 
 

@@ -1,14 +1,19 @@
-"""PNG plots of a run (reward, step time, staleness, buffer) from its `metrics.jsonl`.
+"""PNG plots of runs from their logs: one run's panels at the end of training (`write_plots`), and
+`tandem plot RUN_DIR [RUN_DIR ...]`, which overlays several runs (`overlay_runs`).
 
-Invariant: every plot's x-axis is "parameter updates" = rollout step x algorithm.n_minibatches
-(SPEC §7), so sync and async runs with different batch layouts line up.
+Invariant: a "parameter updates" axis is rollout step x algorithm.n_minibatches, so sync and async
+runs with different batch layouts line up; the overlay reads it from the actor's own count
+(`train/actor/num_updates`) and falls back to step x n_minibatches from the run's `config.yaml`.
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from tandemrl.metrics.logger import read_history
+from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 
 PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
     "reward": (
@@ -16,7 +21,16 @@ PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
         "mean reward / EM",
         [("rollout/reward/mean", "train reward"), ("val/em/all", "val EM")],
     ),
-    "step_time": ("Step time", "seconds", [("time/step", "step"), ("time/sync_weights", "weight sync")]),
+    "step_time": (
+        "Step time",
+        "seconds",
+        [
+            ("time/step", "step"),
+            ("time/wait_data", "actor waits for data"),
+            ("time/train", "train"),
+            ("time/sync_weights", "weight sync"),
+        ],
+    ),
     "staleness": (
         "Off-policyness",
         "weight versions",
@@ -40,13 +54,18 @@ PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
 }
 
 
-def write_plots(output_dir: str | Path, n_minibatches: int, plot_dir: str | Path | None = None) -> list[Path]:
-    """Write one PNG per entry of PLOTS next to the TensorBoard logs; returns their paths."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(output_dir: str | Path, n_minibatches: int, plot_dir: str | Path | None = None) -> list[Path]:
+    """Write one PNG per entry of PLOTS next to the TensorBoard logs; returns their paths."""
+    plt = _pyplot()
     output_dir = Path(output_dir)
     plot_dir = Path(plot_dir) if plot_dir is not None else output_dir / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -71,3 +90,143 @@ def write_plots(output_dir: str | Path, n_minibatches: int, plot_dir: str | Path
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+# ----------------------------------------------------------------------------- several runs overlaid
+OVERLAYS = {  # file stem -> (title, y label, metric, x axis: step | wall_clock_s | updates)
+    "step_time": ("Time per step", "seconds", "time/step", "step"),
+    "reward_vs_time": (
+        "Reward against wall-clock time",
+        "mean train reward",
+        "rollout/reward/mean",
+        "wall_clock_s",
+    ),
+    "reward_vs_updates": (
+        "Reward against parameter updates",
+        "mean train reward",
+        "rollout/reward/mean",
+        "updates",
+    ),
+    "ratio_abs": ("|ratio - 1|", "train/actor/ratio_abs", "train/actor/ratio_abs", "updates"),
+    "staleness": ("Data staleness", "weight versions", "rollout/data_staleness/mean", "updates"),
+    "val_em": ("Validation EM", "EM (all sources)", "val/em/all", "updates"),
+}
+X_LABELS = {
+    "step": "rollout step",
+    "wall_clock_s": "wall-clock seconds (sum of time/step)",
+    "updates": "parameter updates (step x n_minibatches)",
+}
+
+
+@dataclass
+class RunLog:
+    label: str
+    rows: list[dict[str, float]]  # one per rollout step, in step order
+    n_minibatches: int | None  # from the run's config.yaml, when it has one
+
+    def axis(self, name: str) -> list[float]:
+        if name == "step":
+            return [row["step"] for row in self.rows]
+        if name == "wall_clock_s":
+            total, out = 0.0, []
+            for row in self.rows:
+                total += row.get("time/step", 0.0)
+                out.append(total)
+            return out
+        if all("train/actor/num_updates" in row for row in self.rows):
+            return [row["train/actor/num_updates"] for row in self.rows]
+        if self.n_minibatches is None:
+            raise ValueError(
+                f"run {self.label!r}: no train/actor/num_updates in its metrics and no config.yaml with "
+                "algorithm.n_minibatches, so its parameter updates are unknown. Add the run's config.yaml "
+                "(`tandem config show CONFIG > RUN_DIR/config.yaml`)."
+            )
+        return [row["step"] * self.n_minibatches for row in self.rows]
+
+
+def load_run(run_dir: str | Path, label: str | None = None) -> RunLog:
+    """A run's per-step metrics from `metrics.jsonl`, else from its TensorBoard event files."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
+    rows = read_history(run_dir / "metrics.jsonl")
+    if not rows:
+        rows = _rows_from_tensorboard(run_dir)
+    if not rows:
+        raise FileNotFoundError(
+            f"run directory {str(run_dir)!r} has no metrics.jsonl and no TensorBoard event files; pass the "
+            "runner.output_dir of a `tandem train` run."
+        )
+    return RunLog(label or run_dir.resolve().name, rows, _n_minibatches(run_dir / "config.yaml"))
+
+
+def _rows_from_tensorboard(run_dir: Path) -> list[dict[str, float]]:
+    by_step: dict[int, dict[str, float]] = {}
+    for tag, points in read_tensorboard_scalars(run_dir).items():
+        for step, value in points:  # a resumed run logs a step again: the later value wins
+            by_step.setdefault(step, {"step": step})[tag] = value
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _n_minibatches(config_path: Path) -> int | None:
+    import yaml
+
+    if not config_path.is_file():
+        return None
+    raw = yaml.safe_load(config_path.read_text()) or {}
+    value = (raw.get("algorithm") or {}).get("n_minibatches")
+    return int(value) if value is not None else None
+
+
+def run_labels(run_dirs: list[Path]) -> list[str]:
+    """The run directories' names, with as many parent folders as it takes to tell them apart."""
+    parts = [Path(d).resolve().parts for d in run_dirs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(d) for d in run_dirs]
+
+
+def overlay_runs(runs: list[RunLog], out_dir: str | Path) -> dict[str, dict[str, tuple[list, list]]]:
+    """One PNG per OVERLAYS entry with a line per run; returns stem -> run label -> (xs, ys) plotted."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plotted: dict[str, dict[str, tuple[list, list]]] = {}
+    for stem, (title, ylabel, metric, x_name) in OVERLAYS.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        plotted[stem] = {}
+        for run in runs:
+            points = [
+                (x, row[metric]) for x, row in zip(run.axis(x_name), run.rows, strict=True) if metric in row
+            ]
+            if points:
+                xs, ys = (list(v) for v in zip(*points, strict=True))
+                ax.plot(xs, ys, marker="o", markersize=3, label=run.label)
+                plotted[stem][run.label] = (xs, ys)
+        if not plotted[stem]:
+            ax.text(0.5, 0.5, f"no run logged {metric}", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel(X_LABELS[x_name])
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if plotted[stem]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{stem}.png", dpi=100)
+        plt.close(fig)
+    return plotted
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """`tandem plot RUN_DIR [RUN_DIR ...] [--out DIR]`."""
+    run_dirs = [Path(d) for d in args.run_dirs]
+    runs = [load_run(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
+    try:
+        overlay_runs(runs, args.out)
+    except ValueError as error:
+        print(f"tandem plot: {error}", file=sys.stderr)
+        return 2
+    print(f"tandem plot: {len(OVERLAYS)} plots of {len(runs)} run(s) in {args.out}: " + ", ".join(OVERLAYS))
+    return 0

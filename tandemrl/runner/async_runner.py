@@ -21,9 +21,11 @@ import logging
 from tandemrl.runner.context import (
     RunContext,
     end_of_step,
+    engine_busy_fraction,
     sync_weights,
     train_on,
     validate_before_training,
+    wait_for_data,
 )
 
 log = logging.getLogger(__name__)
@@ -33,9 +35,10 @@ async def run_async(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = None  # only the buffer's limits bound admission
     await validate_before_training(ctx)
+    await engine_busy_fraction(ctx)  # the first step's busy window starts here
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
-        handoff = await driver.next_handoff(ctx.weight_version)
+        handoff, wait_metrics = await wait_for_data(ctx)
         train_metrics = await train_on(ctx, handoff)  # the engines keep generating meanwhile
         sync_metrics = await sync_weights(ctx, ctx.weight_version + 1)
-        await end_of_step(ctx, step, handoff, {**train_metrics, **sync_metrics})
+        await end_of_step(ctx, step, handoff, {**wait_metrics, **train_metrics, **sync_metrics})

@@ -1,8 +1,11 @@
-"""What a runner works with, and the pieces of a step both runners share: train on a hand-off,
-sync weights under `rollout.pause_mode`, validate, record the prompt ledger, checkpoint.
+"""What a runner works with, and the pieces of a step both runners share: wait for a hand-off, train on
+it, sync weights under `rollout.pause_mode`, validate, record the prompt ledger, checkpoint.
 
 Invariant: `ctx.weight_version` is the version in the engines and the one the next hand-off is
 measured against (SPEC §4); it moves only in `sync_weights`, after the engines hold the new weights.
+Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/train,
+time/sync_weights (= its pause + push + continue parts), and, for embedded engines, the engines' busy
+fraction over the step window (from their cumulative `busy_s`); `metrics/logger.py` names the bottleneck.
 """
 
 from __future__ import annotations
@@ -33,10 +36,32 @@ class RunContext:
     start_step: int = 0
     val_prompts: list[Any] = field(default_factory=list)
     last_step_end_s: float = field(default_factory=time.monotonic)
+    busy_mark: tuple[float, float] | None = None  # (monotonic time, engines' total busy_s) when last read
 
     @property
     def ledger_path(self) -> Path:
         return self.output_dir / "prompts.jsonl"
+
+
+async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple[HandOff, dict[str, float]]:
+    """The next hand-off, and how long the actor waited for it (`time/wait_data`)."""
+    start_s = time.monotonic()
+    handoff = await ctx.driver.next_handoff(ctx.weight_version, pause_admission=pause_admission)
+    return handoff, {"time/wait_data": time.monotonic() - start_s}
+
+
+async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
+    """`rollout/engine_busy_fraction`: the engines' busy seconds since the last read over (engines x wall
+    seconds); empty on the first read and for external engines, which report no `busy_s`."""
+    if ctx.config.rollout.backend != "embedded" or not ctx.engines:
+        return {}
+    infos = await asyncio.gather(*(engine.server_info() for engine in ctx.engines))
+    now_s, busy_s = time.monotonic(), sum(float(info["busy_s"]) for info in infos)
+    previous, ctx.busy_mark = ctx.busy_mark, (now_s, busy_s)
+    if previous is None or now_s <= previous[0]:
+        return {}
+    fraction = (busy_s - previous[1]) / (len(ctx.engines) * (now_s - previous[0]))
+    return {"rollout/engine_busy_fraction": min(1.0, fraction)}
 
 
 async def train_on(ctx: RunContext, handoff: HandOff) -> dict[str, float]:
@@ -52,31 +77,38 @@ async def train_on(ctx: RunContext, handoff: HandOff) -> dict[str, float]:
 
 
 async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]:
-    """Push the actor's weights to every engine as `weight_version`; returns time/sync_weights and bytes.
+    """Push the actor's weights to every engine as `weight_version`; returns time/sync_weights, its
+    pause, push and continue parts, and bytes.
 
     retract / in_place: the engines pause (in-flight requests are retracted to the queue, or keep
     their KV cache in place), take the weights, and continue. drain: admission stops and every
     in-flight group finishes first (SGLang has no such mode, so the client realises it).
     """
     mode = ctx.config.rollout.pause_mode
-    start_s = time.monotonic()
+    marks_s = [time.monotonic()]  # start, paused, pushed, continued
     was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
     if mode == "drain":
         ctx.driver.pause_admission()
         await ctx.driver.wait_idle()
     else:
         await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+    marks_s.append(time.monotonic())
     try:
         pushed = await ctx.actor.call("push_weights", weight_version)
     finally:
+        marks_s.append(time.monotonic())
         if mode != "drain":
             await asyncio.gather(*(engine.continue_generation() for engine in ctx.engines))
     ctx.weight_version = weight_version
     ctx.driver.set_weight_version(weight_version)
     if mode == "drain" and not was_paused:
         ctx.driver.resume_admission()
+    marks_s.append(time.monotonic())
     return {
-        "time/sync_weights": time.monotonic() - start_s,
+        "time/sync_weights": marks_s[3] - marks_s[0],
+        "time/sync_weights/pause": marks_s[1] - marks_s[0],
+        "time/sync_weights/push": marks_s[2] - marks_s[1],
+        "time/sync_weights/continue": marks_s[3] - marks_s[2],
         "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0)),
     }
 
@@ -160,6 +192,7 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     runner = ctx.config.runner
     now_s = time.monotonic()
     metrics = {**rollout_metrics(handoff, now_s - ctx.last_step_end_s), **metrics}
+    metrics.update(await engine_busy_fraction(ctx))
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     if runner.val_interval and step % runner.val_interval == 0:
         metrics.update(await validate(ctx))

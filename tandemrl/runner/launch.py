@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 def train(config: Any, write_plots: bool = True) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context."""
     from tandemrl.cluster.actor_group import ActorGroup
+    from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.runner.services import Services
     from tandemrl.runner.session import run_session
@@ -30,6 +31,9 @@ def train(config: Any, write_plots: bool = True) -> Any:
     log.info(
         "%s runner, output in %s", "async" if config.runner.async_mode else "sync", config.runner.output_dir
     )
+    output_dir = Path(config.runner.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "config.yaml").write_text(render(config) + "\n")  # read by `tandem plot`
     services = Services(config).start()
     actor = None
     try:

@@ -121,7 +121,7 @@ async def run_session(config: Any, services: Services, actor: Any) -> RunContext
         if runner.val_interval or runner.val_before_train
         else []
     )
-    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step)
+    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step, is_async=runner.async_mode)
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )

@@ -16,9 +16,11 @@ import logging
 from tandemrl.runner.context import (
     RunContext,
     end_of_step,
+    engine_busy_fraction,
     sync_weights,
     train_on,
     validate_before_training,
+    wait_for_data,
 )
 
 log = logging.getLogger(__name__)
@@ -28,10 +30,11 @@ async def run_sync(ctx: RunContext) -> None:
     driver, runner = ctx.driver, ctx.config.runner
     driver.quota = ctx.config.data.rollout_batch_size  # in flight + buffered: exactly one batch
     await validate_before_training(ctx)
+    await engine_busy_fraction(ctx)  # the first step's busy window starts here
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         driver.resume_admission()
-        handoff = await driver.next_handoff(ctx.weight_version, pause_admission=True)
+        handoff, wait_metrics = await wait_for_data(ctx, pause_admission=True)
         train_metrics = await train_on(ctx, handoff)
         sync_metrics = await sync_weights(ctx, ctx.weight_version + 1)
-        await end_of_step(ctx, step, handoff, {**train_metrics, **sync_metrics})
+        await end_of_step(ctx, step, handoff, {**wait_metrics, **train_metrics, **sync_metrics})

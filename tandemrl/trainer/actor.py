@@ -50,6 +50,8 @@ PPO_SUM_KEYS = (
     "gap",
     "gap_tokens",
     "kl_ref",
+    "is_weight",
+    "is_clip_fraction",
 )
 
 
@@ -161,14 +163,16 @@ class Actor:
         `weight_version += 1`.
 
         `train/actor/rollout_train_logprob_gap` = mean |logp_train - logp_rollout| before the first
-        update: over all tokens when `recompute_logprobs` (that pass runs anyway), else over the first
-        minibatch's tokens, whose forward precedes the first update (no extra forward pass).
+        update: over all tokens when the old logprobs are recomputed (that pass runs anyway), else over the
+        first minibatch's tokens, whose forward precedes the first update (no extra forward pass).
+        An off-policy correction always recomputes: the recomputed logprobs are its proximal policy.
         """
         if not samples:
             raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
         start = time.perf_counter()
         sums: dict[str, float] = defaultdict(float)
-        recompute = self.config.algorithm.recompute_logprobs
+        algorithm = self.config.algorithm
+        recompute = bool(algorithm.recompute_logprobs) or algorithm.off_policy_correction != "none"
         if recompute:
             samples = self._recompute_old_logprobs(samples, sums)
         grad_norms = []
@@ -191,7 +195,8 @@ class Actor:
         if self.ref_policy is not None:
             with torch.no_grad():
                 ref_K = self._forward(self.ref_policy, micro)[0]
-        losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K)
+        behav_K = micro.behav_logprobs_N[select_K]
+        losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)
         loss_sum = (losses_K * mask_K).sum()
         (loss_sum * (self.world_size / max(num_tokens, 1))).backward()
         stats.update(loss=losses_K.detach(), entropy=entropy_K, tokens=torch.ones_like(mask_K))
@@ -203,7 +208,8 @@ class Actor:
     def _recompute_old_logprobs(
         self, samples: list[TrainSample], sums: dict[str, float]
     ) -> list[TrainSample]:
-        """Old logprobs := current policy's, before any update; the gap to the rollout's is measured on all."""
+        """Old logprobs := current policy's, before any update (the rollout's are kept as `behav_logprobs`
+        for the off-policy correction); the gap to the rollout's is measured on all tokens."""
         recomputed = self.compute_logprobs(samples)
         out = []
         for sample, logprobs in zip(samples, recomputed, strict=True):
@@ -211,7 +217,11 @@ class Actor:
                 if sample.loss_mask[t]:
                     sums["gap"] += abs(logprobs[t] - sample.old_logprobs[t])
                     sums["gap_tokens"] += 1
-            out.append(TrainSample(sample.input_ids, sample.loss_mask, logprobs, sample.advantage))
+            out.append(
+                TrainSample(
+                    sample.input_ids, sample.loss_mask, logprobs, sample.advantage, sample.old_logprobs
+                )
+            )
         if self.world_size > 1:  # every rank computed the same sums from the gathered logprobs
             sums["gap"] /= self.world_size
             sums["gap_tokens"] /= self.world_size
@@ -255,6 +265,9 @@ class Actor:
         metrics["train/actor/rollout_train_logprob_gap"] = total["gap"] / max(total["gap_tokens"], 1.0)
         if self.ref_policy is not None:
             metrics["train/actor/kl_ref"] = total["kl_ref"] / tokens
+        if self.loss_cfg.off_policy_correction != "none":
+            metrics["train/actor/is_weight_mean"] = total["is_weight"] / tokens
+            metrics["train/actor/is_clip_fraction"] = total["is_clip_fraction"] / tokens
         metrics.update(
             {
                 "train/actor/grad_norm": sum(grad_norms) / len(grad_norms),

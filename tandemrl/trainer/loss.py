@@ -4,6 +4,15 @@ Invariant: everything here returns per-token *sums* over masked tokens, never me
 divides by the number of model tokens of the whole minibatch (over all micro-batches and ranks), so
 gradient accumulation gives exactly the token-mean over the minibatch, whatever the ragged lengths
 and however the samples were packed.
+
+Off-policy correction (`algorithm.off_policy_correction`), for data sampled by an older or numerically
+different rollout policy pi_behav. Both corrections need pi_prox: the actor's own logprobs at the
+weights before this step's first update (`Actor` recomputes them), which then stand as the PPO ratio's
+denominator; w = pi_prox / pi_behav (no gradient) multiplies each token's clipped PPO loss:
+  decoupled (AReaL's decoupled PPO): w as is, but a token whose w exceeds `decoupled_weight_cap` gets
+    weight 0 (it stays in the token count, so it dilutes rather than vanishes);
+  tis (truncated importance sampling, as verl and slime): min(w, tis_cap).
+The clipping keeps pi_theta near pi_prox, not near the stale pi_behav; w corrects the sampling.
 """
 
 from __future__ import annotations
@@ -21,6 +30,8 @@ class PolicyLossConfig:
     clip_eps_high: float = 0.2
     dual_clip_c: float | None = None
     kl_coef: float = 0.0
+    off_policy_correction: str = "none"  # none | decoupled | tis
+    is_weight_cap: float = 2.0  # the cap of the chosen correction
 
     @classmethod
     def from_algorithm(cls, algorithm) -> PolicyLossConfig:
@@ -30,6 +41,12 @@ class PolicyLossConfig:
             clip_eps_high=algorithm.ratio_clip_eps if high is None else high,
             dual_clip_c=algorithm.dual_clip_c,
             kl_coef=algorithm.kl_coef,
+            off_policy_correction=algorithm.off_policy_correction,
+            is_weight_cap=(
+                algorithm.decoupled_weight_cap
+                if algorithm.off_policy_correction == "decoupled"
+                else algorithm.tis_cap
+            ),
         )
 
 
@@ -39,17 +56,36 @@ def low_var_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tens
     return (log_ratio.exp() - log_ratio - 1).clamp(-LOW_VAR_KL_CLAMP, LOW_VAR_KL_CLAMP)
 
 
+def importance_weights(
+    prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, correction: str, cap: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weight applied to the PPO loss, and where the cap acted (bool); see the module docstring.
+
+    w = exp(prox - behav), detached. An overflow to inf is capped like any other large weight.
+    """
+    weight = (prox_logprobs - behav_logprobs).detach().exp()
+    is_capped = weight > cap
+    if correction == "tis":
+        return weight.clamp(max=cap), is_capped
+    if correction == "decoupled":
+        return torch.where(is_capped, torch.zeros_like(weight), weight), is_capped
+    raise ValueError(f"unknown off-policy correction {correction!r}: expected decoupled or tis")
+
+
 def ppo_token_losses(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     cfg: PolicyLossConfig,
     ref_logprobs: torch.Tensor | None = None,
+    behav_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO loss (to be minimised) and per-token statistics, unmasked.
 
     loss = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)); with the dual clip, for A < 0 the loss is
     further capped at -A c (= c |A|), so a huge ratio on a bad token cannot blow up the update.
+    With an off-policy correction, `old_logprobs` are the proximal ones and `behav_logprobs` (required)
+    the rollout's: the loss is multiplied by `importance_weights`; the KL penalty is not.
     """
     log_ratio = logprobs - old_logprobs
     ratio = log_ratio.exp()
@@ -68,6 +104,16 @@ def ppo_token_losses(
         # k3 estimate of KL(pi_old || pi): r - 1 - log r, unbiased and >= 0 under samples from pi_old
         "approx_kl": (ratio - 1 - log_ratio).detach(),
     }
+    if cfg.off_policy_correction != "none":
+        if behav_logprobs is None:
+            raise ValueError(
+                f"off_policy_correction={cfg.off_policy_correction!r} needs the rollout's behav_logprobs"
+            )
+        weight, is_capped = importance_weights(
+            old_logprobs, behav_logprobs, cfg.off_policy_correction, cfg.is_weight_cap
+        )
+        loss = loss * weight
+        stats.update(is_weight=weight, is_clip_fraction=is_capped.float())
     if ref_logprobs is not None and cfg.kl_coef > 0:
         kl = low_var_kl(logprobs, ref_logprobs)
         loss = loss + cfg.kl_coef * kl

@@ -27,6 +27,14 @@ SPEC_METRICS = [
     "train/actor/lr",
     "val/em/all",
 ]
+STEP_TIME_METRICS = [
+    "time/wait_data",
+    "time/train",
+    "time/sync_weights/pause",
+    "time/sync_weights/push",
+    "time/sync_weights/continue",
+    "rollout/engine_busy_fraction",
+]
 
 
 _SMALL_KB: dict[str, tuple[Path, Path]] = {}

@@ -252,3 +252,20 @@ def test_client_errors_carry_the_reason(engine):
 def test_engine_process_startup_failure_shows_stderr(tmp_path):
     with pytest.raises(RuntimeError, match="no config.json there"):
         EngineProcess(tmp_path / "missing-model", startup_timeout_s=60).start()
+
+
+def test_busy_seconds_grow_only_while_requests_run(engine):
+    async def run():
+        client = EngineClient(engine.url)
+        idle_before = (await client.server_info())["busy_s"]
+        await asyncio.sleep(0.3)
+        idle_after = (await client.server_info())["busy_s"]
+        await client.generate(PROMPTS[1], {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+        info = await client.server_info()
+        await client.close()
+        return idle_before, idle_after, info
+
+    idle_before, idle_after, info = asyncio.run(run())
+    assert idle_after == idle_before  # nothing running: the counter stands still
+    assert info["busy_s"] > idle_after
+    assert info["busy_s"] <= info["uptime_s"]

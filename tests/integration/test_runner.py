@@ -16,10 +16,12 @@ import pytest
 from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
+from tandemrl.metrics.plots import load_run, overlay_runs
 from tandemrl.runner.launch import train
 from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
     SPEC_METRICS,
+    STEP_TIME_METRICS,
     account,
     read_ledger,
     small_kb_once,
@@ -46,6 +48,10 @@ def check_run(config, ctx, expect_stale: bool):
     missing = [m for m in SPEC_METRICS if m not in scalars]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
+    check_step_times(scalars)
+    plotted = overlay_runs([load_run(output_dir)], Path(output_dir) / "overlay")  # as `tandem plot` does
+    updates = next(iter(plotted["reward_vs_updates"].values()))[0]
+    assert len(updates) == 4 and updates == sorted(updates) and updates[0] > 0
     assert any(k.startswith("val/em/kb_") for k in scalars)  # per data source
     assert all(v == 4.0 for _, v in scalars["rollout/total_num_sequence"])  # 2 groups x 2 trajectories
     staleness = [v for _, v in scalars["rollout/data_staleness/mean"]]
@@ -65,6 +71,21 @@ def check_run(config, ctx, expect_stale: bool):
     ]
     assert len(rows) == 4 and all(len(r["response_ids"]) == len(r["weight_versions"]) for r in rows)
     return scalars, sets
+
+
+def check_step_times(scalars: dict) -> None:
+    """The step-time breakdown is logged every step, its sync parts add up, the busy fraction is one."""
+    for name in STEP_TIME_METRICS:
+        assert [step for step, _ in scalars[name]] == [1, 2, 3, 4], name
+    parts = [scalars[f"time/sync_weights/{p}"] for p in ("pause", "push", "continue")]
+    for k, (_, total) in enumerate(scalars["time/sync_weights"]):
+        assert sum(part[k][1] for part in parts) == pytest.approx(total, abs=1e-4)
+    for (_, step_s), (_, wait_s), (_, train_s) in zip(
+        scalars["time/step"], scalars["time/wait_data"], scalars["time/train"], strict=True
+    ):
+        assert 0 <= wait_s and 0 < train_s and wait_s + train_s <= step_s
+    busy = [v for _, v in scalars["rollout/engine_busy_fraction"]]
+    assert all(0.0 < v <= 1.0 for v in busy), busy  # the engine generated in every step
 
 
 def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import json
 
-from tandemrl.metrics.logger import MetricsLogger, console_line, read_history, read_tensorboard_scalars
+import pytest
+
+from tandemrl.metrics.logger import (
+    MetricsLogger,
+    bottleneck,
+    console_line,
+    read_history,
+    read_tensorboard_scalars,
+)
 from tandemrl.metrics.plots import write_plots
 
 
@@ -35,6 +43,41 @@ def test_console_line_fields():
         },
     )
     assert line == "step 3/10 | reward 0.125 | staleness 1.00 | step_s 12.3 | tok/s 457 | val_em all 0.300"
+
+
+@pytest.mark.parametrize(
+    "wait_s, is_async, side",
+    [
+        (0.0, True, "training"),
+        (1.0, True, "training"),  # exactly 10 % of the step: not more than the share
+        (1.01, True, "rollout"),
+        (4.0, False, "training"),  # sync: generating 40 % of the step, training and sync the rest
+        (5.0, False, "training"),
+        (6.0, False, "rollout"),
+    ],
+)
+def test_bottleneck_is_the_share_of_the_step_spent_waiting_for_data(wait_s, is_async, side):
+    assert bottleneck({"time/wait_data": wait_s, "time/step": 10.0}, is_async) == side
+
+
+def test_no_bottleneck_without_the_step_time_breakdown():
+    assert bottleneck({"time/step": 10.0}, True) is None
+    assert bottleneck({"time/wait_data": 1.0, "time/step": 0.0}, True) is None
+
+
+def test_console_line_shows_the_breakdown_and_the_bottleneck():
+    metrics = {
+        "time/step": 2.0,
+        "time/wait_data": 0.8,
+        "time/train": 0.9,
+        "time/sync_weights": 0.25,
+        "rollout/engine_busy_fraction": 0.75,
+    }
+    line = console_line(1, 2, metrics, is_async=True)
+    assert line == (
+        "step 1/2 | step_s 2.0 | wait_s 0.8 | train_s 0.9 | sync_s 0.2 | engine_busy 0.75 | bottleneck: rollout"
+    )
+    assert console_line(1, 2, metrics, is_async=False).endswith("bottleneck: training")
 
 
 def test_history_keeps_the_latest_row_of_a_step(tmp_path):

@@ -1,0 +1,100 @@
+"""Off-policy corrections through a real actor step on CPU (tiny random Llama, 1-rank gloo group): the
+proximal logprobs are recomputed, the logged weight mean and clip fraction are the ones the rollout
+logprobs imply, on-policy data trains exactly like plain PPO, and capped weights reach the gradient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandemrl.trainer.actor import Actor
+from tandemrl.trainer.batching import TrainSample
+from tests.integration.trainer_helpers import actor_config, make_samples
+
+TARGET_WEIGHTS = (0.5, 1.5, 3.0)  # pi_prox / pi_behav per token, in turn; 3.0 is over the cap 2.0
+CAPS = ("algorithm.tis_cap=2.0", "algorithm.decoupled_weight_cap=2.0")
+
+
+def _actor(model_dir, *overrides: str) -> Actor:
+    torch.set_num_threads(1)
+    return Actor(actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1", *overrides))
+
+
+def _rollout_logprobs_at(actor: Actor, samples: list[TrainSample], weights) -> list[TrainSample]:
+    """The samples with rollout logprobs set so that token t's weight to the actor's current policy
+    is weights[t % len(weights)]; a weight of 1 everywhere makes the data exactly on-policy."""
+    own = actor.compute_logprobs(samples)
+    return [
+        TrainSample(
+            s.input_ids,
+            s.loss_mask,
+            [
+                (lp - math.log(weights[t % len(weights)])) * m
+                for t, (lp, m) in enumerate(zip(lp_s, s.loss_mask, strict=True))
+            ],
+            s.advantage,
+        )
+        for s, lp_s in zip(samples, own, strict=True)
+    ]
+
+
+def _expected(samples: list[TrainSample], applied) -> tuple[float, float]:
+    tokens = [t for s in samples for t in range(1, s.num_tokens) if s.loss_mask[t]]
+    mean = sum(applied[t % len(applied)] for t in tokens) / len(tokens)
+    capped = sum(TARGET_WEIGHTS[t % len(TARGET_WEIGHTS)] > 2.0 for t in tokens) / len(tokens)
+    return mean, capped
+
+
+@pytest.mark.parametrize("correction, applied", [("tis", (0.5, 1.5, 2.0)), ("decoupled", (0.5, 1.5, 0.0))])
+def test_logged_weights_are_those_the_rollout_logprobs_imply(tiny_llama_dir, correction, applied):
+    actor = _actor(tiny_llama_dir, f"algorithm.off_policy_correction={correction}", *CAPS)
+    assert actor.config.algorithm.recompute_logprobs is True  # derived from the correction
+    samples = _rollout_logprobs_at(actor, make_samples(seed=1, num_samples=6), TARGET_WEIGHTS)
+    metrics = actor.train_step(samples)
+    mean, capped = _expected(samples, applied)
+    assert metrics["train/actor/is_weight_mean"] == pytest.approx(mean, abs=1e-4)
+    assert metrics["train/actor/is_clip_fraction"] == pytest.approx(capped, abs=1e-9)
+    assert 0.0 < capped < 1.0
+    # the ratio is taken to the recomputed proximal policy: exactly 1 before the only update
+    assert metrics["train/actor/ratio_abs"] < 1e-6
+
+
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_on_policy_data_trains_exactly_like_plain_ppo(tiny_llama_dir, correction):
+    plain = _actor(
+        tiny_llama_dir, "algorithm.off_policy_correction=none", "algorithm.recompute_logprobs=true"
+    )
+    corrected = _actor(tiny_llama_dir, f"algorithm.off_policy_correction={correction}")
+    samples = _rollout_logprobs_at(plain, make_samples(seed=2, num_samples=6), (1.0,))
+    m_plain, m_corrected = plain.train_step(samples), corrected.train_step(samples)
+    assert "train/actor/is_weight_mean" not in m_plain
+    assert m_corrected["train/actor/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert m_corrected["train/actor/is_clip_fraction"] == 0.0
+    assert m_corrected["train/actor/loss"] == pytest.approx(m_plain["train/actor/loss"], abs=1e-6)
+    after_plain, after_corrected = dict(plain.iter_full_weights()), dict(corrected.iter_full_weights())
+    assert max((after_plain[k] - after_corrected[k]).abs().max().item() for k in after_plain) < 1e-6
+
+
+def test_stale_data_over_the_cap_is_truncated_by_tis_and_dropped_by_decoupled(tiny_llama_dir):
+    """Every token at weight 20, over both default caps (tis 2, decoupled 5): TIS doubles PPO's gradient
+    (every weight is truncated to 2), decoupled PPO drops every token."""
+    norms, samples = {}, None
+    for correction in ("none", "tis", "decoupled"):
+        actor = _actor(
+            tiny_llama_dir,
+            f"algorithm.off_policy_correction={correction}",
+            "algorithm.recompute_logprobs=true",
+        )
+        samples = samples or _rollout_logprobs_at(actor, make_samples(seed=3, num_samples=6), (20.0,))
+        before = {k: v.clone() for k, v in actor.iter_full_weights()}
+        metrics = actor.train_step(samples)
+        norms[correction] = metrics["train/actor/grad_norm"]
+        if correction != "none":
+            assert metrics["train/actor/is_clip_fraction"] == 1.0
+    assert norms["none"] > 0
+    assert norms["tis"] == pytest.approx(2.0 * norms["none"], rel=1e-5)
+    assert norms["decoupled"] == 0.0
+    after = dict(actor.iter_full_weights())  # the decoupled actor: no token left, so no change
+    assert max((before[k] - after[k]).abs().max().item() for k in before) == 0.0

@@ -95,9 +95,12 @@ class MicroBatch:
         return self.input_ids_RL.numel()
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in TENSOR_FIELDS}
+        """On the device; to CUDA from pinned memory, so the copy is queued on the stream and the host
+        runs on to the next micro-batch (from pageable memory it would wait for the GPU to drain)."""
+        device = torch.device(device)
+        moved = {name: _to_device(getattr(self, name), device) for name in TENSOR_FIELDS}
         optional = {
-            name: None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True)
+            name: None if getattr(self, name) is None else _to_device(getattr(self, name), device)
             for name in ("attention_mask_RL", "cu_seqlens_S")
         }
         return MicroBatch(
@@ -116,6 +119,12 @@ class MicroBatch:
             [0.0] + flat[start : start + length - 1]
             for start, length in zip(self.sample_offsets, self.sample_lengths, strict=True)
         ]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float]]:

@@ -17,6 +17,7 @@ tests/unit/test_varlen.py and, on CUDA, by `varlen_kernel_works` before the acto
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 
@@ -36,19 +37,31 @@ def _torch_varlen():
     return varlen_attn
 
 
+@functools.cache
+def _kernel_options() -> tuple[dict, bool]:
+    """(causal keyword, takes enable_gqa) of this torch's varlen_attn: its keywords changed across
+    releases (2.10 took `is_causal`, later ones `window_size`, the latest also `enable_gqa`)."""
+    params = inspect.signature(_torch_varlen()).parameters
+    if "window_size" in params:
+        return {"window_size": (-1, 0)}, "enable_gqa" in params
+    if "is_causal" in params:
+        return {"is_causal": True}, "enable_gqa" in params
+    raise TypeError(f"torch varlen_attn{inspect.signature(_torch_varlen())} has no causal option")
+
+
 def _kernel_attention(q_THD, k_THD, v_THD, cu_seqlens, max_len: int, scale: float | None) -> torch.Tensor:
-    """torch's FlashAttention-2 varlen kernel; its keyword set changed across torch releases (2.10 took
-    `is_causal`, later ones `window_size`; GQA heads are expanded here where it takes no `enable_gqa`)."""
-    varlen_attn = _torch_varlen()
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    """torch's FlashAttention-2 varlen kernel; GQA heads are expanded here where it takes no `enable_gqa`."""
+    causal, takes_gqa = _kernel_options()
+    kwargs = dict(causal)
     if k_THD.shape[1] != q_THD.shape[1]:
-        if "enable_gqa" in params:
+        if takes_gqa:
             kwargs["enable_gqa"] = True
         else:
             group = q_THD.shape[1] // k_THD.shape[1]
             k_THD, v_THD = k_THD.repeat_interleave(group, 1), v_THD.repeat_interleave(group, 1)
-    return varlen_attn(q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **kwargs)
+    return _torch_varlen()(
+        q_THD, k_THD, v_THD, cu_seqlens, cu_seqlens, max_len, max_len, scale=scale, **kwargs
+    )
 
 
 def _reference_attention(q_THD, k_THD, v_THD, cu_seqlens, scale: float | None) -> torch.Tensor:
@@ -118,6 +131,6 @@ def varlen_kernel_works(device: torch.device, dtype: torch.dtype) -> bool:
         return torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2) and torch.allclose(
             got_grad.float(), want_grad.float(), atol=5e-2, rtol=5e-2
         )
-    except (RuntimeError, TypeError, ValueError) as exc:
+    except Exception as exc:  # any failure of an optional fast path means: use the safe one
         log.warning("torch varlen attention unusable here (%s): the actor uses sdpa with padded rows", exc)
         return False

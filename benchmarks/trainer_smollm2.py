@@ -10,8 +10,10 @@ Steps are the real code path: `Actor(config)` loads the model directory, `train_
 `algorithm.n_minibatches` updates on RL-shaped samples (a ~250-token prompt, then model turns
 alternating with masked information blocks, 300-1000 tokens). Order: "before" alone; the engine
 starts (its KV cache takes its default share of the free memory, as in a run); "after" alone (engine
-idle), the engine's generation rate alone (actor idle), then "after" while a client thread keeps
-`--engine-concurrency` /generate requests in flight. Each variant: one warm-up step, then `--steps`
+idle), then sdpa over padded rows at the after budget (which lever did what), the engine's
+generation rate alone (actor idle), then "after" while a client process keeps
+`--engine-concurrency` /generate requests in flight (`--shared-before`: "before" too; `--mps`: all
+of it under a private MPS daemon, so the two processes' kernels may overlap instead of time-slicing). Each variant: one warm-up step, then `--steps`
 timed steps; the median is reported, with the actor's CPU time per step (host work), its peak GPU
 memory and allocator retries (memory pressure), and the engine's tokens/s in the same window
 (GPU time-slicing shows as both sides slowing). Writes benchmarks/results/trainer_smollm2_h200.json.
@@ -28,6 +30,7 @@ import os
 import platform
 import random
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,13 +59,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up")
     p.add_argument("--after-attn", default=None, help="actor.attn_implementation after (auto; tiny varlen)")
     p.add_argument("--after-micro-batch-tokens", default="null", help="null: the auto budget")
+    p.add_argument("--no-ablation", action="store_true", help="skip sdpa padded rows at the after budget")
     p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
     p.add_argument("--engine-concurrency", type=int, default=None, help="requests in flight (64; tiny 4)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="per request (256; tiny 8)")
     p.add_argument("--engine-window-s", type=float, default=None, help="engine-alone window (6; tiny 1)")
-    p.add_argument("--out", default=str(Path(__file__).parent / "results" / "trainer_smollm2_h200.json"))
+    p.add_argument("--mps", action="store_true", help="run actor and engine under a private MPS daemon")
+    p.add_argument("--out", default=None, help="results/trainer_smollm2_h200.json (tiny: under /tmp)")
     args = p.parse_args()
+    if args.out is None:
+        results = Path(__file__).parent / "results"
+        args.out = (
+            "/tmp/trainer_smollm2_tiny.json" if args.tiny else str(results / "trainer_smollm2_h200.json")
+        )
     tiny = dict(num_samples=8, min_len=24, max_len=64, after_attn="varlen", engine_concurrency=4)
     full = dict(num_samples=512, min_len=300, max_len=1000, after_attn="auto", engine_concurrency=64)
     tiny.update(max_new_tokens=8, engine_window_s=1.0)
@@ -270,6 +280,23 @@ def start_engine(model_dir: Path, args, device: torch.device):
     return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
 
 
+def start_mps() -> dict:
+    """A private MPS control daemon (its own pipe/log directories, inherited by the engine process):
+    with it the actor's and the engine's kernels can run concurrently instead of time-sliced."""
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-mps-"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+    for path in env.values():
+        Path(path).mkdir()
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ})
+    return env
+
+
+def stop_mps(env: dict | None) -> None:
+    if env is not None:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, timeout=30)
+
+
 def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample]) -> dict:
     """The variants in the order of the module docstring; the engine lives from 'after' on."""
     variants: dict[str, dict] = {}
@@ -282,6 +309,10 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
         engine_startup_s = time.perf_counter() - started
         after = make_actor(model_dir, args, device, args.after_attn, args.after_micro_batch_tokens)
         variants["after_alone"] = time_variant(after, samples, args, device)
+        if not args.no_ablation:  # which lever: the same budget with padded sdpa rows
+            ablation = make_actor(model_dir, args, device, "sdpa", str(after.micro_batch_tokens))
+            variants["sdpa_padded_after_budget_alone"] = time_variant(ablation, samples, args, device)
+            free_actor(ablation, device)
         vocab = after.hf_model.config.vocab_size
         prompt_len = min(250, 3 * args.min_len // 8)
         with GenerationLoad(
@@ -311,11 +342,16 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
 def summarise(result: dict) -> dict:
     v = result["variants"]
     tps = {name: v[name]["train_tokens_per_s"] for name in v}
+    engine_share = v["after_shared"]["engine_tokens_per_s_during"] / max(
+        result["engine_tokens_per_s_alone"], 1e-9
+    )
     summary = {
         "speedup_after_vs_before_alone": tps["after_alone"] / tps["before_alone"],
         "shared_over_alone_after": tps["after_shared"] / tps["after_alone"],
-        "engine_shared_over_alone": v["after_shared"]["engine_tokens_per_s_during"]
-        / max(result["engine_tokens_per_s_alone"], 1e-9),
+        "engine_shared_over_alone": engine_share,
+        # ~1: the two processes split the GPU's time (time-slicing); < 1: sharing itself costs
+        # (context switches, host or memory contention); > 1: their kernels overlap (MPS)
+        "gpu_share_sum_after": tps["after_shared"] / tps["after_alone"] + engine_share,
     }
     if "before_shared" in v:
         summary["shared_over_alone_before"] = tps["before_shared"] / tps["before_alone"]
@@ -324,6 +360,7 @@ def summarise(result: dict) -> dict:
 
 def main() -> int:
     args = parse_args()
+    mps = start_mps() if args.mps and not args.tiny else None  # before this process touches CUDA
     use_cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if args.tiny:
@@ -334,7 +371,10 @@ def main() -> int:
 
         vocab = AutoConfig.from_pretrained(model_dir).vocab_size
         samples = make_rl_samples(args.num_samples, args.min_len, args.max_len, vocab, seed=0)
-        measured = run(args, device, model_dir, samples)
+        try:
+            measured = run(args, device, model_dir, samples)
+        finally:
+            stop_mps(mps)
     env = " ".join(f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "TANDEM_HOME") if k in os.environ)
     result = {
         "gpu": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({platform.processor()})",
@@ -346,6 +386,7 @@ def main() -> int:
         "tokens_per_step": sum(s.num_tokens for s in samples),
         "loss_tokens_per_step": sum(s.num_loss_tokens for s in samples),
         "n_minibatches": args.n_minibatches,
+        "mps": mps is not None,
         "before_settings": {"attn_implementation": BEFORE[0], "micro_batch_tokens": int(BEFORE[1])},
         **measured,
     }

@@ -25,3 +25,16 @@ TINY = dict(
     rms_norm_eps=1e-6,
     use_sliding_window=False,
 )
+SMOLLM2_135M = dict(  # HuggingFaceTB/SmolLM2-135M-Instruct (a LlamaConfig)
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=8192,
+    rope_theta=100000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)

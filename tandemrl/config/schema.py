@@ -274,24 +274,27 @@ class ActorConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     sft: SftConfig = field(default_factory=SftConfig)
-    micro_batch_tokens: int = 8192
+    # tokens per forward/backward (padding included); None: auto (trainer/policy.py
+    # `resolve_micro_batch_tokens`: 8192 on CPU, on CUDA sized from the model's activations and free memory)
+    micro_batch_tokens: int | None = None
     gradient_checkpointing: bool = False
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_ranks: int = 1
-    # auto: flash_attention_2 when flash_attn is installed (CUDA), else sdpa; flash packs micro-batches
-    # into one row (varlen), sdpa/eager use length-sorted padded rows
+    # auto (CUDA, bf16): flash_attention_2 when flash_attn is installed, else varlen (torch's own flash
+    # varlen kernel, trainer/varlen.py) when it works, else sdpa; CPU: sdpa. flash/varlen pack
+    # micro-batches into one row, sdpa/eager use length-sorted padded rows
     attn_implementation: str = "auto"
 
     def __post_init__(self):
-        _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens)
+        _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens, allow_none=True)
         _check_positive("actor.num_ranks", self.num_ranks)
         _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
         _check_choice(
             "actor.attn_implementation",
             self.attn_implementation,
-            ("auto", "sdpa", "eager", "flash_attention_2", "flash_attention_3"),
+            ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3"),
         )
 
 

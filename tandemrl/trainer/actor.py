@@ -34,6 +34,7 @@ from tandemrl.trainer.policy import (
     resolve_attn_implementation,
     resolve_compute_dtype,
     resolve_device,
+    resolve_micro_batch_tokens,
     shard_policy,
     uses_packed_rows,
 )
@@ -96,9 +97,12 @@ class Actor:
         self.model_path = config.actor.model.model_path or (
             None if hf_model is not None else str(default_model_dir())
         )
-        attn = resolve_attn_implementation(config.actor.attn_implementation, self.device)
+        attn = resolve_attn_implementation(config.actor.attn_implementation, self.device, self.compute_dtype)
         hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
+        self.micro_batch_tokens = resolve_micro_batch_tokens(
+            config.actor.micro_batch_tokens, hf_model.config, self.device
+        )
         temperature = config.agentloop.temperature or 1.0
         ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
         if config.actor.gradient_checkpointing:
@@ -134,6 +138,8 @@ class Actor:
             micro.labels_N,
             select_K,
             with_entropy,
+            micro.cu_seqlens_S,
+            micro.max_seqlen,
         )
         return logprobs_K, entropy_K, select_K, micro.mask_N.index_select(0, select_K)
 
@@ -154,7 +160,7 @@ class Actor:
 
     def _plan(self, samples: list[TrainSample]) -> list[MicroBatch]:
         return plan_rank_micro_batches(
-            samples, self.rank, self.world_size, self.config.actor.micro_batch_tokens, padded=self.is_padded
+            samples, self.rank, self.world_size, self.micro_batch_tokens, padded=self.is_padded
         )
 
     # ----------------------------------------------------------------- PPO

@@ -1,7 +1,8 @@
 """Training samples and their grouping into micro-batches by a token budget, in one of two layouts.
 
-packed (for flash_attention_2): samples are concatenated into one row whose `position_ids` restart at 0
-  for every sample; HF models read the restarts as sequence boundaries (varlen attention, or a
+packed (for flash_attention_2 and torch's varlen kernel, trainer/varlen.py): samples are concatenated into
+  one row whose `position_ids` restart at 0 for every sample, with the boundaries in `cu_seqlens_S`
+  (handed to the attention layers); HF models also read the restarts as sequence boundaries (a
   block-diagonal mask for sdpa/eager), so a packed forward equals separate forwards. Zero padding. The
   forward must pass `use_cache=False` and no attention_mask: with either, HF skips that detection.
 padded (for sdpa/eager): samples sorted by length are stacked as rows of similar length, right-padded,
@@ -84,6 +85,8 @@ class MicroBatch:
     sample_lengths: list[int] = field(default_factory=list)
     sample_offsets: list[int] = field(default_factory=list)  # flat position of each sample's first token
     select_K: torch.Tensor | None = None  # flat positions with mask 1, computed on the host
+    cu_seqlens_S: torch.Tensor | None = None  # packed: int32 sample boundaries in the row (0, ..., L)
+    max_seqlen: int = 0  # packed: the longest sample
 
     def __post_init__(self):
         if self.select_K is None:
@@ -99,13 +102,18 @@ class MicroBatch:
         return self.input_ids_RL.numel()
 
     def to(self, device: torch.device | str) -> MicroBatch:
-        moved = {name: getattr(self, name).to(device, non_blocking=True) for name in TENSOR_FIELDS}
-        mask = (
-            None if self.attention_mask_RL is None else self.attention_mask_RL.to(device, non_blocking=True)
-        )
+        """On the device; to CUDA from pinned memory, so the copy is queued on the stream and the host
+        runs on to the next micro-batch (from pageable memory it would wait for the GPU to drain)."""
+        device = torch.device(device)
+        moved = {name: _to_device(getattr(self, name), device) for name in TENSOR_FIELDS}
+        optional = {
+            name: None if getattr(self, name) is None else _to_device(getattr(self, name), device)
+            for name in ("attention_mask_RL", "cu_seqlens_S")
+        }
         return MicroBatch(
             **moved,
-            attention_mask_RL=mask,
+            **optional,
+            max_seqlen=self.max_seqlen,
             sample_indices=self.sample_indices,
             sample_lengths=self.sample_lengths,
             sample_offsets=self.sample_offsets,
@@ -118,6 +126,12 @@ class MicroBatch:
             [0.0] + flat[start : start + length - 1]
             for start, length in zip(self.sample_offsets, self.sample_lengths, strict=True)
         ]
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float], list[float]]:
@@ -134,6 +148,10 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
     labels = torch.zeros(num_rows * width, dtype=torch.long)
     mask, old, adv, behav = (torch.zeros(num_rows * width) for _ in range(4))
     offsets, start = [], 0
+    lengths = [s.num_tokens for s in chosen]
+    cu_seqlens = (
+        None if padded else torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    )
     for row, s in enumerate(chosen):
         n = s.num_tokens
         r, c = (row, 0) if padded else (0, start)
@@ -159,8 +177,10 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
         adv,
         behav,
         sample_indices=list(indices),
-        sample_lengths=[s.num_tokens for s in chosen],
+        sample_lengths=lengths,
         sample_offsets=offsets,
+        cu_seqlens_S=cu_seqlens,
+        max_seqlen=max(lengths),
     )
 
 

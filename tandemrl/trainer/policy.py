@@ -24,9 +24,17 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tandemrl.trainer.varlen import VARLEN_ATTN, register_varlen_attention, varlen_kernel_works
+
 log = logging.getLogger(__name__)
 
 LOGIT_CHUNK_TOKENS = 1024
+CPU_MICRO_BATCH_TOKENS = 8192
+# auto micro-batch budget on CUDA: this share of the free memory for activations, at an estimated
+# 16 (2 hidden + intermediate) bytes per token per layer (bf16 under autocast; SmolLM2-135M saves ~30 kB
+# per token per layer, the estimate ~43 kB), in steps of 4096 tokens within these bounds
+AUTO_MEMORY_FRACTION = 0.4
+AUTO_TOKENS_STEP, AUTO_MAX_TOKENS = 4096, 65536
 
 
 def _chunk_logits(hidden_kH, weight_VH, bias_V, inv_temperature: float) -> torch.Tensor:
@@ -136,21 +144,36 @@ class PolicyModel(nn.Module):
         labels_N: torch.Tensor,
         select_K: torch.Tensor,
         with_entropy: bool = False,
+        cu_seqlens_S: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cu_seqlens_S`/`max_seqlen`: sample boundaries of a packed row (host-computed, so the varlen
+        kernels need no device sync to find them); HF hands them to every attention layer."""
         autocast = torch.autocast(
             input_ids_RL.device.type, dtype=self.autocast_dtype, enabled=self.autocast_dtype is not None
         )
+        varlen = {}
+        if cu_seqlens_S is not None:
+            varlen = dict(
+                cu_seq_lens_q=cu_seqlens_S,
+                cu_seq_lens_k=cu_seqlens_S,
+                max_length_q=max_seqlen,
+                max_length_k=max_seqlen,
+            )
         with autocast:
             return self._logprobs(
-                input_ids_RL, position_ids_RL, attention_mask_RL, labels_N, select_K, with_entropy
+                input_ids_RL, position_ids_RL, attention_mask_RL, labels_N, select_K, with_entropy, varlen
             )
 
-    def _logprobs(self, input_ids_RL, position_ids_RL, attention_mask_RL, labels_N, select_K, with_entropy):
+    def _logprobs(
+        self, input_ids_RL, position_ids_RL, attention_mask_RL, labels_N, select_K, with_entropy, varlen
+    ):
         out = self.hf.base_model(
             input_ids=input_ids_RL,
             position_ids=position_ids_RL,
             attention_mask=attention_mask_RL,
             use_cache=False,
+            **varlen,
         )
         hidden_NH = out.last_hidden_state.reshape(-1, out.last_hidden_state.shape[-1])
         head = self.hf.get_output_embeddings()
@@ -175,19 +198,56 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_attn_implementation(name: str, device: torch.device) -> str:
-    """auto: flash_attention_2 (varlen, so micro-batches are packed) when the flash_attn package is
-    installed and the actor is on CUDA; sdpa otherwise (micro-batches are length-sorted padded rows)."""
+def resolve_attn_implementation(name: str, device: torch.device, compute_dtype: torch.dtype) -> str:
+    """The HF attention implementation for `actor.attn_implementation`. auto on CUDA below fp32:
+    flash_attention_2 when the flash_attn package is installed, else torch's own varlen flash kernel
+    (`trainer.varlen`) when it passes its probe, else sdpa; sdpa on CPU. The varlen kinds pack
+    micro-batches into one row; sdpa/eager use length-sorted padded rows."""
+    if name == "varlen":
+        register_varlen_attention()
+        return VARLEN_ATTN
     if name != "auto":
         return name
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type != "cuda" or compute_dtype == torch.float32:
+        return "sdpa"
+    if importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
+    if varlen_kernel_works(device, compute_dtype):
+        register_varlen_attention()
+        return VARLEN_ATTN
     return "sdpa"
 
 
 def uses_packed_rows(attn_implementation: str) -> bool:
     """Only varlen kernels make a packed row as cheap as separate sequences."""
-    return attn_implementation.startswith("flash")
+    return attn_implementation.startswith("flash") or attn_implementation == VARLEN_ATTN
+
+
+def auto_micro_batch_tokens(model_config, free_bytes: int) -> int:
+    """Tokens whose estimated activations fill AUTO_MEMORY_FRACTION of `free_bytes` (see the constants)."""
+    text = model_config.get_text_config()
+    hidden = text.hidden_size
+    per_layer = 16 * (2 * hidden + (getattr(text, "intermediate_size", None) or 4 * hidden))
+    tokens = int(AUTO_MEMORY_FRACTION * free_bytes / (per_layer * text.num_hidden_layers))
+    return min(AUTO_MAX_TOKENS, max(AUTO_TOKENS_STEP, tokens // AUTO_TOKENS_STEP * AUTO_TOKENS_STEP))
+
+
+def resolve_micro_batch_tokens(value: int | None, model_config, device: torch.device) -> int:
+    """`actor.micro_batch_tokens`, or for None: on CUDA `auto_micro_batch_tokens` of the free memory (a
+    small model gets large micro-batches: far fewer kernel launches and Python layer calls per token),
+    the minimum over ranks so every rank plans the same micro-batches; CPU_MICRO_BATCH_TOKENS on CPU."""
+    if value is not None:
+        return value
+    if device.type != "cuda":
+        return CPU_MICRO_BATCH_TOKENS
+    free_bytes, _ = torch.cuda.mem_get_info(device)
+    tokens = auto_micro_batch_tokens(model_config, free_bytes)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        agreed = torch.tensor([tokens], device=device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        tokens = int(agreed.item())
+    log.info("actor.micro_batch_tokens auto: %d (%.1f GiB free)", tokens, free_bytes / 2**30)
+    return tokens
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -14,7 +14,7 @@ from tests.integration.trainer_helpers import make_samples
 VOCAB = 512
 
 
-def _tiny_model():
+def _tiny_model(attn: str = "sdpa"):
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
@@ -28,12 +28,12 @@ def _tiny_model():
         tie_word_embeddings=True,
         use_sliding_window=False,
     )
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
 
 
-def _step(device: str, dtype: str):
+def _step(device: str, dtype: str, attn: str = "sdpa"):
     torch.set_num_threads(1)
-    model = _tiny_model()
+    model = _tiny_model(attn)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     config = load_config(
         None,
@@ -83,6 +83,26 @@ def test_bf16_train_step_on_cuda_matches_fp32():
 
 def test_cpu_twin_bf16_compute_matches_fp32():
     _compare_to_fp32("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_torch_varlen_kernel_on_cuda_gives_the_step_of_padded_sdpa():
+    """The packed rows through torch's varlen flash kernel (the actor's auto attention on CUDA without
+    flash_attn) against sdpa over padded rows, both bf16; the CPU twin is
+    tests/integration/test_actor_train.py::test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa."""
+    from tandemrl.trainer.varlen import VARLEN_ATTN, register_varlen_attention, varlen_kernel_works
+
+    assert varlen_kernel_works(torch.device("cuda", 0), torch.bfloat16)
+    register_varlen_attention()
+    varlen, packed, packed_delta = _step("cuda", "bfloat16", VARLEN_ATTN)
+    padded_actor, padded, padded_delta = _step("cuda", "bfloat16", "sdpa")
+    assert not varlen.is_padded and padded_actor.is_padded
+    assert packed["train/actor/loss"] == pytest.approx(padded["train/actor/loss"], abs=1e-2)
+    assert packed["train/actor/grad_norm"] == pytest.approx(padded["train/actor/grad_norm"], rel=2e-2)
+    a = torch.cat([packed_delta[k].flatten() for k in padded_delta])
+    b = torch.cat([padded_delta[k].flatten() for k in padded_delta])
+    assert float(a @ b / (a.norm() * b.norm())) > 0.95
 
 
 def _write_engine_dir(model, out_dir) -> None:

@@ -4,6 +4,8 @@ reference starts at 0; metrics are the documented ones."""
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
 
@@ -53,6 +55,37 @@ def test_gradient_checkpointing_gives_the_same_step(tiny_llama_dir):
     )
     assert any(getattr(m, "gradient_checkpointing", False) for m in actor.hf_model.modules())
     assert _max_diff(plain, checkpointed) < 1e-5
+
+
+def _minibatch_grads(actor: Actor, samples) -> dict[str, torch.Tensor]:
+    """Gradients of one minibatch's token-mean PPO loss, accumulated over the actor's own micro-batches."""
+    num_tokens = sum(s.num_loss_tokens for s in samples)
+    for micro in actor._plan(samples):
+        actor._ppo_micro_step(micro.to(actor.device), num_tokens, defaultdict(float), measure_gap=False)
+    return {n: p.grad.clone() for n, p in actor.hf_model.named_parameters()}
+
+
+def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_dir):
+    """The packed varlen path (one row per micro-batch, per-sample attention; on CPU its sdpa
+    reference) gives the gradient and the step metrics of the padded-rows sdpa path."""
+    torch.set_num_threads(1)
+    samples = make_samples(seed=3, num_samples=6)
+    padded = Actor(actor_config(tiny_llama_dir, "actor.micro_batch_tokens=64"))
+    varlen = Actor(
+        actor_config(tiny_llama_dir, "actor.micro_batch_tokens=64", "actor.attn_implementation=varlen")
+    )
+    assert padded.is_padded and not varlen.is_padded
+    assert len(varlen._plan(samples)) < len(padded._plan(samples))  # packing: fewer forwards
+    g_padded, g_varlen = _minibatch_grads(padded, samples), _minibatch_grads(varlen, samples)
+    scale = max(g.abs().max().item() for g in g_padded.values())
+    assert _max_diff(g_padded, g_varlen) < 1e-5 * scale
+    padded.optimizer.zero_grad(set_to_none=True)
+    varlen.optimizer.zero_grad(set_to_none=True)
+    m_padded, m_varlen = padded.train_step(samples), varlen.train_step(samples)
+    for key in ("loss", "entropy", "grad_norm", "approx_kl"):
+        assert m_varlen[f"train/actor/{key}"] == pytest.approx(
+            m_padded[f"train/actor/{key}"], rel=1e-5, abs=1e-7
+        )
 
 
 def test_kl_to_reference_starts_at_zero_then_grows(tiny_llama_dir):

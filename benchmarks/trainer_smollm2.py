@@ -1,0 +1,408 @@
+"""SmolLM2-135M actor benchmark: `Actor.train_step` tokens/s alone and while an embedded engine process
+on the same GPU generates, for the session-7 settings ("before": sdpa over length-sorted padded rows,
+8192-token micro-batches) and the current defaults ("after": auto attention, i.e. torch's varlen
+flash kernel over packed rows where it works, and the auto micro-batch budget).
+
+    python3 benchmarks/trainer_smollm2.py          # H200: the prepared SmolLM2 (random weights without it)
+    python3 benchmarks/trainer_smollm2.py --tiny   # CPU smoke check of the same code (no figures)
+
+Steps are the real code path: `Actor(config)` loads the model directory, `train_step` runs
+`algorithm.n_minibatches` updates on RL-shaped samples (a ~250-token prompt, then model turns
+alternating with masked information blocks, 300-1000 tokens). Order: "before" alone; the engine
+starts (its KV cache takes its default share of the free memory, as in a run); "after" alone (engine
+idle), then sdpa over padded rows at the after budget (which lever did what), the engine's
+generation rate alone (actor idle), then "after" while a client process keeps
+`--engine-concurrency` /generate requests in flight (`--shared-before`: "before" too; `--mps`: all
+of it under a private MPS daemon, so the two processes' kernels may overlap instead of time-slicing). Each variant: one warm-up step, then `--steps`
+timed steps; the median is reported, with the actor's CPU time per step (host work), its peak GPU
+memory and allocator retries (memory pressure), and the engine's tokens/s in the same window
+(GPU time-slicing shows as both sides slowing). Writes benchmarks/results/trainer_smollm2_h200.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import multiprocessing
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from model_shapes import SMOLLM2_135M, TINY  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from trainer import write_engine_dir  # noqa: E402
+
+from tandemrl.config.loader import load_config  # noqa: E402
+from tandemrl.trainer.batching import TrainSample  # noqa: E402
+
+BEFORE = ("sdpa", "8192")  # attn_implementation, micro_batch_tokens of session 7
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random model on CPU: a smoke check")
+    p.add_argument("--num-samples", type=int, default=None, help="trajectories per step (512; tiny 8)")
+    p.add_argument("--min-len", type=int, default=None, help="300; tiny 24")
+    p.add_argument("--max-len", type=int, default=None, help="1000; tiny 64")
+    p.add_argument("--n-minibatches", type=int, default=4)
+    p.add_argument("--steps", type=int, default=2, help="timed steps per variant, after one warm-up")
+    p.add_argument("--after-attn", default=None, help="actor.attn_implementation after (auto; tiny varlen)")
+    p.add_argument("--after-micro-batch-tokens", default="null", help="null: the auto budget")
+    p.add_argument("--no-ablation", action="store_true", help="skip sdpa padded rows at the after budget")
+    p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
+    p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
+    p.add_argument("--engine-concurrency", type=int, default=None, help="requests in flight (64; tiny 4)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="per request (256; tiny 8)")
+    p.add_argument("--engine-window-s", type=float, default=None, help="engine-alone window (6; tiny 1)")
+    p.add_argument("--mps", action="store_true", help="run actor and engine under a private MPS daemon")
+    p.add_argument("--out", default=None, help="results/trainer_smollm2_h200.json (tiny: under /tmp)")
+    args = p.parse_args()
+    if args.out is None:
+        results = Path(__file__).parent / "results"
+        args.out = (
+            "/tmp/trainer_smollm2_tiny.json" if args.tiny else str(results / "trainer_smollm2_h200.json")
+        )
+    tiny = dict(num_samples=8, min_len=24, max_len=64, after_attn="varlen", engine_concurrency=4)
+    full = dict(num_samples=512, min_len=300, max_len=1000, after_attn="auto", engine_concurrency=64)
+    tiny.update(max_new_tokens=8, engine_window_s=1.0)
+    full.update(max_new_tokens=256, engine_window_s=6.0)
+    for name, value in (tiny if args.tiny else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+def make_rl_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[TrainSample]:
+    """Search-R1-shaped trajectories: a prompt of ~3/8 of min_len (mask 0), then model turns (mask 1)
+    alternating with information blocks (mask 0) up to a random length; rollout logprobs in [-3, 0]."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(num):
+        n = rng.randint(min_len, max_len)
+        mask = [0] * (3 * min_len // 8 + rng.randint(0, min_len // 8))
+        while len(mask) < n:
+            mask += [1] * rng.randint(max(2, min_len // 10), max(3, min_len // 3))
+            if len(mask) < n - min_len // 10:
+                mask += [0] * rng.randint(max(2, min_len // 5), max(3, min_len // 2))
+        mask = mask[:n]
+        ids = [rng.randrange(vocab) for _ in range(n)]
+        old = [-rng.uniform(0.0, 3.0) * m for m in mask]
+        out.append(TrainSample(ids, mask, old, rng.uniform(-1, 1)))
+    return out
+
+
+def model_dir_for(args, tmp: Path) -> tuple[Path, str]:
+    """The prepared SmolLM2 (full run) or a random model of its (or the tiny) shape saved to `tmp`."""
+    from tandemrl.data.home import default_model_dir
+
+    prepared = default_model_dir()
+    if not args.tiny and (prepared / "config.json").is_file():
+        return prepared, f"prepared {prepared}"
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    shape = TINY if args.tiny else SMOLLM2_135M
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), dtype=torch.float32)
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    return write_engine_dir(model, tmp / "model", dtype), "random weights from the config"
+
+
+def make_actor(model_dir: Path, args, device: torch.device, attn: str, micro_batch_tokens: str):
+    from tandemrl.trainer.actor import Actor
+
+    overrides = [
+        f"actor.device={device.type}",
+        f"actor.model.model_path={model_dir}",
+        "runner.output_dir=/tmp/tandem-bench",
+        f"algorithm.n_minibatches={args.n_minibatches}",
+        f"actor.attn_implementation={attn}",
+        f"actor.micro_batch_tokens={micro_batch_tokens}",
+    ]
+    return Actor(load_config(None, overrides))
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_variant(actor, samples, args, device: torch.device, load=None) -> dict:
+    """One warm-up step, then `args.steps` timed ones: wall and process CPU seconds, GPU memory."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    actor.train_step(samples)
+    sync(device)
+    wall, cpu, rates = [], [], []
+    for _ in range(args.steps):
+        start, cpu_start = time.perf_counter(), time.process_time()
+        actor.train_step(samples)
+        sync(device)
+        end = time.perf_counter()
+        wall.append(end - start)
+        cpu.append(time.process_time() - cpu_start)
+        if load is not None:
+            rates.append(load.tokens_per_s(start, end))
+    tokens = sum(s.num_tokens for s in samples)
+    result = {
+        "attn_implementation": actor.hf_model.config._attn_implementation,
+        "layout": "padded rows" if actor.is_padded else "packed rows",
+        "micro_batch_tokens": actor.micro_batch_tokens,
+        "micro_batches_per_step": sum(len(actor._plan(mb)) for mb in _minibatches(samples, args)),
+        "train_step_s": wall,
+        "cpu_s_per_step": cpu,
+        "train_tokens_per_s": tokens / statistics.median(wall),
+        "cpu_share_of_step": statistics.median(cpu) / statistics.median(wall),
+        "num_skipped_updates": actor.num_skipped_updates,
+    }
+    if load is not None:
+        result["engine_tokens_per_s_during"] = statistics.median(rates)
+    if device.type == "cuda":
+        stats = torch.cuda.memory_stats(device)
+        free, total = torch.cuda.mem_get_info(device)
+        result.update(
+            actor_peak_allocated_gb=stats["allocated_bytes.all.peak"] / 1e9,
+            actor_peak_reserved_gb=stats["reserved_bytes.all.peak"] / 1e9,
+            actor_alloc_retries=stats["num_alloc_retries"],
+            gpu_used_gb=(total - free) / 1e9,
+        )
+    return result
+
+
+def _minibatches(samples, args):
+    from tandemrl.trainer.batching import split_minibatches
+
+    return split_minibatches(samples, args.n_minibatches)
+
+
+class GenerationLoad:
+    """A client process (so its host work does not share the actor's GIL, as in a run where rollout
+    clients live apart from the trainer) keeping `concurrency` /generate requests in flight: random
+    prompts, fixed-length answers; it appends "finish-time tokens" lines to a file read here."""
+
+    def __init__(self, url: str, concurrency: int, max_new_tokens: int, vocab: int, prompt_len: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.path = Path(tempfile.mkdtemp(prefix="tandem-bench-load-")) / "done.txt"
+        self.path.touch()
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(
+            target=_load_main,
+            args=(url, concurrency, max_new_tokens, vocab, prompt_len, str(self.path), self._stop),
+            daemon=True,
+        )
+
+    def __enter__(self) -> GenerationLoad:
+        self._proc.start()
+        deadline = time.perf_counter() + 300
+        while not self.records():  # the child imports torch and connects before any request ends
+            if time.perf_counter() > deadline or not self._proc.is_alive():
+                raise RuntimeError(f"generation load finished no request (exit code {self._proc.exitcode})")
+            time.sleep(0.2)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._proc.join(timeout=120)
+        if self._proc.is_alive():
+            self._proc.kill()
+
+    def records(self) -> list[tuple[float, int, str]]:
+        out = []
+        for line in self.path.read_text().splitlines():
+            t, n, err = line.split(" ", 2)
+            out.append((float(t), int(n), err))
+        return out
+
+    def tokens_per_s(self, start: float, end: float) -> float:
+        return sum(n for t, n, _ in self.records() if start <= t < end) / max(end - start, 1e-9)
+
+    def rate_over(self, window_s: float) -> float:
+        start = time.perf_counter()
+        time.sleep(window_s)
+        return self.tokens_per_s(start, time.perf_counter())
+
+    def errors(self) -> list[str]:
+        return [err for _, _, err in self.records() if err != "-"]
+
+
+def _load_main(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
+    asyncio.run(_load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop))
+
+
+async def _load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
+    from tandemrl.rollout.client import EngineClient
+
+    client = EngineClient(url)
+    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
+    with open(path, "a", buffering=1) as out:  # line-buffered: the parent reads it while it grows
+
+        async def worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+                try:
+                    result = await client.generate(prompt, params)
+                    out.write(f"{time.perf_counter()} {len(result.output_ids)} -\n")
+                except Exception as exc:  # reported in the JSON; the load must not die silently
+                    out.write(f"{time.perf_counter()} 0 {repr(exc)[:300]!r}\n")
+                    await asyncio.sleep(0.5)
+
+        try:
+            await asyncio.gather(*(worker(k) for k in range(concurrency)))
+        finally:
+            await client.close()
+
+
+def free_actor(actor, device: torch.device) -> None:
+    del actor
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def start_engine(model_dir: Path, args, device: torch.device):
+    from tandemrl.rollout.engine_process import EngineProcess
+
+    rollout = load_config(None, []).rollout
+    if args.kv_cache_gb is not None:
+        rollout.kv_cache_gb = args.kv_cache_gb
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
+
+
+def start_mps() -> dict:
+    """A private MPS control daemon (its own pipe/log directories, inherited by the engine process):
+    with it the actor's and the engine's kernels can run concurrently instead of time-sliced."""
+    root = Path(tempfile.mkdtemp(prefix="tandem-bench-mps-"))
+    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
+    for path in env.values():
+        Path(path).mkdir()
+    os.environ.update(env)
+    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ})
+    return env
+
+
+def stop_mps(env: dict | None) -> None:
+    if env is not None:
+        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, timeout=30)
+
+
+def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample]) -> dict:
+    """The variants in the order of the module docstring; the engine lives from 'after' on."""
+    variants: dict[str, dict] = {}
+    before = make_actor(model_dir, args, device, *BEFORE)
+    variants["before_alone"] = time_variant(before, samples, args, device)
+    free_actor(before, device)
+    engine = start_engine(model_dir, args, device)
+    started = time.perf_counter()
+    with engine:
+        engine_startup_s = time.perf_counter() - started
+        after = make_actor(model_dir, args, device, args.after_attn, args.after_micro_batch_tokens)
+        variants["after_alone"] = time_variant(after, samples, args, device)
+        if not args.no_ablation:  # which lever: the same budget with padded sdpa rows
+            ablation = make_actor(model_dir, args, device, "sdpa", str(after.micro_batch_tokens))
+            variants["sdpa_padded_after_budget_alone"] = time_variant(ablation, samples, args, device)
+            free_actor(ablation, device)
+        vocab = after.hf_model.config.vocab_size
+        prompt_len = min(250, 3 * args.min_len // 8)
+        with GenerationLoad(
+            engine.url, args.engine_concurrency, args.max_new_tokens, vocab, prompt_len
+        ) as load:
+            load.rate_over(args.engine_window_s / 3)  # warm: batches fill, first requests finish
+            engine_alone = load.rate_over(args.engine_window_s)
+            variants["after_shared"] = time_variant(after, samples, args, device, load)
+            if args.shared_before:
+                free_actor(after, device)
+                before = make_actor(model_dir, args, device, *BEFORE)
+                variants["before_shared"] = time_variant(before, samples, args, device, load)
+        errors = load.errors()
+        num_done = len(load.records())
+    return {
+        "variants": variants,
+        "engine_startup_s": engine_startup_s,
+        "engine_tokens_per_s_alone": engine_alone,
+        "engine_requests_done": num_done,
+        "engine_errors": errors[:5],
+        "kv_cache_gb": args.kv_cache_gb,
+        "engine_concurrency": args.engine_concurrency,
+        "max_new_tokens": args.max_new_tokens,
+    }
+
+
+def summarise(result: dict) -> dict:
+    v = result["variants"]
+    tps = {name: v[name]["train_tokens_per_s"] for name in v}
+    engine_share = v["after_shared"]["engine_tokens_per_s_during"] / max(
+        result["engine_tokens_per_s_alone"], 1e-9
+    )
+    summary = {
+        "speedup_after_vs_before_alone": tps["after_alone"] / tps["before_alone"],
+        "shared_over_alone_after": tps["after_shared"] / tps["after_alone"],
+        "engine_shared_over_alone": engine_share,
+        # ~1: the two processes split the GPU's time (time-slicing); < 1: sharing itself costs
+        # (context switches, host or memory contention); > 1: their kernels overlap (MPS)
+        "gpu_share_sum_after": tps["after_shared"] / tps["after_alone"] + engine_share,
+    }
+    if "before_shared" in v:
+        summary["shared_over_alone_before"] = tps["before_shared"] / tps["before_alone"]
+    return summary
+
+
+def main() -> int:
+    args = parse_args()
+    mps = start_mps() if args.mps and not args.tiny else None  # before this process touches CUDA
+    use_cuda = not args.tiny and torch.cuda.is_available()
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if args.tiny:
+        torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-smollm2-") as tmp:
+        model_dir, source = model_dir_for(args, Path(tmp))
+        from transformers import AutoConfig
+
+        vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+        samples = make_rl_samples(args.num_samples, args.min_len, args.max_len, vocab, seed=0)
+        try:
+            measured = run(args, device, model_dir, samples)
+        finally:
+            stop_mps(mps)
+    env = " ".join(f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "TANDEM_HOME") if k in os.environ)
+    result = {
+        "gpu": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({platform.processor()})",
+        "command": f"{env} python3 {' '.join(sys.argv)}".strip(),
+        "tiny": args.tiny,
+        "model": source,
+        "torch": torch.__version__,
+        "num_samples": len(samples),
+        "tokens_per_step": sum(s.num_tokens for s in samples),
+        "loss_tokens_per_step": sum(s.num_loss_tokens for s in samples),
+        "n_minibatches": args.n_minibatches,
+        "mps": mps is not None,
+        "before_settings": {"attn_implementation": BEFORE[0], "micro_batch_tokens": int(BEFORE[1])},
+        **measured,
+    }
+    result["summary"] = summarise(result)
+    print(json.dumps(result, indent=2))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    v, s = result["variants"], result["summary"]
+    print(
+        f"before {v['before_alone']['train_tokens_per_s']:.0f} tok/s, after {v['after_alone']['train_tokens_per_s']:.0f} "
+        f"tok/s ({s['speedup_after_vs_before_alone']:.2f}x); shared {v['after_shared']['train_tokens_per_s']:.0f} "
+        f"tok/s ({s['shared_over_alone_after']:.2f} of alone); engine {result['engine_tokens_per_s_alone']:.0f} -> "
+        f"{v['after_shared']['engine_tokens_per_s_during']:.0f} tok/s -> {args.out}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -197,13 +197,11 @@ def main() -> int:
 
 
 def write_plots(sync_dir: Path, async_dir: Path, plot_dir: Path) -> None:
-    try:
-        from tandemrl.metrics.plots import plot_runs
-    except ImportError:  # `tandem plot` not in this checkout: the table stands alone
-        print("no tandemrl.metrics.plots.plot_runs: plots skipped")
-        return
-    for path in plot_runs([sync_dir, async_dir], plot_dir):
-        print(f"plot {path}")
+    """The overlays of `tandem plot`, the two runs labelled sync and async."""
+    from tandemrl.metrics.plots import load_run, overlay_runs
+
+    overlay_runs([load_run(sync_dir, "sync"), load_run(async_dir, "async")], plot_dir)
+    print(f"plots in {plot_dir}: " + ", ".join(sorted(p.name for p in plot_dir.glob("*.png"))))
 
 
 if __name__ == "__main__":

@@ -133,8 +133,9 @@ class RunLog:
                 total += row.get("time/step", 0.0)
                 out.append(total)
             return out
-        if all("train/actor/num_updates" in row for row in self.rows):
-            return [row["train/actor/num_updates"] for row in self.rows]
+        # a row without training (validation before the first step, at step 0) has made no update
+        if all("train/actor/num_updates" in row for row in self.rows if row["step"] > 0):
+            return [row.get("train/actor/num_updates", 0.0) for row in self.rows]
         if self.n_minibatches is None:
             raise ValueError(
                 f"run {self.label!r}: no train/actor/num_updates in its metrics and no config.yaml with "

@@ -34,6 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="RL training (sync or async runner)")
     _add_config_args(train)
+    train.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the placement plan (each process with its node and GPUs), the derived limits and the "
+        "weight-sync route, then exit without starting anything",
+    )
     train.set_defaults(handler="tandemrl.runner.launch:run_train")
 
     demo = sub.add_parser("demo", help="prepare the embedded defaults and run a short async training on them")
@@ -118,7 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # overrides after a flag (`train CONFIG --dry-run a=1`): argparse leaves them over
+        if getattr(args, "overrides", None) is None or any(item.startswith("-") for item in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides += extra
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

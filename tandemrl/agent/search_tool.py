@@ -83,6 +83,16 @@ class SearchTool:
             self._session_loop = loop
         return self._session
 
+    async def health(self) -> bool:
+        """Whether the server answers HTTP at all (a Search-R1 server has only /retrieve, so any status
+        counts): the run's watchdog tells a dead external server from a slow one by this."""
+        base = self.url.removesuffix("/retrieve")
+        try:
+            async with self._get_session().get(base + "/health") as response:
+                return response.status > 0
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
     async def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Per query, `topk` hits `{"document": {"id", "contents"}, "score"}`, best first."""
         if not queries:

@@ -1,15 +1,21 @@
 """A `tandem` HTTP server run as a child process: spawn, wait for `/health`, stop.
 
-The engine and the retrieval server are both launched this way (one process each, bound to
-127.0.0.1). Invariant: `start()` returns only once `/health` answers, and otherwise raises with the
-tail of the child's log, so a bad path or an out-of-memory error is readable where it happened;
-`stop()` always reaps the child (terminate, then kill), so no server outlives its owner.
+The engine, the SGLang server and the retrieval server are all launched this way (one process each).
+Invariants: `start()` (= `launch()` + `wait_healthy()`) returns only once `/health` answers, and
+otherwise raises with the tail of the child's log, so a bad path or an out-of-memory error is readable
+where it happened; `stop()` always reaps the child (terminate, then kill). No server outlives its
+owner even when the owner is killed: the child gets a parent-death signal (SIGKILL when the thread that
+launched it dies, so launch from a thread that lives as long as the server), and it runs in its own
+session, so a Ctrl-C in the terminal reaches only the owner, which stops the servers in order.
+See docs/DESIGN.md (process lifecycle).
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +26,15 @@ import urllib.request
 from pathlib import Path
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """`preexec_fn` of a child: SIGKILL it when its parent (thread) dies, even by kill -9."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -50,6 +65,7 @@ class ChildServer:
             Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix=f"tandem-{self.name}-")) / "log"
         )
         self.proc: subprocess.Popen | None = None
+        self._launched_s = 0.0
 
     def server_args(self) -> list[str]:
         raise NotImplementedError
@@ -62,15 +78,31 @@ class ChildServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self):
+        return self.launch().wait_healthy()
+
+    def launch(self):
+        """Spawn the child without waiting for it (several servers boot concurrently)."""
         if self.is_alive():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, **OFFLINE_ENV, **(self.env or {})}
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log_file, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL
+                self.command(),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent if sys.platform == "linux" else None,
             )
-        deadline = time.monotonic() + self.startup_timeout_s
+        self._launched_s = time.monotonic()
+        return self
+
+    def wait_healthy(self):
+        """Block until `/health` answers (raises with the log's tail if the child exits or times out)."""
+        assert self.proc is not None, "launch() first"
+        deadline = self._launched_s + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(

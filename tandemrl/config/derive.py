@@ -33,9 +33,10 @@ COLDSTART = "coldstart"  # model_path alias: the embedded policy after `tandem s
 
 
 def _derive_model_paths(config: TandemConfig) -> None:
-    """`coldstart` names the cold-started embedded policy; the actor trains what the rollout serves
-    unless its own path is given (a model path set on the rollout side alone would otherwise leave
-    the actor on the default SmolLM2 until the first weight push failed)."""
+    """`coldstart` names the cold-started embedded policy; one model path: the actor trains what the
+    rollout serves (a model path set on the rollout side alone would otherwise leave the actor on the
+    default SmolLM2 until the first weight push failed), and two different paths are an error unless
+    `actor.allow_different_model` says they differ on purpose."""
     from tandemrl.data.home import default_coldstart_dir
 
     for key, model in (
@@ -45,25 +46,37 @@ def _derive_model_paths(config: TandemConfig) -> None:
         if model.model_path == COLDSTART:
             model.model_path = str(default_coldstart_dir())
             config.derived[key] = f"{model.model_path} (coldstart: the output of `tandem sft`)"
-    rollout_path = config.rollout.model.model_path
-    if config.actor.model.model_path is None and rollout_path is not None:
+    rollout_path, actor_path = config.rollout.model.model_path, config.actor.model.model_path
+    if actor_path is None and rollout_path is not None:
         config.actor.model.model_path = rollout_path
         config.derived["actor.model.model_path"] = f"{rollout_path} (= rollout.model.model_path)"
+    elif rollout_path is None and actor_path is not None:
+        config.rollout.model.model_path = actor_path
+        config.derived["rollout.model.model_path"] = f"{actor_path} (= actor.model.model_path)"
+    elif actor_path != rollout_path and not config.actor.allow_different_model:
+        raise ConfigError(
+            f"actor.model.model_path={actor_path!r} differs from rollout.model.model_path={rollout_path!r}: "
+            "the actor would train other weights than the engines serve, and the first weight push would fail "
+            "or silently replace them. Set only rollout.model.model_path (the actor follows it), or, to start "
+            "the actor from other weights of the same architecture on purpose, set "
+            "actor.allow_different_model=true."
+        )
 
 
 def _derive_instances(config: TandemConfig) -> None:
     rollout = config.rollout
     if rollout.instances is not None:
         return
-    spec = config.cluster.component_placement.get("rollout")
+    keys = [key for key in config.cluster.component_placement if "rollout" in key.split(",")]
+    spec = config.cluster.component_placement[keys[0]] if keys else None
     if spec is None:
         rollout.instances = 1
         config.derived["rollout.instances"] = "1 (no rollout placement in cluster.component_placement)"
         return
-    num_gpus = len(parse_gpu_range(spec, "cluster.component_placement.rollout"))
+    num_gpus = len(parse_gpu_range(spec, f"cluster.component_placement.{keys[0]}"))
     if num_gpus % rollout.tensor_parallel_size:
         raise ConfigError(
-            f"cluster.component_placement.rollout={spec!r}: {num_gpus} GPUs cannot be split into engines of "
+            f"cluster.component_placement.{keys[0]}={spec!r}: {num_gpus} GPUs cannot be split into engines of "
             f"rollout.tensor_parallel_size={rollout.tensor_parallel_size}. Give the rollout a multiple of "
             "tensor_parallel_size GPUs."
         )

@@ -115,10 +115,29 @@ class ModelConfig:
 
 @dataclass
 class SglangConfig:
+    """The SGLang servers tandem launches (`rollout.backend: sglang` without `rollout.server_addrs`):
+    `python -m sglang.launch_server` on each instance's node and GPUs, see cluster/engine_commands.py."""
+
     backend_type: str = "server"
+    mem_fraction_static: float = 0.85  # --mem-fraction-static: GPU memory for weights + KV cache
+    host: str | None = None  # --host; None: the node's address (127.0.0.1 on a one-node run)
+    port: int = 30000  # --port of a node's first instance; the next ones on that node count up
+    extra_args: list[str] = field(
+        default_factory=list
+    )  # appended verbatim, e.g. ["--attention-backend", "fa3"]
 
     def __post_init__(self):
         _check_choice("rollout.sglang.backend_type", self.backend_type, SGLANG_BACKEND_TYPES)
+        _check(
+            0 < self.mem_fraction_static <= 1,
+            "rollout.sglang.mem_fraction_static",
+            self.mem_fraction_static,
+            "must be in (0, 1]",
+            "Use e.g. 0.85.",
+        )
+        _check(
+            0 < self.port < 65536, "rollout.sglang.port", self.port, "is not a TCP port", "Use e.g. 30000."
+        )
 
 
 @dataclass
@@ -281,6 +300,9 @@ class ActorConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_ranks: int = 1
+    # the actor trains rollout.model.model_path (the weights the engines serve); true: actor.model.model_path
+    # may name other weights on purpose (same architecture and tokenizer; the engines get them at step 0)
+    allow_different_model: bool = False
     # auto (CUDA, bf16): flash_attention_2 when flash_attn is installed, else varlen (torch's own flash
     # varlen kernel, trainer/varlen.py) when it works, else sdpa; CPU: sdpa. flash/varlen pack
     # micro-batches into one row, sdpa/eager use length-sorted padded rows
@@ -361,11 +383,29 @@ class ClusterConfig:
     num_nodes: int = 1
     num_gpus_per_node: int = 0
     component_placement: dict[str, str] = field(default_factory=dict)  # e.g. {actor: "0-7", rollout: "8-15"}
-    use_ray: bool = True  # the actor runs as a Ray actor; false: in the runner's process
+    # true: the actor ranks and the rollout engines run as Ray actors on their planned nodes and GPUs;
+    # false: the actor in the runner's process and the engines as its child processes (one machine)
+    use_ray: bool = True
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster
+    retrieval_node: int = 0  # node rank that runs the retrieval server (retrieval.launch=true)
+    gpu_resource: str = "GPU"  # the Ray resource that counts GPUs (tests stand a custom one in for GPUs)
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
+        _check(
+            self.num_gpus_per_node >= 0,
+            "cluster.num_gpus_per_node",
+            self.num_gpus_per_node,
+            "must be >= 0",
+            "Use the number of GPUs of each node, or 0 on a CPU-only machine.",
+        )
+        _check(
+            self.retrieval_node >= 0,
+            "cluster.retrieval_node",
+            self.retrieval_node,
+            "must be >= 0",
+            "Use a node rank, e.g. 0.",
+        )
         for component in self.component_placement:
             _check(
                 component in ("actor", "rollout", "actor,rollout"),

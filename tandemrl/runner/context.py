@@ -37,6 +37,8 @@ class RunContext:
     val_prompts: list[Any] = field(default_factory=list)
     last_step_end_s: float = field(default_factory=time.monotonic)
     busy_mark: tuple[float, float] | None = None  # (monotonic time, engines' total busy_s) when last read
+    started_s: float | None = None  # monotonic time of the process start (`tandem train`)
+    first_step_s: float = float("nan")  # process start -> end of the run's first step
 
     @property
     def ledger_path(self) -> Path:
@@ -202,3 +204,6 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         await save_checkpoint(ctx, step)
     ctx.logger.log(step, metrics)
     ctx.last_step_end_s = time.monotonic()
+    if step == ctx.start_step + 1 and ctx.started_s is not None:
+        ctx.first_step_s = ctx.last_step_end_s - ctx.started_s
+        log.info("time to first step: %.1f s (process start to the end of step %d)", ctx.first_step_s, step)

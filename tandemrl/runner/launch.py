@@ -1,32 +1,50 @@
-"""`tandem train CONFIG [overrides]`: load the config, start the services and the actor, run, stop all.
+"""`tandem train CONFIG [overrides] [--dry-run]`: load the config, place and start the services and
+the actor, run, stop all.
 
-Invariant: the order is config (errors before anything starts) -> retrieval server + engines ->
-actor worker (Ray or in-process) -> runner; teardown is the reverse and happens on every exit path.
+Invariant: the order is config and placement plan (errors before anything starts) -> every server
+spawned, then the actor submitted, all booting at once -> wait for all -> runner; teardown is the
+reverse and happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9
+of this process is cleaned up by the run's reaper (cluster/reaper.py). See docs/DESIGN.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from tandemrl.config.derive import describe_derived
 from tandemrl.config.loader import load_config
 
 log = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (the figure `time to first step` counts from)."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except ImportError:
+        return time.process_time()
 
 
 def train(config: Any, write_plots: bool = True) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context."""
     from tandemrl.cluster.actor_group import ActorGroup
+    from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.runner.services import Services
     from tandemrl.runner.session import run_session
 
-    for line in describe_derived(config):
+    plan = plan_placement(config)
+    for line in describe_plan(config, plan):
         log.info("%s", line)
     log.info(
         "%s runner, output in %s", "async" if config.runner.async_mode else "sync", config.runner.output_dir
@@ -34,34 +52,107 @@ def train(config: Any, write_plots: bool = True) -> Any:
     output_dir = Path(config.runner.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(render(config) + "\n")  # read by `tandem plot`
-    services = Services(config).start()
-    actor = None
+    start_s = time.monotonic()
+    services, actor = Services(config, plan), None
     try:
-        actor = ActorGroup(config)
-        ctx = asyncio.run(run_session(config, services, actor))
+        services.launch()
+        actor = ActorGroup(config, plan, services.nodes).wait_ready()
+        actor_s = time.monotonic() - start_s
+        services.wait()
+        log.info(
+            "start-up: actor ready after %.1f s, all services after %.1f s",
+            actor_s,
+            time.monotonic() - start_s,
+        )
+        ctx = asyncio.run(run_session(config, services, actor, time.monotonic() - process_age_s()))
     finally:
         if actor is not None:
             actor.shutdown()
         services.stop()
+        _shutdown_ray(config)
     if write_plots:
         paths = plot(config.runner.output_dir, config.algorithm.n_minibatches)
         log.info("plots: %s", ", ".join(str(p) for p in paths))
     return ctx
 
 
+def _shutdown_ray(config: Any) -> None:
+    if config.cluster.use_ray:
+        import ray
+
+        ray.shutdown()
+
+
+def dry_run(config: Any) -> int:
+    """Print the plan: processes with node and GPUs, derived limits, weight-sync route; start nothing."""
+    from tandemrl.cluster.placement import describe_plan, plan_placement
+
+    plan = plan_placement(config)
+    lines = describe_plan(config, plan)
+    if config.rollout.backend == "sglang" and plan.engines:
+        from tandemrl.rollout.sglang_process import SglangServerProcess
+
+        per_node: dict[int, int] = {}
+        for index, placement in enumerate(plan.engines):
+            offset = per_node.get(placement.node, 0)
+            per_node[placement.node] = offset + 1
+            host = config.rollout.sglang.host or (
+                f"<node {placement.node} address>" if plan.num_nodes > 1 else "127.0.0.1"
+            )
+            port, seed = config.rollout.sglang.port + offset, config.runner.seed + index
+            server = SglangServerProcess(config.rollout, config.rollout.model.model_path, host, port, seed)
+            lines.append(f"rollout engine {index} command: python {' '.join(server.command()[1:])}")
+    print("\n".join(["tandem train --dry-run: nothing started", *lines]))
+    return 0
+
+
+def interrupted_line(config: Any, signum: int) -> str:
+    """The one line of an interrupted run: where it stopped and what resume point it left."""
+    from tandemrl.metrics.logger import read_history
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    output_dir = Path(config.runner.output_dir)
+    history = read_history(output_dir / "metrics.jsonl")
+    last_step = int(history[-1]["step"]) if history else 0
+    checkpoint = latest_checkpoint(output_dir)
+    resume = f"resume with runner.resume_from={checkpoint}" if checkpoint else "no checkpoint to resume from"
+    return (
+        f"tandem train: stopped by {signal.Signals(signum).name} after step {last_step} of "
+        f"{config.runner.max_steps}; services stopped. No checkpoint written on interrupt: the actor may be "
+        f"mid-update, so its weights are not those of a finished step (runner.save_interval="
+        f"{config.runner.save_interval} saved the due ones); {resume}."
+    )
+
+
 def run_train(args: Any) -> int:
     from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
-    from tandemrl.runner.services import EngineDiedError
+    from tandemrl.cluster.reaper import start_reaper
+    from tandemrl.runner.services import ServiceDiedError
 
     config = load_config(args.config, args.overrides)
+    if getattr(args, "dry_run", False):
+        return dry_run(config)
+    received: list[int] = []
+
+    def on_signal(signum: int, frame: Any) -> None:
+        received.append(signum)
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    start_reaper()
     try:
         ctx = train(config)
-    except (EngineDiedError, DroppedGroupsLimitError) as error:
+    except KeyboardInterrupt:
+        print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except (ServiceDiedError, DroppedGroupsLimitError) as error:
         print(f"tandem train: {error}", file=sys.stderr)
         return 1
     output_dir = Path(config.runner.output_dir)
     print(
-        f"tandem train: {config.runner.max_steps} steps done; TensorBoard logs in {output_dir / 'tensorboard'}, "
-        f"checkpoints in {output_dir / 'checkpoints'}, plots in {output_dir / 'plots'}"
+        f"tandem train: {config.runner.max_steps} steps done; time to first step {ctx.first_step_s:.1f} s; "
+        f"TensorBoard logs in {output_dir / 'tensorboard'}, checkpoints in {output_dir / 'checkpoints'}, "
+        f"plots in {output_dir / 'plots'}"
     )
     return 0 if ctx is not None else 1

@@ -1,8 +1,12 @@
-"""The processes a run needs: rollout engines and the retrieval server, plus the engine watchdog.
+"""The processes a run needs besides the actor: rollout engines and the retrieval server, placed by the
+placement plan, and the watchdog over them. `tandem train`, `tandem eval` and `tandem sft` all start
+their services here.
 
-Invariants: services start in order and stop in reverse, also on error; an engine that dies stops
-the run within `runner.engine_health_interval_s` (+ one check) with a message naming it, while a
-retrieval outage is left to the search tool (retries, then an error text to the agent, SPEC §9).
+Invariants: every server is spawned before any is waited for (they boot concurrently, and beside the
+actor); they stop in reverse order, also on error. A server that dies stops the run within
+`runner.engine_health_interval_s` (+ one check) with a message naming it: an engine raises
+`EngineDiedError`, the retrieval server `RetrievalDiedError` (its transient errors are the search
+tool's to retry, then to report to the agent). See docs/DESIGN.md (processes and where they run).
 """
 
 from __future__ import annotations
@@ -16,11 +20,19 @@ from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
-NUM_HEALTH_FAILURES = 3  # consecutive failed /health checks of an external engine before it counts as dead
+NUM_HEALTH_FAILURES = 3  # consecutive failed /health checks of an external server before it counts as dead
 
 
-class EngineDiedError(RuntimeError):
+class ServiceDiedError(RuntimeError):
+    """A server of the run exited, or an external one stopped answering /health."""
+
+
+class EngineDiedError(ServiceDiedError):
     """A rollout engine process exited, or an external engine stopped answering /health."""
+
+
+class RetrievalDiedError(ServiceDiedError):
+    """The retrieval server exited, or an external one stopped answering /health."""
 
 
 def resolve_device(device: str) -> str:
@@ -38,6 +50,7 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def model_path(config: Any) -> str:
+    """The weights the engines serve and the actor trains (one path, see config/derive.py)."""
     from tandemrl.data.home import default_model_dir
 
     path = Path(config.rollout.model.model_path or default_model_dir())
@@ -49,107 +62,172 @@ def model_path(config: Any) -> str:
     return str(path)
 
 
+def index_dir(config: Any) -> str:
+    from tandemrl.data.home import default_index_dir
+
+    path = Path(config.retrieval.index_dir or default_index_dir())
+    if not path.exists():
+        raise ConfigError(
+            f"retrieval.index_dir={str(path)!r} does not exist. Build it with `tandem prepare all` "
+            "(embedded KB) or `tandem index build`, or set retrieval.launch=false and "
+            "tools.search.server_addr to a running retrieval server."
+        )
+    return str(path)
+
+
 class Services:
-    def __init__(self, config: Any):
+    """`with_engines=False`: the retrieval server only (`tandem sft`)."""
+
+    def __init__(self, config: Any, plan: Any = None, with_engines: bool = True):
+        from tandemrl.cluster.placement import plan_placement
+
         self.config = config
-        self.engine_processes: list[Any] = []
+        self.plan = plan or plan_placement(config)
+        self.with_engines = with_engines
+        self.nodes: Any = None  # cluster.ray_nodes.NodeMap once Ray is up
+        self.group: Any = None
+        self.engine_handles: list[Any] = []
+        self.retrieval_handle: Any = None
         self.engine_urls: list[str] = []
-        self.retrieval: Any = None
         self.search_addr = config.tools.search.server_addr
 
     def start(self) -> Services:
+        self.launch()
+        self.wait()
+        return self
+
+    def launch(self) -> Services:
+        """Spawn every server (local ones first, so they boot while Ray starts); returns at once."""
+        from tandemrl.cluster.server_group import ServerGroup
+
         try:
-            self._start_retrieval()
-            self._start_engines()
+            local, remote = self._specs()
+            handles = [self._local_handle(name, spec) for name, spec, _ in local]
+            self.group = ServerGroup(handles)
+            for handle in handles:
+                handle.launch()
+            if self.config.cluster.use_ray:
+                self._launch_remote(remote)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_engines(self) -> None:
+    def _launch_remote(self, remote: list) -> None:
+        from tandemrl.cluster.ray_nodes import NodeMap, init_ray
+        from tandemrl.cluster.server_group import ServerGroup, place_remote
+
+        init_ray(self.config)
+        self.nodes = NodeMap(self.config, self.plan)
+        gpu_share = 0.5 if self.plan.shares_gpu else 1.0  # the actor holds the other half of a shared GPU
+        handles = [
+            place_remote(name, spec, placement.node, len(placement.gpus) * gpu_share, self.nodes)
+            for name, spec, placement in remote
+        ]
+        self.group.handles += handles
+        ServerGroup(handles).launch()
+
+    def _specs(self) -> tuple[list, list]:
+        """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
+        from tandemrl.cluster.server_supervisor import ServerSpec
+
+        config, plan = self.config, self.plan
+        use_ray = config.cluster.use_ray
+        local, remote = [], []
+        if plan.retrieval is not None:
+            spec = ServerSpec("retrieval", 0, config, index_dir=index_dir(config))
+            item = ("retrieval server", spec, plan.retrieval)
+            (remote if use_ray and plan.retrieval.node != 0 else local).append(item)
+        if not self.with_engines or not plan.engines:
+            return local, remote
+        kind = config.rollout.backend
+        if kind not in ("embedded", "sglang"):
+            raise ConfigError(
+                f"rollout.backend={kind!r} without rollout.server_addrs: tandem launches the embedded engine "
+                "and SGLang servers itself; start vLLM servers yourself and list them in rollout.server_addrs."
+            )
+        path = model_path(config) if kind == "embedded" else config.rollout.model.model_path
+        if kind == "sglang" and not use_ray:
+            raise ConfigError(
+                "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray "
+                "actors on their GPUs. Set cluster.use_ray=true, or start them yourself (rollout.server_addrs)."
+            )
+        per_node: dict[int, int] = {}
+        for index, placement in enumerate(plan.engines):
+            offset = per_node.get(placement.node, 0)
+            per_node[placement.node] = offset + 1
+            spec = ServerSpec(kind, index, config, model_path=path, port_offset=offset)
+            (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
+        return local, remote
+
+    def _local_handle(self, name: str, spec: Any) -> Any:
+        from tandemrl.cluster.server_group import ServerHandle
+        from tandemrl.cluster.server_supervisor import ServerSupervisor
+
+        return ServerHandle(name, spec, ServerSupervisor(spec, multi_node=False))
+
+    def wait(self) -> None:
+        """Block until every launched server answers /health; fills `engine_urls` and `search_addr`."""
+        try:
+            self.group.wait()
+        except BaseException:
+            self.stop()
+            raise
+        self.engine_handles = [h for h in self.group.handles if h.spec.kind != "retrieval"]
+        self.retrieval_handle = next((h for h in self.group.handles if h.spec.kind == "retrieval"), None)
         rollout = self.config.rollout
         if rollout.server_addrs:
             self.engine_urls = [a if a.startswith("http") else f"http://{a}" for a in rollout.server_addrs]
             log.info("using external %s engines: %s", rollout.backend, ", ".join(self.engine_urls))
-            return
-        if rollout.backend != "embedded":
-            raise ConfigError(
-                f"rollout.backend={rollout.backend!r} needs rollout.server_addrs (the URLs of the "
-                "running servers); tandem launches only the embedded engine itself."
+        else:
+            self.engine_urls = [h.url for h in self.engine_handles]
+        for handle in self.engine_handles:
+            log.info("%s serving at %s", handle.name, handle.url)
+        if self.retrieval_handle is not None:
+            self.search_addr = self.retrieval_handle.url.removeprefix("http://")
+            log.info(
+                "retrieval server serving %s at %s", self.retrieval_handle.spec.index_dir, self.search_addr
             )
-        from tandemrl.rollout.engine_process import EngineProcess
-
-        device = resolve_device(rollout.device)
-        for index in range(rollout.instances):
-            process = EngineProcess.from_rollout(
-                rollout,
-                model_path(self.config),
-                device,
-                resolve_dtype(rollout.dtype, device),
-                self.config.runner.seed + index,
-            )
-            self.engine_processes.append(process)
-            process.start()
-            self.engine_urls.append(process.url)
-            log.info("rollout engine %d serving at %s", index, process.url)
-
-    def _start_retrieval(self) -> None:
-        if not self.config.retrieval.launch:
+        else:
             log.info("retrieval.launch=false: using the retrieval server at %s", self.search_addr)
-            return
-        from tandemrl.data.home import default_index_dir
-        from tandemrl.retrieval.server_process import RetrievalServerProcess
 
-        index_dir = Path(self.config.retrieval.index_dir or default_index_dir())
-        if not index_dir.exists():
-            raise ConfigError(
-                f"retrieval.index_dir={str(index_dir)!r} does not exist. Build it with `tandem "
-                "prepare all` (embedded KB) or `tandem index build`, or set retrieval.launch=false "
-                "and tools.search.server_addr to a running retrieval server."
+    async def check(self) -> None:
+        """Raise `EngineDiedError` / `RetrievalDiedError` if a launched server has exited."""
+        for handle in self.engine_handles + ([self.retrieval_handle] if self.retrieval_handle else []):
+            is_alive, code = await handle.status()
+            if is_alive:
+                continue
+            error = RetrievalDiedError if handle.spec.kind == "retrieval" else EngineDiedError
+            raise error(
+                f"{handle.name} at {handle.url} died (exit code {code}); stopping the run. The last "
+                f"checkpoint (if any) can be resumed with runner.resume_from. End of its log:\n"
+                f"{handle.log_tail(2000)}"
             )
-        self.retrieval = RetrievalServerProcess(str(index_dir), mode=self.config.retrieval.mode)
-        self.retrieval.start()
-        self.search_addr = self.retrieval.addr
-        log.info("retrieval server serving %s at %s", index_dir, self.search_addr)
 
-    def check_engines(self) -> None:
-        for index, process in enumerate(self.engine_processes):
-            if not process.is_alive():
-                code = process.proc.returncode if process.proc is not None else None
-                raise EngineDiedError(
-                    f"rollout engine {index} at {process.url} died (exit code {code}); stopping the run. The last "
-                    f"checkpoint (if any) can be resumed with runner.resume_from. End of its log:\n"
-                    f"{process.log_tail(2000)}"
-                )
-
-    async def watchdog(self, clients: list[Any]) -> None:
-        """Runs beside the runner; raises `EngineDiedError` as soon as an engine is gone."""
+    async def watchdog(self, clients: list[Any], search: Any = None) -> None:
+        """Runs beside the runner; raises as soon as a server is gone (external ones: after
+        NUM_HEALTH_FAILURES failed /health checks in a row)."""
         interval_s = self.config.runner.engine_health_interval_s
-        failures = [0] * len(clients)
+        external = [] if self.engine_handles else [(f"rollout engine {i}", c) for i, c in enumerate(clients)]
+        if self.retrieval_handle is None and search is not None:
+            external.append(("retrieval server", search))
+        failures = [0] * len(external)
         while True:
-            self.check_engines()
-            if not self.engine_processes:  # external engines: only their /health can tell
-                for index, client in enumerate(clients):
-                    try:
-                        is_healthy = await asyncio.wait_for(client.health(), timeout=max(1.0, interval_s))
-                    except Exception:
-                        is_healthy = False
-                    failures[index] = 0 if is_healthy else failures[index] + 1
-                    if failures[index] >= NUM_HEALTH_FAILURES:
-                        raise EngineDiedError(
-                            f"rollout engine {index} at {self.engine_urls[index]} failed "
-                            f"{NUM_HEALTH_FAILURES} health checks in a row; stopping the run."
-                        )
+            await self.check()
+            for index, (name, client) in enumerate(external):
+                try:
+                    is_healthy = await asyncio.wait_for(client.health(), timeout=max(1.0, interval_s))
+                except Exception:
+                    is_healthy = False
+                failures[index] = 0 if is_healthy else failures[index] + 1
+                if failures[index] >= NUM_HEALTH_FAILURES:
+                    error = RetrievalDiedError if name == "retrieval server" else EngineDiedError
+                    url = getattr(client, "base_url", None) or client.url
+                    raise error(
+                        f"{name} at {url} failed {NUM_HEALTH_FAILURES} health checks in a row; stopping the run."
+                    )
             await asyncio.sleep(interval_s)
 
     def stop(self) -> None:
-        for process in reversed(self.engine_processes):
-            try:
-                process.stop()
-            except Exception as error:
-                log.warning("stopping engine %s failed: %r", process.url, error)
-        if self.retrieval is not None:
-            try:
-                self.retrieval.stop()
-            except Exception as error:
-                log.warning("stopping the retrieval server failed: %r", error)
+        if self.group is not None:
+            self.group.stop()

@@ -1,9 +1,10 @@
 """One training run: build the parts around running services, resume if asked, run the sync or async
 runner beside the engine watchdog, and take everything down again.
 
-Invariant: whatever ends the run (the last step, an error, a dead engine), the driver's tasks are
-cancelled, the clients closed and the actor worker shut down before the services stop; a dead
-engine ends the run with `EngineDiedError` within about one health interval.
+Invariant: whatever ends the run (the last step, an error, a dead server, Ctrl-C), the driver's tasks
+are cancelled, the clients closed and the actor worker shut down before the services stop; a dead
+engine or retrieval server ends the run with `ServiceDiedError` naming it within about one health
+interval.
 """
 
 from __future__ import annotations
@@ -18,22 +19,9 @@ from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
 from tandemrl.runner.context import RunContext, write_ledger
 from tandemrl.runner.prompt_feed import PromptFeed
 from tandemrl.runner.rollout_driver import RolloutDriver
-from tandemrl.runner.services import EngineDiedError, Services, model_path, resolve_device
+from tandemrl.runner.services import ServiceDiedError, Services, model_path
 
 log = logging.getLogger(__name__)
-
-
-def weight_sync_backend(config: Any) -> str:
-    """rollout.weight_sync=auto: gloo on CPU; CUDA IPC when actor and rollout share one GPU; else NCCL."""
-    if config.rollout.weight_sync != "auto":
-        return config.rollout.weight_sync
-    if resolve_device(config.rollout.device) == "cpu" or resolve_device(config.actor.device) == "cpu":
-        return "gloo"
-    placement = config.cluster.component_placement
-    shares_gpu = (
-        not placement or "actor,rollout" in placement or placement.get("actor") == placement.get("rollout")
-    )
-    return "cuda_ipc" if shares_gpu and config.rollout.instances == 1 else "nccl"
 
 
 def train_paths(config: Any, split: str) -> list[str]:
@@ -69,8 +57,11 @@ def build_driver(
     )
 
 
-async def run_session(config: Any, services: Services, actor: Any) -> RunContext:
-    """Run the configured runner to `runner.max_steps`; returns its context (for tests and the demo)."""
+async def run_session(
+    config: Any, services: Services, actor: Any, started_s: float | None = None
+) -> RunContext:
+    """Run the configured runner to `runner.max_steps`; returns its context (for tests and the demo).
+    `started_s` (time.monotonic() of the process start) makes the first step log the time to reach it."""
     from transformers import AutoTokenizer
 
     from tandemrl.agent.search_tool import SearchTool
@@ -94,7 +85,7 @@ async def run_session(config: Any, services: Services, actor: Any) -> RunContext
     await actor.call(
         "connect_weight_sync",
         services.engine_urls,
-        weight_sync_backend(config),
+        services.plan.weight_sync,
         config.rollout.sync_bucket_mb,
     )
     start_step, loader_state = 0, None
@@ -125,6 +116,7 @@ async def run_session(config: Any, services: Services, actor: Any) -> RunContext
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )
+    ctx.started_s = started_s
     try:
         await _run_with_watchdog(ctx, services)
     finally:
@@ -143,7 +135,9 @@ async def _run_with_watchdog(ctx: RunContext, services: Services) -> None:
 
     runner_fn = run_async if ctx.config.runner.async_mode else run_sync
     run_task = asyncio.create_task(runner_fn(ctx), name="runner")
-    watchdog_task = asyncio.create_task(services.watchdog(ctx.engines), name="engine-watchdog")
+    watchdog_task = asyncio.create_task(
+        services.watchdog(ctx.engines, ctx.driver.search), name="services-watchdog"
+    )
     try:
         await asyncio.wait([run_task, watchdog_task], return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -158,13 +152,13 @@ async def _run_with_watchdog(ctx: RunContext, services: Services) -> None:
 
 
 async def _blame_dead_engine(services: Services, error: BaseException, interval_s: float) -> None:
-    """A failed request is often the first sign of a dead engine: name the engine rather than the
+    """A failed request is often the first sign of a dead server: name the server rather than the
     request's connection error, giving the process up to one health interval to be seen as exited."""
     deadline = time.monotonic() + interval_s
     while True:
         try:
-            services.check_engines()
-        except EngineDiedError as died:
+            await services.check()
+        except ServiceDiedError as died:
             raise died from error
         if time.monotonic() >= deadline:
             return

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
 from dataclasses import replace
 
 import pytest
@@ -41,7 +40,7 @@ def kb_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(kb_dir, tiny_llama_dir, tmp_path_factory):
-    """The engine and the retrieval server, started side by side (each start blocks until healthy)."""
+    """The engine and the retrieval server, started side by side (launched first, then waited for)."""
     from tandemrl.retrieval.build import build_index
     from tandemrl.retrieval.server_process import RetrievalServerProcess
     from tandemrl.rollout.engine_process import EngineProcess
@@ -49,18 +48,16 @@ def servers(kb_dir, tiny_llama_dir, tmp_path_factory):
     engine = EngineProcess(
         tiny_llama_dir, device="cpu", dtype="float32", max_running_requests=32, max_context_len=1024, seed=0
     )
-    starter = threading.Thread(target=engine.start)
-    starter.start()
+    engine.launch()  # from this thread: a child dies with the thread that launched it
     index_dir = tmp_path_factory.mktemp("agent_index")
     retrieval = RetrievalServerProcess(index_dir, mode="dense")
     try:
         build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", show_progress=False)
         retrieval.start()
-        starter.join()
+        engine.wait_healthy()
         assert engine.is_alive(), f"engine failed to start:\n{engine.log_tail()}"
         yield engine.url, retrieval.addr
     finally:
-        starter.join()
         engine.stop()
         retrieval.stop()
 

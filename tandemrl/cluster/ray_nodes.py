@@ -1,0 +1,138 @@
+"""Ray start-up and the map from tandem's node ranks to Ray nodes, checked against the placement plan.
+
+Node ranks: the driver's node (the head, where `tandem train` runs) is node 0 unless
+`TANDEM_NODE_RANK` says otherwise; every other node takes the `TANDEM_NODE_RANK` it was started with
+(`TANDEM_NODE_RANK=1 ray start --address=...`, read by a probe task on that node, since Ray workers
+inherit the raylet's environment); nodes without one fill the free ranks in Ray's node order.
+
+Invariant: `NodeMap` holds exactly `cluster.num_nodes` ranks, each a live Ray node with at least
+the GPUs (`cluster.gpu_resource`) the plan puts there, or construction raises `ConfigError` saying
+what Ray reported. Bundles are pinned to their node with the `ray.io/node-id` label selector.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from tandemrl.config.schema import ConfigError
+
+log = logging.getLogger(__name__)
+
+NODE_RANK_ENV = "TANDEM_NODE_RANK"
+NODE_ID_LABEL = "ray.io/node-id"
+
+
+def init_ray(config: Any) -> None:
+    import ray
+
+    if ray.is_initialized():
+        return
+    address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
+    if address:  # join the cluster started by `ray start` on every node
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+    else:  # local Ray: this machine only
+        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+
+
+@dataclass
+class NodeInfo:
+    rank: int
+    node_id: str
+    address: str  # the IP other nodes reach it at
+    num_gpus: float
+
+
+class NodeMap:
+    def __init__(self, config: Any, plan: Any):
+        import ray
+
+        self.gpu_resource = config.cluster.gpu_resource
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        if len(alive) < config.cluster.num_nodes:
+            raise ConfigError(
+                f"cluster.num_nodes={config.cluster.num_nodes} but Ray reports {len(alive)} live node(s). Start "
+                "Ray on every node first (`ray start --head` here, `TANDEM_NODE_RANK=<rank> ray start "
+                "--address=<head>:6379` on the others), or lower cluster.num_nodes."
+            )
+        driver_node = ray.get_runtime_context().get_node_id()
+        ranks = (
+            _probe_ranks([n["NodeID"] for n in alive], driver_node) if len(alive) > 1 else {driver_node: 0}
+        )
+        self.nodes = [
+            NodeInfo(rank, n["NodeID"], n["NodeManagerAddress"], n["Resources"].get(self.gpu_resource, 0.0))
+            for n in alive
+            for rank in [ranks.get(n["NodeID"])]
+            if rank is not None and rank < config.cluster.num_nodes
+        ]
+        self.nodes.sort(key=lambda info: info.rank)
+        self._check(config, plan)
+
+    def _check(self, config: Any, plan: Any) -> None:
+        if [info.rank for info in self.nodes] != list(range(config.cluster.num_nodes)):
+            raise ConfigError(
+                f"Ray's nodes got ranks {[info.rank for info in self.nodes]}, not 0-{config.cluster.num_nodes - 1}: "
+                f"give each node a distinct {NODE_RANK_ENV} when running `ray start` on it."
+            )
+        needed: dict[int, int] = {}
+        for process in plan.actor + plan.engines:
+            needed[process.node] = max(needed.get(process.node, 0), max(process.gpus, default=-1) + 1)
+        for node, num_gpus in needed.items():
+            have = self.nodes[node].num_gpus
+            if num_gpus and have < num_gpus:
+                raise ConfigError(
+                    f"the placement puts GPUs 0-{num_gpus - 1} on node {node} ({self.nodes[node].address}), but "
+                    f"Ray reports {have:g} {self.gpu_resource} there. Check cluster.component_placement and "
+                    "cluster.num_gpus_per_node against the machines (`ray status`)."
+                )
+
+    def __getitem__(self, rank: int) -> NodeInfo:
+        return self.nodes[rank]
+
+    def pinned_bundles(self, nodes: list[int], gpus: list[float]) -> tuple[list[dict], list[dict]]:
+        """Bundles (one per process: a CPU and its GPUs) and their label selectors pinning each to its node."""
+        bundles = [{"CPU": 1, **({self.gpu_resource: g} if g else {})} for g in gpus]
+        selectors = [{NODE_ID_LABEL: self.nodes[node].node_id} for node in nodes]
+        return bundles, selectors
+
+    def remote_options(self, num_gpus: float) -> dict:
+        """`ray.remote` options asking for `num_gpus` of the GPU resource (Ray sets CUDA_VISIBLE_DEVICES
+        only for its own GPU resource; a custom one stands in for GPUs in CPU tests)."""
+        if self.gpu_resource == "GPU":
+            return {"num_cpus": 1, "num_gpus": num_gpus}
+        return {"num_cpus": 1, "num_gpus": 0, "resources": {self.gpu_resource: num_gpus} if num_gpus else {}}
+
+
+def _node_rank_from_env() -> str | None:
+    return os.environ.get(NODE_RANK_ENV)
+
+
+def _probe_ranks(node_ids: list[str], driver_node: str) -> dict[str, int]:
+    """Ask each node for the TANDEM_NODE_RANK its raylet was started with."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_node_rank_from_env)
+    answers = ray.get(
+        [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote()
+            for node_id in node_ids
+        ]
+    )
+    ranks: dict[str, int] = {}
+    for node_id, answer in zip(node_ids, answers, strict=True):
+        if answer is not None:
+            try:
+                ranks[node_id] = int(answer)
+            except ValueError as error:
+                raise ConfigError(f"{NODE_RANK_ENV}={answer!r} on a Ray node is not an integer.") from error
+    if driver_node not in ranks and 0 not in ranks.values():
+        ranks[driver_node] = 0
+    free = (rank for rank in range(len(node_ids)) if rank not in ranks.values())
+    for node_id in node_ids:
+        if node_id not in ranks:
+            ranks[node_id] = next(free)
+    log.info("node ranks: %s", ", ".join(f"{rank}={node_id[:8]}" for node_id, rank in sorted(ranks.items())))
+    return ranks

@@ -1,0 +1,93 @@
+"""One server of the run (an embedded engine, an SGLang server or the retrieval server), launched and
+watched from the node it runs on.
+
+`ServerSupervisor` is a plain class: on one machine without Ray it lives in the runner's process; with
+Ray it is a Ray actor in the server's placement-group bundle, so the server it launches sees exactly
+the GPUs Ray gave that bundle (`CUDA_VISIBLE_DEVICES` is inherited) and dies with the supervisor
+(parent-death signal, see child_server.py). Ray runs a synchronous actor's calls on its main thread,
+which lives as long as the actor: the thread the server's death signal is tied to.
+
+Invariant: the URL it reports is one every node can reach: 127.0.0.1 on a one-node run, else the
+node's own address.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("embedded", "sglang", "retrieval")
+
+
+@dataclass
+class ServerSpec:
+    kind: str  # one of KINDS
+    index: int  # the rollout instance (0 for the retrieval server)
+    config: Any  # the run's TandemConfig
+    model_path: str | None = None  # engines: the resolved weights directory
+    index_dir: str | None = None  # retrieval: the resolved index directory
+    port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
+
+
+def node_address() -> str:
+    """This node's address as other nodes see it (the interface of the default route)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        try:
+            sock.connect(("10.255.255.255", 1))  # no packet is sent: this only picks the interface
+            return sock.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def build_server(spec: ServerSpec, host: str) -> Any:
+    """The `ChildServer` for `spec`, bound to `host`."""
+    from tandemrl.runner.services import resolve_device, resolve_dtype
+
+    config = spec.config
+    if spec.kind == "retrieval":
+        from tandemrl.retrieval.server_process import RetrievalServerProcess
+
+        return RetrievalServerProcess(spec.index_dir, mode=config.retrieval.mode, host=host)
+    rollout, seed = config.rollout, config.runner.seed + spec.index
+    if spec.kind == "sglang":
+        from tandemrl.rollout.sglang_process import SglangServerProcess
+
+        host = rollout.sglang.host or host
+        return SglangServerProcess(
+            rollout, spec.model_path, host, rollout.sglang.port + spec.port_offset, seed
+        )
+    from tandemrl.rollout.engine_process import EngineProcess
+
+    device = resolve_device(rollout.device)
+    engine = EngineProcess.from_rollout(
+        rollout, spec.model_path, device, resolve_dtype(rollout.dtype, device), seed
+    )
+    engine.host = host
+    return engine
+
+
+class ServerSupervisor:
+    def __init__(self, spec: ServerSpec, multi_node: bool):
+        self.spec = spec
+        self.server = build_server(spec, node_address() if multi_node else "127.0.0.1")
+
+    def launch(self) -> str:
+        """Spawn the server; returns its URL (it is not healthy yet)."""
+        self.server.launch()
+        return self.server.url
+
+    def wait_healthy(self) -> str:
+        self.server.wait_healthy()
+        return self.server.url
+
+    def status(self) -> tuple[bool, int | None]:
+        """(alive, exit code)."""
+        proc = self.server.proc
+        return (proc is not None and proc.poll() is None), (proc.returncode if proc is not None else None)
+
+    def log_tail(self, num_chars: int = 2000) -> str:
+        return self.server.log_tail(num_chars)
+
+    def stop(self) -> None:
+        self.server.stop()

@@ -39,6 +39,7 @@ class ActorGroup:
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
         self._worker: Any = None
+        self.rank_node_ids: list[str] = []
         if not self.uses_ray:
             if self.num_ranks > 1:
                 raise ConfigError(
@@ -85,6 +86,8 @@ class ActorGroup:
         import ray
 
         ray.get([h.get_weight_version.remote() for h in self._handles])  # construction errors surface here
+        table = ray.util.placement_group_table(self._placement)["bundles_to_node_id"]
+        self.rank_node_ids = [table[rank] for rank in range(self.num_ranks)]  # where Ray put each rank
         return self
 
     def _targets(self, method: str) -> list[Any]:

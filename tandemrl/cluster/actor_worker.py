@@ -37,12 +37,21 @@ class ActorWorker:
 
     def connect_weight_sync(self, engine_urls: list[str], backend: str, bucket_mb: int) -> None:
         """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU)."""
+        from urllib.parse import urlparse
+
+        from tandemrl.cluster.server_supervisor import node_address
         from tandemrl.rollout.client import EngineClient
         from tandemrl.rollout.weight_sync import WeightSender
 
+        # engines on other nodes join the group at this node's address; local ones at loopback
+        is_local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in engine_urls)
+        master_address = "127.0.0.1" if is_local else node_address()
+
         async def connect():
             self._clients = [EngineClient(url) for url in engine_urls]
-            self._sender = WeightSender(self._clients, backend=backend, bucket_mb=bucket_mb)
+            self._sender = WeightSender(
+                self._clients, backend=backend, bucket_mb=bucket_mb, master_address=master_address
+            )
             await self._sender.connect()
 
         self._loop.run_until_complete(connect())

@@ -137,7 +137,8 @@ def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[
     if config.rollout.weight_sync != "auto":
         return config.rollout.weight_sync
     rank0 = actor[0]
-    if not rank0.gpus or (engines and not all(e.gpus for e in engines)):
+    on_cpu = "cpu" in (config.actor.device, config.rollout.device)  # GPU ids may stand for CPU slots
+    if on_cpu or not rank0.gpus or (engines and not all(e.gpus for e in engines)):
         return "gloo"
     if engines and all(e.node == rank0.node and e.gpus == rank0.gpus for e in engines):
         return "cuda_ipc"

@@ -50,6 +50,7 @@ class NodeMap:
         import ray
 
         self.gpu_resource = config.cluster.gpu_resource
+        self.num_nodes = config.cluster.num_nodes
         alive = [n for n in ray.nodes() if n.get("Alive")]
         if len(alive) < config.cluster.num_nodes:
             raise ConfigError(

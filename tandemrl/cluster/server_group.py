@@ -26,6 +26,7 @@ class ServerHandle:
         self.supervisor, self.placement_group = supervisor, placement_group
         self.is_remote = placement_group is not None
         self.url: str | None = None
+        self.node_id: str | None = None  # the Ray node it landed on (remote only), read back from Ray
 
     def _call(self, method: str, *args: Any) -> Any:
         if not self.is_remote:
@@ -105,6 +106,8 @@ class ServerGroup:
             urls = ray.get([h.supervisor.wait_healthy.remote() for h in remote])
             for handle, url in zip(remote, urls, strict=True):
                 handle.url = url
+                table = ray.util.placement_group_table(handle.placement_group)
+                handle.node_id = table["bundles_to_node_id"][0]
         for handle in self.handles:
             if not handle.is_remote:
                 handle.wait_healthy()

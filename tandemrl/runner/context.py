@@ -39,6 +39,7 @@ class RunContext:
     busy_mark: tuple[float, float] | None = None  # (monotonic time, engines' total busy_s) when last read
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
+    placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on
 
     @property
     def ledger_path(self) -> Path:

@@ -64,7 +64,9 @@ def train(config: Any, write_plots: bool = True) -> Any:
             actor_s,
             time.monotonic() - start_s,
         )
+        placed = placed_nodes(services, actor)
         ctx = asyncio.run(run_session(config, services, actor, time.monotonic() - process_age_s()))
+        ctx.placed_nodes = placed
     finally:
         if actor is not None:
             actor.shutdown()
@@ -74,6 +76,15 @@ def train(config: Any, write_plots: bool = True) -> Any:
         paths = plot(config.runner.output_dir, config.algorithm.n_minibatches)
         log.info("plots: %s", ", ".join(str(p) for p in paths))
     return ctx
+
+
+def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
+    """Where Ray actually put each Ray-placed process (node ids read back from the placement groups)."""
+    placed = {f"actor rank {rank}": node_id for rank, node_id in enumerate(actor.rank_node_ids)}
+    placed.update({h.name: h.node_id for h in services.group.handles if h.node_id is not None})
+    for name, node_id in placed.items():
+        log.info("%s runs on Ray node %s", name, node_id)
+    return placed
 
 
 def _shutdown_ray(config: Any) -> None:

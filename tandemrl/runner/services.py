@@ -205,13 +205,15 @@ class Services:
             )
 
     async def watchdog(self, clients: list[Any], search: Any = None) -> None:
-        """Runs beside the runner; raises as soon as a server is gone (external ones: after
-        NUM_HEALTH_FAILURES failed /health checks in a row)."""
+        """Runs beside the runner; raises as soon as a launched server is gone. An external server counts
+        as dead after NUM_HEALTH_FAILURES failed /health checks in a row once it has answered (one that
+        never answered is warned about once: its failures reach the agents as search errors)."""
         interval_s = self.config.runner.engine_health_interval_s
         external = [] if self.engine_handles else [(f"rollout engine {i}", c) for i, c in enumerate(clients)]
         if self.retrieval_handle is None and search is not None:
             external.append(("retrieval server", search))
         failures = [0] * len(external)
+        has_answered = [name != "retrieval server" for name, _ in external]
         while True:
             await self.check()
             for index, (name, client) in enumerate(external):
@@ -219,10 +221,13 @@ class Services:
                     is_healthy = await asyncio.wait_for(client.health(), timeout=max(1.0, interval_s))
                 except Exception:
                     is_healthy = False
+                url = getattr(client, "base_url", None) or client.url
+                if not has_answered[index] and not is_healthy and failures[index] == 0:
+                    log.warning("%s at %s does not answer; every search fails until it does", name, url)
+                has_answered[index] = has_answered[index] or is_healthy
                 failures[index] = 0 if is_healthy else failures[index] + 1
-                if failures[index] >= NUM_HEALTH_FAILURES:
+                if has_answered[index] and failures[index] >= NUM_HEALTH_FAILURES:
                     error = RetrievalDiedError if name == "retrieval server" else EngineDiedError
-                    url = getattr(client, "base_url", None) or client.url
                     raise error(
                         f"{name} at {url} failed {NUM_HEALTH_FAILURES} health checks in a row; stopping the run."
                     )

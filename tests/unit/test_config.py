@@ -230,7 +230,7 @@ def test_cli_config_show_marks_derived_and_fails_cleanly():
 def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
     """rollout.kv_cache_gb, chunked_prefill_size and startup_timeout_s become the engine's flags."""
     from tandemrl.cli import build_parser
-    from tandemrl.rollout.engine_process import EngineProcess
+    from tandemrl.cluster.server_supervisor import build_server
     from tandemrl.runner.services import Services
 
     (tmp_path / "model").mkdir()
@@ -242,12 +242,14 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
             "rollout.kv_cache_gb=0.5",
             "rollout.chunked_prefill_size=512",
             "rollout.startup_timeout_s=12",
+            "cluster.use_ray=false",
+            "retrieval.launch=false",
         ],
     )
-    monkeypatch.setattr(EngineProcess, "start", lambda self: self)
-    services = Services(config)
-    services._start_engines()
-    (process,) = services.engine_processes
+    local, remote = Services(config)._specs()
+    assert remote == []  # cluster.use_ray=false: the engine is the runner's own child
+    ((name, spec, placement),) = [item for item in local if item[1].kind == "embedded"]
+    process = build_server(spec, "127.0.0.1")
     args = build_parser().parse_args(process.server_args())
     assert (args.kv_cache_gb, args.chunked_prefill_size) == (0.5, 512)
     assert process.startup_timeout_s == 12

@@ -26,19 +26,19 @@ def start_reaper() -> subprocess.Popen:
     """Tag this process (and so all it starts from now on) with a fresh run id; start its reaper."""
     run_id = os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex)
     return subprocess.Popen(
-        [sys.executable, "-m", "tandemrl.cluster.reaper", run_id],
+        [sys.executable, "-m", "tandemrl.cluster.reaper", run_id, str(os.getpid())],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C in the terminal is the run's to handle, not the reaper's
         env={k: v for k, v in os.environ.items() if k != RUN_ID_ENV},
     )
 
 
-def tagged_pids(run_id: str) -> list[int]:
-    """Processes of this user whose environment holds TANDEM_RUN_ID=<run_id>."""
+def tagged_pids(run_id: str, exclude: tuple[int, ...] = ()) -> list[int]:
+    """Processes of this user whose environment holds TANDEM_RUN_ID=<run_id> (this one aside)."""
     needle = f"{RUN_ID_ENV}={run_id}".encode()
     pids = []
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), *exclude):
             continue
         try:
             if needle in (entry / "environ").read_bytes().split(b"\0"):
@@ -61,6 +61,20 @@ def reap(run_id: str, grace_s: float = GRACE_S) -> list[int]:
     return found
 
 
+def _wait_exit(pid: int) -> None:
+    """The pipe closes while the run's process finalizes: sweep only once it is gone (it may carry
+    the run id itself, when it was started with one)."""
+    while Path(f"/proc/{pid}").exists() and not _is_zombie(pid):
+        time.sleep(0.1)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)
@@ -68,13 +82,14 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def main(run_id: str) -> None:
+def main(run_id: str, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdin.buffer.read()  # returns when the run's main process has ended
+    _wait_exit(parent_pid)
     reaped = reap(run_id)
     if reaped:
         print(f"tandem reaper: stopped {len(reaped)} leftover process(es) of run {run_id}", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], int(sys.argv[2]))

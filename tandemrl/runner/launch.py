@@ -34,8 +34,9 @@ def process_age_s() -> float:
         return time.process_time()
 
 
-def train(config: Any, write_plots: bool = True) -> Any:
-    """Run one training from a derived `TandemConfig`; returns the runner context."""
+def train(config: Any, write_plots: bool = True, started_s: float | None = None) -> Any:
+    """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
+    (time.monotonic() at the process start) makes the run log its time to the first step."""
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.config.show import render
@@ -65,7 +66,7 @@ def train(config: Any, write_plots: bool = True) -> Any:
             time.monotonic() - start_s,
         )
         placed = placed_nodes(services, actor)
-        ctx = asyncio.run(run_session(config, services, actor, time.monotonic() - process_age_s()))
+        ctx = asyncio.run(run_session(config, services, actor, started_s))
         ctx.placed_nodes = placed
     finally:
         if actor is not None:
@@ -153,7 +154,7 @@ def run_train(args: Any) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     start_reaper()
     try:
-        ctx = train(config)
+        ctx = train(config, started_s=time.monotonic() - process_age_s())
     except KeyboardInterrupt:
         print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
         return EXIT_INTERRUPTED

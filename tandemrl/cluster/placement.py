@@ -185,7 +185,8 @@ def describe_plan(config: Any, plan: PlacementPlan) -> list[str]:
     if plan.engines:
         tp = rollout.tensor_parallel_size
         lines.append(
-            f"  rollout: {len(plan.engines)} {rollout.backend} instance(s) of tensor_parallel_size {tp}"
+            f"  rollout: {len(plan.engines)} {rollout.backend} instance(s) of tensor_parallel_size {tp}, "
+            f"{_summary(plan.engines)}"
         )
         lines += [f"  {p.describe()}" for p in plan.engines]
     else:

@@ -17,7 +17,7 @@ def small_kb(tmp_path_factory):
     return small_kb_once(tmp_path_factory)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def two_node_cluster():
     import ray
     from ray.cluster_utils import Cluster
@@ -59,3 +59,32 @@ def test_actor_on_node_0_rollout_on_node_1_one_async_step(
     (url,) = [engine.base_url for engine in ctx.engines]
     assert not url.startswith("http://127.0.0.1"), f"engine on node 1 reports a loopback URL: {url}"
     assert ctx.weight_version == 1  # one step trained and its weights pushed over gloo to node 1's engine
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["cluster.num_nodes=3", "cluster.component_placement={actor: '0', rollout: '1'}"],
+            "Ray reports 2 live",
+        ),
+        (
+            [
+                "cluster.num_nodes=2",
+                "cluster.num_gpus_per_node=2",
+                "cluster.component_placement={actor: '0', rollout: '2-3'}",
+            ],
+            f"GPUs 0-1 on node 1 .* but Ray reports 1 {FAKE_GPU} there",
+        ),
+    ],
+)
+def test_a_placement_ray_cannot_hold_is_refused_before_anything_starts(two_node_cluster, overrides, message):
+    from tandemrl.config.schema import ConfigError
+    from tandemrl.runner.services import Services
+
+    base = ["cluster.use_ray=true", f"cluster.gpu_resource={FAKE_GPU}", "retrieval.launch=false"]
+    config = load_config(None, [*base, "cluster.num_gpus_per_node=1", *overrides])
+    services = Services(config)
+    with pytest.raises(ConfigError, match=message):
+        services.launch()
+    assert services.group.handles == []

@@ -1,0 +1,131 @@
+"""The placement plan from cluster.* keys: nodes and GPUs per process, its errors, the weight-sync route,
+the one-model-path rule and `tandem train --dry-run` (pure Python: no Ray, no GPUs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tandemrl.cluster.placement import format_gpus, plan_placement
+from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+GLM = ROOT / "examples/searchr1/config/train_glm4.7_flash_2node_async.yaml"
+
+
+def plan(*overrides: str):
+    config = load_config(None, ["retrieval.launch=false", *overrides])
+    return config, plan_placement(config)
+
+
+def test_glm_dry_run_prints_the_two_node_plan():
+    result = subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", "train", str(GLM), "--dry-run"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "actor: 8 rank(s) in one torch.distributed group, node 0 GPUs 0-7" in out
+    assert "rollout: 2 sglang instance(s) of tensor_parallel_size 4, node 1 GPUs 0-7" in out
+    assert (
+        "rollout SGLang server 0: node 1, GPUs 0-3" in out
+        and "rollout SGLang server 1: node 1, GPUs 4-7" in out
+    )
+    assert (
+        "rollout_buffer.max_inflight_groups = 77" in out and "rollout_buffer.max_buffered_groups = 256" in out
+    )
+    assert "weight sync: NCCL broadcast from actor rank 0 (node 0, GPU 0) to 2 engine(s) on node(s) 1" in out
+    assert (
+        "-m sglang.launch_server --model-path /path/to/GLM-4.7-Flash --tp-size 4 --mem-fraction-static 0.85"
+        in out
+    )
+    assert "--port 30000" in out and "--port 30001" in out
+    assert "actor.model.model_path derived: rollout.model.model_path" in out
+
+
+def test_global_gpu_ids_map_to_nodes_and_tensor_parallel_groups():
+    _, p = plan(
+        "cluster.num_nodes=2",
+        "cluster.num_gpus_per_node=4",
+        "actor.num_ranks=2",
+        "rollout.tensor_parallel_size=2",
+        "cluster.component_placement={actor: '2-3', rollout: '4-7'}",
+        "actor.device=cuda",
+        "rollout.device=cuda",
+    )
+    assert [(a.node, a.gpus) for a in p.actor] == [(0, [2]), (0, [3])]
+    assert [(e.node, e.gpus) for e in p.engines] == [(1, [0, 1]), (1, [2, 3])]
+    assert p.weight_sync == "nccl" and not p.shares_gpu
+
+
+def test_one_shared_gpu_is_cuda_ipc_and_cpu_is_gloo():
+    _, shared = plan(
+        "cluster.component_placement={'actor,rollout': '0'}", "actor.device=cuda", "rollout.device=cuda"
+    )
+    assert shared.shares_gpu and shared.weight_sync == "cuda_ipc"
+    assert [(e.node, e.gpus) for e in shared.engines] == [(0, [0])]
+    _, cpu = plan("actor.device=cpu", "rollout.device=cpu")
+    assert cpu.weight_sync == "gloo" and cpu.actor[0].gpus == []
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            [
+                "cluster.component_placement={actor: '0-8'}",
+                "actor.num_ranks=9",
+                "cluster.num_gpus_per_node=8",
+            ],
+            "names GPU 8, but the cluster has 8 GPUs",
+        ),
+        (
+            [
+                "cluster.num_nodes=2",
+                "cluster.num_gpus_per_node=8",
+                "rollout.tensor_parallel_size=4",
+                "cluster.component_placement={actor: '0', rollout: '6-9'}",
+            ],
+            "would span nodes \\[0, 1\\]",
+        ),
+        (["cluster.component_placement={actor: '0-3'}", "actor.num_ranks=2"], "names 4 actor GPUs"),
+        (
+            ["cluster.component_placement={actor: '0-1', rollout: '1-2'}", "actor.num_ranks=2"],
+            "overlapping GPUs under separate keys",
+        ),
+        (
+            ["cluster.num_nodes=2", "cluster.component_placement={actor: '0', rollout: '1'}"],
+            "cluster.num_gpus_per_node=0 with cluster.num_nodes=2",
+        ),
+        (
+            ["cluster.retrieval_node=1", "retrieval.launch=true"],
+            "cluster.retrieval_node=1 but cluster.num_nodes=1",
+        ),
+    ],
+)
+def test_placements_that_do_not_fit_name_the_keys(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        plan(*overrides)
+
+
+def test_one_model_path():
+    config = load_config(None, ["rollout.model.model_path=/m"])
+    assert config.actor.model.model_path == "/m" and "actor.model.model_path" in config.derived
+    with pytest.raises(ConfigError, match="actor.allow_different_model=true"):
+        load_config(None, ["rollout.model.model_path=/m", "actor.model.model_path=/other"])
+    config = load_config(
+        None,
+        ["rollout.model.model_path=/m", "actor.model.model_path=/other", "actor.allow_different_model=true"],
+    )
+    assert config.actor.model.model_path == "/other"
+
+
+def test_format_gpus():
+    assert [format_gpus(g) for g in ([0], [0, 1, 2, 3], [0, 2, 3, 7])] == ["0", "0-3", "0,2-3,7"]

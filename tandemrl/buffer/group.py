@@ -1,6 +1,6 @@
 """A query group (the `group_size` trajectories of one prompt) and its weight-version arithmetic.
 
-Invariant (SPEC §4): versions come only from tokens the model sampled (`weight_versions` is -1 on
+Invariant (docs/DESIGN.md, Rollout buffer): versions come only from tokens the model sampled (`weight_versions` is -1 on
 tool/prompt tokens), and every figure is measured against the actor's `weight_version` at the start
 of the step that receives the group:
   staleness   = actor weight_version at step start - earliest token version in the group

@@ -1,6 +1,6 @@
 """The rollout buffer: admission of query groups, drops, and hand-off of finished groups to the actor.
 
-Invariants (SPEC §3-§4):
+Invariants (docs/DESIGN.md, Rollout buffer):
 - a group is issued only while in-flight < max_inflight_groups and in-flight + buffered <
   max_buffered_groups;
 - every issued group ends in exactly one of: handed off (trained), dropped (stale or equal rewards),

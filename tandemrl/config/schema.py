@@ -1,4 +1,5 @@
-"""The typed configuration: one small dataclass per component, all keys of SPEC §3 with their defaults.
+"""The typed configuration: one small dataclass per component, every key with its default
+(docs/DESIGN.md, Configuration).
 
 Invariant: every user-facing key lives here exactly once, with its default and its check in
 `__post_init__` (user errors raise `ConfigError` naming the key). Cross-section rules and derived
@@ -341,8 +342,17 @@ class SearchToolConfig:
     timeout_s: float = 10.0
     max_retries: int = 3
     backoff_s: float = 0.5
+    # a step whose failed searches (after retries) pass this fraction of its searches logs a warning
+    warn_error_fraction: float = 0.05
 
     def __post_init__(self):
+        _check(
+            0 <= self.warn_error_fraction <= 1,
+            "tools.search.warn_error_fraction",
+            self.warn_error_fraction,
+            "must be in [0, 1]",
+            "Use e.g. 0.05.",
+        )
         _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
         _check(
             ":" in self.server_addr,

@@ -1,7 +1,7 @@
 """Per-step metrics: TensorBoard scalars, a `metrics.jsonl` history, one console line and a progress bar.
 
 Invariant: the TensorBoard step of every scalar is the rollout step (hand-off); plots convert it to
-"parameter updates" (step x algorithm.n_minibatches, SPEC §7) from `metrics.jsonl`, which holds the
+"parameter updates" (step x algorithm.n_minibatches, docs/DESIGN.md, Metrics) from `metrics.jsonl`, which holds the
 same numbers as the event files. The console line names the step's bottleneck (`bottleneck`).
 """
 

@@ -2,7 +2,7 @@
 `tandem plot RUN_DIR [RUN_DIR ...]`, which overlays several runs (`overlay_runs`).
 
 Invariant: a "parameter updates" axis is rollout step x algorithm.n_minibatches, so sync and async
-runs with different batch layouts line up; the overlay reads it from the actor's own count
+runs with different batch layouts line up (docs/DESIGN.md, Metrics); the overlay reads it from the actor's own count
 (`train/actor/num_updates`) and falls back to step x n_minibatches from the run's `config.yaml`.
 """
 

@@ -10,7 +10,7 @@
          └── sync weights: pause (retract | in_place) or drain ─► push v+1 ─► continue
 
 A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
-version, SPEC §4); how far behind it may be is bounded by max_buffered_groups and
+version, docs/DESIGN.md, Rollout buffer); how far behind it may be is bounded by max_buffered_groups and
 agentloop.max_actor_accept_staleness.
 """
 

@@ -1,4 +1,4 @@
-"""Run checkpoints (SPEC §8): the actor's own checkpoint plus `data/data.pt`, the loader position.
+"""Run checkpoints (docs/DESIGN.md, Checkpoints and resume): the actor's own checkpoint plus `data/data.pt`, the loader position.
 
 Invariant: the loader position, the step and the skip count are taken at one instant (no await in
 between), so on resume exactly the prompts drawn before the save but not trained or dropped are

@@ -2,7 +2,7 @@
 it, sync weights under `rollout.pause_mode`, validate, record the prompt ledger, checkpoint.
 
 Invariant: `ctx.weight_version` is the version in the engines and the one the next hand-off is
-measured against (SPEC §4); it moves only in `sync_weights`, after the engines hold the new weights.
+measured against (docs/DESIGN.md, Weight sync); it moves only in `sync_weights`, after the engines hold the new weights.
 Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/train,
 time/sync_weights (= its pause + push + continue parts), and, for embedded engines, the engines' busy
 fraction over the step window (from their cumulative `busy_s`); `metrics/logger.py` names the bottleneck.
@@ -188,6 +188,24 @@ async def validate_before_training(ctx: RunContext) -> None:
     ctx.last_step_end_s = time.monotonic()
 
 
+def warn_on_search_errors(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
+    """Failed searches reach the agent as an error text and lower the reward silently: say so when a
+    step's share of them passes tools.search.warn_error_fraction."""
+    num_searches = metrics["rollout/num_searches/mean"] * metrics["rollout/total_num_sequence"]
+    num_errors = metrics["rollout/search_errors"]
+    threshold = ctx.config.tools.search.warn_error_fraction
+    if num_errors and num_errors > threshold * max(num_searches, 1.0):
+        log.warning(
+            "step %d: %d of %d searches failed after retries (> tools.search.warn_error_fraction=%g); is "
+            "the retrieval server at %s overloaded or down?",
+            step,
+            num_errors,
+            num_searches,
+            threshold,
+            ctx.driver.search.url,
+        )
+
+
 async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
     """Everything after the weight sync: step metrics, validation, ledger, checkpoint, logging."""
     from tandemrl.runner.checkpoint import save_checkpoint
@@ -203,6 +221,7 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     write_trajectories(ctx, step, handoff)
     if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
         await save_checkpoint(ctx, step)
+    warn_on_search_errors(ctx, step, metrics)
     ctx.logger.log(step, metrics)
     ctx.last_step_end_s = time.monotonic()
     if step == ctx.start_step + 1 and ctx.started_s is not None:

@@ -3,7 +3,7 @@
 Invariant: every prompt drawn from the loader is, at any moment, exactly one of prefetched here,
 issued (in flight or buffered), trained or dropped. The loader's state is its position after the
 last drawn prompt, so a checkpoint skips on resume exactly the prefetched + in-flight + buffered
-prompts of save time (SPEC §8), and `num_prefetched` is the first term of that count. A dropped
+prompts of save time (docs/DESIGN.md, Checkpoints and resume), and `num_prefetched` is the first term of that count. A dropped
 prompt is not re-queued: the loader's next epoch brings it again, as it brings every prompt.
 """
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,10 @@ from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 
-NUM_HEALTH_FAILURES = 3  # consecutive failed /health checks of an external server before it counts as dead
+NUM_HEALTH_FAILURES = 3  # consecutive failed /health checks of an external engine before it counts as dead
+# an external retrieval server may be restarted by its owner: searches retry meanwhile, and the run stops
+# only after this long without an answer
+RETRIEVAL_DEAD_AFTER_S = 30.0
 
 
 class ServiceDiedError(RuntimeError):
@@ -213,6 +217,10 @@ class Services:
         if self.retrieval_handle is None and search is not None:
             external.append(("retrieval server", search))
         failures = [0] * len(external)
+        retrieval_limit = max(NUM_HEALTH_FAILURES, math.ceil(RETRIEVAL_DEAD_AFTER_S / interval_s))
+        limits = [
+            retrieval_limit if name == "retrieval server" else NUM_HEALTH_FAILURES for name, _ in external
+        ]
         has_answered = [name != "retrieval server" for name, _ in external]
         while True:
             await self.check()
@@ -226,10 +234,10 @@ class Services:
                     log.warning("%s at %s does not answer; every search fails until it does", name, url)
                 has_answered[index] = has_answered[index] or is_healthy
                 failures[index] = 0 if is_healthy else failures[index] + 1
-                if has_answered[index] and failures[index] >= NUM_HEALTH_FAILURES:
+                if has_answered[index] and failures[index] >= limits[index]:
                     error = RetrievalDiedError if name == "retrieval server" else EngineDiedError
                     raise error(
-                        f"{name} at {url} failed {NUM_HEALTH_FAILURES} health checks in a row; stopping the run."
+                        f"{name} at {url} failed {limits[index]} health checks in a row; stopping the run."
                     )
             await asyncio.sleep(interval_s)
 

@@ -1,4 +1,4 @@
-"""`tandem sft CONFIG`: the supervised cold start (SPEC §2) on the actor's own machinery.
+"""`tandem sft CONFIG`: the supervised cold start on the actor's own machinery.
 
 Demonstration plans (`tandemrl.data.demos`) are rendered with the *real* retriever's results, in the
 agent loop's exact token format, then trained on with token-mean cross-entropy over the model turns

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SPEC_METRICS = [
+DESIGN_METRICS = [  # docs/DESIGN.md, Metrics
     "rollout/buffer/inflight_groups",
     "rollout/buffer/size",
     "rollout/buffer/admission_wait_inflight_limit",

@@ -1,4 +1,4 @@
-"""Resume (SPEC §8): stop after step 2, resume from its checkpoint to step 4. The logged skip count equals
+"""Resume (docs/DESIGN.md, Checkpoints and resume): stop after step 2, resume from its checkpoint to step 4. The logged skip count equals
 the in-flight + buffered groups + prefetched prompts at save time (checked against the loader position and
 the prompt ledger), the skipped prompts never come back in that epoch, and no prompt is trained twice."""
 

@@ -1,5 +1,5 @@
 """The runners end to end on CPU: real embedded engine process, real retrieval server, real actor with a
-tiny 2-layer model, weight sync over gloo. Checks every SPEC §7 metric in the TensorBoard files, that
+tiny 2-layer model, weight sync over gloo. Checks every metric of docs/DESIGN.md (Metrics) in the TensorBoard files, that
 async staleness >= 1 occurs, that every prompt is accounted for, and each pause mode."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tandemrl.metrics.plots import load_run, overlay_runs
 from tandemrl.runner.launch import train
 from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
-    SPEC_METRICS,
+    DESIGN_METRICS,
     STEP_TIME_METRICS,
     account,
     read_ledger,
@@ -45,7 +45,7 @@ def run(tmp_path, tiny_llama_dir, small_kb, *overrides):
 def check_run(config, ctx, expect_stale: bool):
     output_dir = config.runner.output_dir
     scalars = read_tensorboard_scalars(f"{output_dir}/tensorboard")
-    missing = [m for m in SPEC_METRICS if m not in scalars]
+    missing = [m for m in DESIGN_METRICS if m not in scalars]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)

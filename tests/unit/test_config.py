@@ -1,4 +1,4 @@
-"""Every validation rule and every derivation of the configuration (SPEC §3, issue Foundation)."""
+"""Every validation rule and every derivation of the configuration (docs/DESIGN.md, Configuration)."""
 
 from __future__ import annotations
 

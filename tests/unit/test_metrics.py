@@ -123,3 +123,27 @@ def test_plots_use_parameter_updates_axis(tmp_path):
     ax = captured["reward.png"]
     assert list(ax.lines[0].get_xdata()) == [4, 8, 12]
     assert "parameter updates" in ax.get_xlabel()
+
+
+def test_a_step_with_many_failed_searches_warns_naming_the_retrieval_server(caplog):
+    from types import SimpleNamespace
+
+    from tandemrl.config.loader import load_config
+    from tandemrl.runner.context import warn_on_search_errors
+
+    ctx = SimpleNamespace(
+        config=load_config(None, ["tools.search.warn_error_fraction=0.25"]),
+        driver=SimpleNamespace(search=SimpleNamespace(url="http://127.0.0.1:8123/retrieve")),
+    )
+    metrics = {
+        "rollout/num_searches/mean": 2.0,
+        "rollout/total_num_sequence": 4.0,
+        "rollout/search_errors": 2.0,
+    }
+    with caplog.at_level("WARNING"):
+        warn_on_search_errors(ctx, 3, metrics)  # 2 of 8 = 0.25: not past the threshold
+    assert not caplog.records
+    with caplog.at_level("WARNING"):
+        warn_on_search_errors(ctx, 4, {**metrics, "rollout/search_errors": 3.0})
+    (record,) = caplog.records
+    assert "step 4: 3 of 8 searches failed" in record.getMessage() and "127.0.0.1:8123" in record.getMessage()

@@ -1,8 +1,8 @@
 """`tandem eval CONFIG [--split test] [--limit N] [--out PATH]`: greedy Search-R1 evaluation.
 
-Starts what the config names (an embedded engine, unless external engines are given, and the
-retrieval server over the index, unless `retrieval.launch` is false), runs one greedy trajectory
-per question, and reports exact match per data source and overall, with mean searches and turns.
+Starts what the config names through the run's services layer (`runner/services.py`: the engines of
+the placement plan, unless external engines are given, and the retrieval server over the index, unless
+`retrieval.launch` is false), runs one greedy trajectory per question (split over the engines), and reports exact match per data source and overall, with mean searches and turns.
 Invariant: every question of the selected split (up to `--limit`, in file order) is evaluated
 exactly once, and every trajectory is written in full to the jsonl.
 """
@@ -10,7 +10,6 @@ exactly once, and every trajectory is written in full to the jsonl.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -18,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
-from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
+from tandemrl.config.schema import AgentLoopConfig, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,61 +96,11 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     return [str(path)]
 
 
-@contextlib.contextmanager
-def engine_url(config: TandemConfig):
-    """The URL of an engine serving the policy: the first external one, or an embedded one we start."""
-    rollout = config.rollout
-    if rollout.backend != "embedded":
-        if not rollout.server_addrs:
-            raise ConfigError(
-                f"rollout.backend={rollout.backend!r} but rollout.server_addrs is empty: evaluation "
-                "needs a running engine. Set rollout.server_addrs=[host:port]."
-            )
-        addr = rollout.server_addrs[0]
-        yield addr if addr.startswith("http") else f"http://{addr}"
-        return
-    from tandemrl.data.prepare_model import prepare_model
-    from tandemrl.rollout.engine_process import EngineProcess
-
-    model_path = rollout.model.model_path or str(prepare_model())
-    device, dtype = resolve_device_dtype(rollout.device, rollout.dtype)
-    with EngineProcess.from_rollout(rollout, model_path, device, dtype, config.runner.seed) as engine:
-        yield engine.url
-
-
-def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, dtype
-
-
-@contextlib.contextmanager
-def retrieval_addr(config: TandemConfig):
-    """The retrieval server's host:port: ours over the index when `retrieval.launch`, else the configured one."""
-    if not config.retrieval.launch:
-        yield config.tools.search.server_addr
-        return
-    from tandemrl.data.home import default_index_dir
-    from tandemrl.retrieval.server_process import RetrievalServerProcess
-
-    index_dir = Path(config.retrieval.index_dir or default_index_dir())
-    if not index_dir.exists():
-        raise FileNotFoundError(
-            f"retrieval index {index_dir} does not exist. Run `tandem prepare all` (default KB) "
-            "or `tandem index build`, or set retrieval.index_dir."
-        )
-    with RetrievalServerProcess(index_dir, mode=config.retrieval.mode) as server:
-        yield server.addr
-
-
 def run_eval(args) -> int:
     from transformers import AutoTokenizer
 
     from tandemrl.config.loader import load_config
+    from tandemrl.runner.services import Services, model_path
 
     config = load_config(args.config, args.overrides)
     from tandemrl.data.loader import load_prompts
@@ -159,11 +108,13 @@ def run_eval(args) -> int:
     prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
     start_s = time.monotonic()
-    with retrieval_addr(config) as addr, engine_url(config) as url:
-        model_path = config.rollout.model.model_path or _default_model_path()
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        log.info("evaluating %d %s questions (engine %s, retrieval %s)", len(prompts), args.split, url, addr)
-        trajectories = asyncio.run(_evaluate(config, prompts, url, addr, tokenizer))
+    with Services(config) as services:
+        urls, addr = services.engine_urls, services.search_addr
+        tokenizer = AutoTokenizer.from_pretrained(model_path(config))
+        log.info(
+            "evaluating %d %s questions (engines %s, retrieval %s)", len(prompts), args.split, urls, addr
+        )
+        trajectories = asyncio.run(_evaluate(config, prompts, urls, addr, tokenizer))
     elapsed_s = time.monotonic() - start_s
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as stream:
@@ -182,18 +133,15 @@ def run_eval(args) -> int:
     return 0
 
 
-def _default_model_path() -> str:
-    from tandemrl.data.prepare_model import prepare_model
-
-    return str(prepare_model())
-
-
-async def _evaluate(config: TandemConfig, prompts: list, url: str, addr: str, tokenizer) -> list[Trajectory]:
+async def _evaluate(
+    config: TandemConfig, prompts: list, urls: list[str], addr: str, tokenizer
+) -> list[Trajectory]:
+    """The prompts split over the engines (in order, so the results keep the file order)."""
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.rollout.client import EngineClient
 
     search_cfg = config.tools.search
-    engine = EngineClient(url)
+    engines = [EngineClient(url) for url in urls]
     search = SearchTool(
         addr,
         topk=search_cfg.topk,
@@ -201,15 +149,23 @@ async def _evaluate(config: TandemConfig, prompts: list, url: str, addr: str, to
         max_retries=search_cfg.max_retries,
         backoff_s=search_cfg.backoff_s,
     )
+    size = -(-len(prompts) // len(engines))
     try:
-        return await evaluate_prompts(
-            prompts,
-            engine,
-            search,
-            tokenizer,
-            config.agentloop,
-            max_concurrency=config.rollout.max_running_requests,
+        shards = await asyncio.gather(
+            *(
+                evaluate_prompts(
+                    prompts[i * size : (i + 1) * size],
+                    engine,
+                    search,
+                    tokenizer,
+                    config.agentloop,
+                    max_concurrency=config.rollout.max_running_requests,
+                )
+                for i, engine in enumerate(engines)
+            )
         )
+        return [traj for shard in shards for traj in shard]
     finally:
-        await engine.close()
+        for engine in engines:
+            await engine.close()
         await search.close()

@@ -25,16 +25,29 @@ NODE_RANK_ENV = "TANDEM_NODE_RANK"
 NODE_ID_LABEL = "ray.io/node-id"
 
 
+_started_here: list[bool] = []  # whether init_ray connected this process (then shutdown_ray disconnects it)
+
+
 def init_ray(config: Any) -> None:
     import ray
 
     if ray.is_initialized():
         return
+    _started_here.append(True)
     address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
     if address:  # join the cluster started by `ray start` on every node
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
     else:  # local Ray: this machine only
         ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+
+
+def shutdown_ray() -> None:
+    """Disconnect (and stop a local Ray) only if `init_ray` connected: a caller's own Ray stays up."""
+    if _started_here:
+        import ray
+
+        _started_here.clear()
+        ray.shutdown()
 
 
 @dataclass

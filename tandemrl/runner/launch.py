@@ -39,6 +39,7 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
     (time.monotonic() at the process start) makes the run log its time to the first step."""
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.placement import describe_plan, plan_placement
+    from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.runner.services import Services
@@ -72,7 +73,7 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
         if actor is not None:
             actor.shutdown()
         services.stop()
-        _shutdown_ray(config)
+        shutdown_ray()
     if write_plots:
         paths = plot(config.runner.output_dir, config.algorithm.n_minibatches)
         log.info("plots: %s", ", ".join(str(p) for p in paths))
@@ -86,13 +87,6 @@ def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
     for name, node_id in placed.items():
         log.info("%s runs on Ray node %s", name, node_id)
     return placed
-
-
-def _shutdown_ray(config: Any) -> None:
-    if config.cluster.use_ray:
-        import ray
-
-        ray.shutdown()
 
 
 def dry_run(config: Any) -> int:

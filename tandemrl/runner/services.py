@@ -100,6 +100,16 @@ class Services:
         self.wait()
         return self
 
+    def __enter__(self) -> Services:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        """For `tandem eval` / `tandem sft`: stop the servers, and Ray if it was started for them."""
+        from tandemrl.cluster.ray_nodes import shutdown_ray
+
+        self.stop()
+        shutdown_ray()
+
     def launch(self) -> Services:
         """Spawn every server (local ones first, so they boot while Ray starts); returns at once."""
         from tandemrl.cluster.server_group import ServerGroup
@@ -110,7 +120,7 @@ class Services:
             self.group = ServerGroup(handles)
             for handle in handles:
                 handle.launch()
-            if self.config.cluster.use_ray:
+            if remote:
                 self._launch_remote(remote)
         except BaseException:
             self.stop()

@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import random
-from contextlib import contextmanager
 from pathlib import Path
 
 from tandemrl.trainer.batching import TrainSample
@@ -89,28 +88,17 @@ def write_rendered(path: Path, samples: list[TrainSample]) -> None:
             f.write(json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n")
 
 
-@contextmanager
-def _search_addr(config):
-    """The retrieval server for rendering: launched for the duration (retrieval.launch) or the configured one."""
-    if not config.retrieval.launch:
-        yield config.tools.search.server_addr
-        return
-    from tandemrl.data.home import default_index_dir
-    from tandemrl.retrieval.server_process import RetrievalServerProcess
-
-    index_dir = config.retrieval.index_dir or default_index_dir()
-    with RetrievalServerProcess(index_dir, mode=config.retrieval.mode) as server:
-        yield server.addr
-
-
 def render_demos(config, demos: list[dict]) -> list[tuple[list[int], list[int]]]:
     from transformers import AutoTokenizer
 
     from tandemrl.data.home import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(sft_init_model_path(config) or default_model_dir())
-    with _search_addr(config) as addr:
-        return asyncio.run(_render_all(config, addr, demos, tokenizer))
+    from tandemrl.runner.services import Services
+
+    # the retrieval server only (launched for the rendering when retrieval.launch, else the configured one)
+    with Services(config, with_engines=False) as services:
+        return asyncio.run(_render_all(config, services.search_addr, demos, tokenizer))
 
 
 async def _render_all(config, addr: str, demos: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:

@@ -205,6 +205,7 @@ async def measure_sync(actor, engine_url: str, backend: str, bucket_mb: int, rep
 
 
 def run_sync(actor, engine_model, args, device: torch.device) -> dict:
+    from tandemrl.engine.config import EngineOptions
     from tandemrl.rollout.engine_process import EngineProcess
 
     backend = "cuda_ipc" if device.type == "cuda" else "gloo"
@@ -216,7 +217,7 @@ def run_sync(actor, engine_model, args, device: torch.device) -> dict:
             device=device.type,
             dtype=dtype,
             max_context_len=4096,
-            kv_cache_gb=2.0 if device.type == "cuda" else None,
+            options=EngineOptions(kv_cache_gb=2.0 if device.type == "cuda" else None),
         )
         with engine:
             results = asyncio.run(measure_sync(actor, engine.url, backend, 256, args.sync_repeats))

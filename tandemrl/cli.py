@@ -11,6 +11,7 @@ import logging
 import sys
 
 from tandemrl.config.schema import ConfigError
+from tandemrl.engine.config import add_engine_flags
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -112,13 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve_engine.add_argument("--max-running-requests", type=int, default=64)
     serve_engine.add_argument("--max-context-len", type=int, default=4096)
     serve_engine.add_argument("--seed", type=int, default=0)
-    serve_engine.add_argument("--kv-cache-gb", type=float, default=None, help="KV cache size (default: auto)")
-    serve_engine.add_argument(
-        "--chunked-prefill-size",
-        type=int,
-        default=8192,
-        help="prompt tokens per prefill step; longer prompts are prefilled in chunks",
-    )
+    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/engine/config.py)
     serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
     return parser
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tandemrl.config.schema import ConfigError, TandemConfig
+from tandemrl.config.schema import MOVED_KEYS, ConfigError, TandemConfig
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TandemConfig:
@@ -84,6 +84,9 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in raw:
+        moved = MOVED_KEYS.get(f"{prefix}{key}")
+        if moved:
+            raise ConfigError(f"{prefix}{key} is now {moved} (the engine's own name for it). Rename the key.")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean {prefix}{close[0]}?" if close else f" Known keys: {', '.join(names)}."

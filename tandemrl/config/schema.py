@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandemrl.config.errors import ConfigError
+from tandemrl.engine.config import EngineOptions
+
+__all__ = ["ConfigError", "EngineOptions", "TandemConfig"]
+
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
-
-
-class ConfigError(ValueError):
-    """A user error in the configuration; the message names the key, the value, why and how to fix it."""
 
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
@@ -157,14 +158,10 @@ class RolloutConfig:
     weight_sync: str = "auto"  # auto | gloo | nccl | cuda_ipc
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
-    kv_cache_gb: float | None = None  # embedded engine KV cache; None: auto (CPU 1 GiB, CUDA 40% of free)
-    # embedded engine: prompt tokens one prefill step forwards; a longer prompt is prefilled in chunks
-    # that alternate with decode steps (SGLang's --chunked-prefill-size)
-    chunked_prefill_size: int = 8192
+    # the embedded engine's own settings, whole and under their engine names (tandemrl/engine/config.py)
+    engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
-        _check_positive("rollout.kv_cache_gb", self.kv_cache_gb, allow_none=True)
-        _check_positive("rollout.chunked_prefill_size", self.chunked_prefill_size)
         _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
@@ -424,6 +421,13 @@ class ClusterConfig:
                 "names an unknown component",
                 "Use the components actor and rollout.",
             )
+
+
+# keys that moved: old name -> new name (the loader says so instead of "unknown key")
+MOVED_KEYS = {
+    "rollout.chunked_prefill_size": "rollout.engine.max_prefill_tokens",
+    "rollout.kv_cache_gb": "rollout.engine.kv_cache_gb",
+}
 
 
 @dataclass

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from tandemrl.engine.config import EngineConfig
 from tandemrl.engine.cuda_graphs import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
@@ -47,35 +48,6 @@ class _Launched:
     samples: list[bool]  # per row: False for a prefill chunk, whose row's token is not a sample
     result: StepResult
     weight_version: int
-
-
-@dataclass
-class EngineConfig:
-    model_path: str
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_running_requests: int = 64
-    max_context_len: int = 4096
-    seed: int = 0
-    kv_cache_gb: float | None = None  # None: sized from max_running_requests x max_context_len, capped
-    block_size: int = 16
-    max_prefill_tokens: int = 8192
-    enable_prefix_caching: bool = True  # reuse the KV of a resent context (issue 9)
-    enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
-    overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
-    # Move every object alive once the engine is built to the GC's permanent generation (`gc.freeze`, as
-    # vLLM's and SGLang's servers do): a full collection would otherwise walk the model's, torch's and
-    # transformers' objects, stalling the step loop (and the GPU behind it) for up to hundreds of ms.
-    # For a process that serves one engine (`tandem serve-engine`, the benchmark); frozen objects that
-    # later become cyclic garbage are never collected.
-    freeze_gc: bool = False
-
-    def __post_init__(self):
-        if self.max_prefill_tokens < 1:
-            raise ValueError(
-                f"max_prefill_tokens must be >= 1, got {self.max_prefill_tokens}: it is the number of "
-                "prompt tokens one prefill step forwards (longer prompts are prefilled in chunks)"
-            )
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:

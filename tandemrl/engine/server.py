@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from tandemrl.engine.config import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
 from tandemrl.engine.sequence import SamplingParams, Sequence
@@ -206,9 +207,8 @@ def run_serve(args) -> int:
         max_running_requests=args.max_running_requests,
         max_context_len=args.max_context_len,
         seed=args.seed,
-        kv_cache_gb=getattr(args, "kv_cache_gb", None),
-        max_prefill_tokens=args.chunked_prefill_size,
         freeze_gc=True,  # this process serves one engine
+        **options_from_args(args),
     )
     engine = Engine(config)
     loop = EngineLoop(engine)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tandemrl.cluster.child_server import ChildServer
+from tandemrl.engine.config import EngineOptions, engine_flags
 
 
 class EngineProcess(ChildServer):
@@ -23,8 +24,7 @@ class EngineProcess(ChildServer):
         max_running_requests: int = 64,
         max_context_len: int = 4096,
         seed: int = 0,
-        kv_cache_gb: float | None = None,
-        chunked_prefill_size: int = 8192,
+        options: EngineOptions | None = None,
         startup_timeout_s: float = 300.0,
         env: dict | None = None,
         log_path: str | Path | None = None,
@@ -33,7 +33,7 @@ class EngineProcess(ChildServer):
         self.model_path = str(model_path)
         self.device, self.dtype, self.seed = device, dtype, seed
         self.max_running_requests, self.max_context_len = max_running_requests, max_context_len
-        self.kv_cache_gb, self.chunked_prefill_size = kv_cache_gb, chunked_prefill_size
+        self.options = options or EngineOptions()
 
     @classmethod
     def from_rollout(
@@ -48,8 +48,7 @@ class EngineProcess(ChildServer):
             max_running_requests=rollout.max_running_requests,
             max_context_len=rollout.max_context_len,
             seed=seed,
-            kv_cache_gb=rollout.kv_cache_gb,
-            chunked_prefill_size=rollout.chunked_prefill_size,
+            options=rollout.engine,
             startup_timeout_s=rollout.startup_timeout_s,
         )
 
@@ -72,9 +71,5 @@ class EngineProcess(ChildServer):
             str(self.max_context_len),
             "--seed",
             str(self.seed),
-            "--chunked-prefill-size",
-            str(self.chunked_prefill_size),
         ]
-        if self.kv_cache_gb is not None:
-            args += ["--kv-cache-gb", str(self.kv_cache_gb)]
-        return args
+        return args + engine_flags(self.options)

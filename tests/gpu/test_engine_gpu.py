@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandemrl.engine.config import EngineOptions
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.sequence import SamplingParams
 from tandemrl.rollout.client import EngineClient
@@ -82,7 +83,7 @@ def test_cuda_ipc_weight_update(tiny_model_factory, tiny_llama_dir):
         device="cuda",
         dtype="float32",
         max_context_len=256,
-        kv_cache_gb=0.5,
+        options=EngineOptions(kv_cache_gb=0.5),
         env={"NVIDIA_TF32_OVERRIDE": "0"},
     ) as engine:
 

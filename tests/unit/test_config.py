@@ -227,10 +227,11 @@ def test_cli_config_show_marks_derived_and_fails_cleanly():
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
-    """rollout.kv_cache_gb, chunked_prefill_size and startup_timeout_s become the engine's flags."""
+def test_rollout_engine_keys_reach_the_engine_process(tmp_path):
+    """rollout.engine.* go whole to `serve-engine` under their own names, and on to `EngineConfig`."""
     from tandemrl.cli import build_parser
     from tandemrl.cluster.server_supervisor import build_server
+    from tandemrl.engine.config import EngineConfig, options_from_args
     from tandemrl.runner.services import Services
 
     (tmp_path / "model").mkdir()
@@ -239,8 +240,12 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
         [
             f"rollout.model.model_path={tmp_path / 'model'}",
             "rollout.device=cpu",
-            "rollout.kv_cache_gb=0.5",
-            "rollout.chunked_prefill_size=512",
+            "rollout.engine.kv_cache_gb=0.5",
+            "rollout.engine.max_prefill_tokens=512",
+            "rollout.engine.block_size=8",
+            "rollout.engine.enable_prefix_caching=false",
+            "rollout.engine.enable_cuda_graphs=false",
+            "rollout.engine.overlap_steps=true",
             "rollout.startup_timeout_s=12",
             "cluster.use_ray=false",
             "retrieval.launch=false",
@@ -251,10 +256,22 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path, monkeypatch):
     ((name, spec, placement),) = [item for item in local if item[1].kind == "embedded"]
     process = build_server(spec, "127.0.0.1")
     args = build_parser().parse_args(process.server_args())
-    assert (args.kv_cache_gb, args.chunked_prefill_size) == (0.5, 512)
+    engine = EngineConfig(args.model, **options_from_args(args))
+    assert (engine.kv_cache_gb, engine.max_prefill_tokens, engine.block_size) == (0.5, 512, 8)
+    assert (engine.enable_prefix_caching, engine.enable_cuda_graphs, engine.overlap_steps) == (
+        False,
+        False,
+        True,
+    )
     assert process.startup_timeout_s == 12
-    with pytest.raises(ConfigError, match="rollout.chunked_prefill_size"):
-        load_config(None, ["rollout.chunked_prefill_size=0"])
+    defaults = build_parser().parse_args(["serve-engine", "--model", "m", "--port", "1"])
+    assert EngineConfig("m", **options_from_args(defaults)) == EngineConfig("m")
+    with pytest.raises(ConfigError, match="rollout.engine.max_prefill_tokens=0: must be > 0"):
+        load_config(None, ["rollout.engine.max_prefill_tokens=0"])
+    with pytest.raises(
+        ConfigError, match="rollout.chunked_prefill_size is now rollout.engine.max_prefill_tokens"
+    ):
+        load_config(None, ["rollout.chunked_prefill_size=512"])
 
 
 def test_coldstart_alias_and_the_actor_following_the_rollout(tmp_path, monkeypatch):
@@ -268,9 +285,12 @@ def test_coldstart_alias_and_the_actor_following_the_rollout(tmp_path, monkeypat
     assert "rollout.model.model_path" in config.derived and "actor.model.model_path" in config.derived
 
 
-def test_an_actor_path_of_its_own_is_kept():
+def test_an_actor_path_of_its_own_is_kept_only_on_purpose():
     config = TandemConfig()
     config.rollout.model.model_path, config.actor.model.model_path = "/models/a", "/models/b"
+    with pytest.raises(ConfigError, match="set actor.allow_different_model=true"):
+        derive_and_validate(config)
+    config.actor.allow_different_model = True
     derive_and_validate(config)
     assert (config.rollout.model.model_path, config.actor.model.model_path) == ("/models/a", "/models/b")
     assert "actor.model.model_path" not in config.derived

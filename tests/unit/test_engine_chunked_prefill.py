@@ -234,5 +234,5 @@ def test_prefix_reuse_with_chunks(tiny_llama_dir):
 
 
 def test_the_prefill_budget_must_be_positive(tiny_llama_dir):
-    with pytest.raises(ValueError, match="max_prefill_tokens must be >= 1"):
+    with pytest.raises(ValueError, match="rollout.engine.max_prefill_tokens=0: must be > 0"):
         EngineConfig(str(tiny_llama_dir), max_prefill_tokens=0)

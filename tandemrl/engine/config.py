@@ -1,0 +1,98 @@
+"""The embedded engine's configuration, owned here and nowhere else (pure Python: the config schema
+imports it).
+
+`EngineOptions` are the engine's own settings. They go whole from YAML to the engine under one name
+each: `rollout.engine.<name>` in the config = `tandem serve-engine --<name>` (underscores as dashes,
+flags generated from the fields by `add_engine_flags`) = `EngineConfig.<name>`. `EngineConfig` adds what
+the run decides: the weights, device, dtype, the request and context limits (`rollout.*`, shared with
+SGLang servers) and the seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass
+
+from tandemrl.config.errors import ConfigError
+
+
+@dataclass(kw_only=True)
+class EngineOptions:
+    kv_cache_gb: float | None = None  # None: sized from max_running_requests x max_context_len, capped
+    block_size: int = 16  # tokens per KV-cache block
+    # prompt tokens one prefill step forwards; a longer prompt is prefilled in chunks that alternate with
+    # decode steps (SGLang's --chunked-prefill-size)
+    max_prefill_tokens: int = 8192
+    enable_prefix_caching: bool = True  # reuse the KV of a resent context (the agent loop resends each turn)
+    enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
+    overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
+
+    def __post_init__(self):
+        for name in ("kv_cache_gb", "block_size", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"rollout.engine.{name}={value!r}: must be > 0. Set a positive number"
+                    + (
+                        " (max_prefill_tokens: prompt tokens one prefill step forwards)."
+                        if "prefill" in name
+                        else "."
+                    )
+                )
+
+
+@dataclass
+class EngineConfig(EngineOptions):
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_running_requests: int = 64
+    max_context_len: int = 4096
+    seed: int = 0
+    # Move every object alive once the engine is built to the GC's permanent generation (`gc.freeze`, as
+    # vLLM's and SGLang's servers do): a full collection would otherwise walk the model's, torch's and
+    # transformers' objects, stalling the step loop (and the GPU behind it) for up to hundreds of ms.
+    # For a process that serves one engine (`tandem serve-engine`, the benchmark); frozen objects that
+    # later become cyclic garbage are never collected.
+    freeze_gc: bool = False
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(EngineOptions))
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """One `serve-engine` flag per `EngineOptions` field, same name, same default."""
+    hints = typing.get_type_hints(EngineOptions)
+    for field in dataclasses.fields(EngineOptions):
+        hint = hints[field.name]
+        kind = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+        if kind is bool:
+            parser.add_argument(
+                flag(field.name), action=argparse.BooleanOptionalAction, default=field.default
+            )
+        else:
+            parser.add_argument(flag(field.name), type=kind, default=field.default)
+
+
+def options_from_args(args: argparse.Namespace) -> dict:
+    return {name: getattr(args, name) for name in OPTION_NAMES}
+
+
+def engine_flags(options: EngineOptions) -> list[str]:
+    """The `serve-engine` flags that reproduce `options` (unset optional values are left out)."""
+    args: list[str] = []
+    for name in OPTION_NAMES:
+        value = getattr(options, name)
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            args.append(flag(name) if value else "--no-" + flag(name)[2:])
+        else:
+            args += [flag(name), str(value)]
+    return args

@@ -3,7 +3,9 @@
 #   examples/searchr1/run_train.sh CONFIG_NAME [key=value ...]
 # CONFIG_NAME names examples/searchr1/config/CONFIG_NAME.yaml (e.g. embedded_cpu_async); the overrides
 # are Hydra-style dotted keys (e.g. runner.max_steps=10 data.rollout_batch_size=8).
-# On a Ray cluster, run `ray start` on every node first and pass cluster.ray_address=auto.
+# Run it on the head node. On one machine it starts a local Ray; on several nodes start Ray first
+# (`TANDEM_NODE_RANK=0 ray start --head` here, `TANDEM_NODE_RANK=<rank> ray start --address=<head>:6379`
+# on the others: README "Placement and several nodes"). Add --dry-run to print the placement plan only.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

@@ -159,7 +159,7 @@ def plan_placement(config: Any) -> PlacementPlan:
     )
     actor_gpus = {(p.node, g) for p in actor for g in p.gpus}
     shares_gpu = any((e.node, g) in actor_gpus for e in engines for g in e.gpus)
-    if shares_gpu and "actor,rollout" not in cluster.component_placement:
+    if shares_gpu and cluster.component_placement and "actor,rollout" not in cluster.component_placement:
         raise ConfigError(
             "cluster.component_placement gives the actor and the rollout overlapping GPUs under separate "
             "keys. Share GPUs on purpose with one key, e.g. `actor,rollout: 0`, or give them disjoint GPUs."

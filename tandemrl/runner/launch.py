@@ -42,9 +42,10 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
     from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
-    from tandemrl.runner.services import Services
+    from tandemrl.runner.services import Services, resolve_auto_devices
     from tandemrl.runner.session import run_session
 
+    resolve_auto_devices(config)
     plan = plan_placement(config)
     for line in describe_plan(config, plan):
         log.info("%s", line)

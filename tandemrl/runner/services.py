@@ -53,6 +53,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
+def resolve_auto_devices(config: Any) -> None:
+    """`auto` devices become what this machine has, before planning: a Ray bundle without GPUs hides
+    them from its process (Ray sets CUDA_VISIBLE_DEVICES to none), so the plan must know."""
+    for section, key in ((config.actor, "actor.device"), (config.rollout, "rollout.device")):
+        if section.device == "auto":
+            section.device = resolve_device("auto")
+            config.derived[key] = f"{section.device} (auto: what this machine has)"
+
+
 def model_path(config: Any) -> str:
     """The weights the engines serve and the actor trains (one path, see config/derive.py)."""
     from tandemrl.data.home import default_model_dir
@@ -86,6 +95,7 @@ class Services:
         from tandemrl.cluster.placement import plan_placement
 
         self.config = config
+        resolve_auto_devices(config)
         self.plan = plan or plan_placement(config)
         self.with_engines = with_engines
         self.nodes: Any = None  # cluster.ray_nodes.NodeMap once Ray is up

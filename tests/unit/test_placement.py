@@ -129,3 +129,12 @@ def test_one_model_path():
 
 def test_format_gpus():
     assert [format_gpus(g) for g in ([0], [0, 1, 2, 3], [0, 2, 3, 7])] == ["0", "0-3", "0,2-3,7"]
+
+
+def test_no_placement_on_one_gpu_machine_shares_gpu_0():
+    """The H200 default: no component_placement, both on CUDA: actor and engine share GPU 0 (CUDA IPC)."""
+    _, p = plan("actor.device=cuda", "rollout.device=cuda")
+    assert p.shares_gpu and p.weight_sync == "cuda_ipc"
+    assert [(a.node, a.gpus) for a in p.actor] == [(0, [0])] and [(e.node, e.gpus) for e in p.engines] == [
+        (0, [0])
+    ]

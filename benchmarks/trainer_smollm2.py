@@ -275,7 +275,7 @@ def start_engine(model_dir: Path, args, device: torch.device):
 
     rollout = load_config(None, []).rollout
     if args.kv_cache_gb is not None:
-        rollout.kv_cache_gb = args.kv_cache_gb
+        rollout.engine.kv_cache_gb = args.kv_cache_gb
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
 

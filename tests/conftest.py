@@ -13,6 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Ray's memory monitor kills workers when the *machine* is near full; on a shared CI box other jobs' memory
+# would kill a test's tiny workers (the kernel's OOM killer still guards the machine)
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 from tandemrl.cluster.child_server import free_port  # noqa: E402,F401  (tests import it from here)
 

@@ -47,7 +47,7 @@ def test_glm_dry_run_prints_the_two_node_plan():
         in out
     )
     assert "--port 30000" in out and "--port 30001" in out
-    assert "actor.model.model_path derived: rollout.model.model_path" in out
+    assert "actor.model.model_path derived: /path/to/GLM-4.7-Flash (= rollout.model.model_path)" in out
 
 
 def test_global_gpu_ids_map_to_nodes_and_tensor_parallel_groups():

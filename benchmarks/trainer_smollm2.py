@@ -13,7 +13,8 @@ starts (its KV cache takes its default share of the free memory, as in a run); "
 idle), then sdpa over padded rows at the after budget (which lever did what), the engine's
 generation rate alone (actor idle), then "after" while a client process keeps
 `--engine-concurrency` /generate requests in flight (`--shared-before`: "before" too; `--mps`: all
-of it under a private MPS daemon, so the two processes' kernels may overlap instead of time-slicing). Each variant: one warm-up step, then `--steps`
+of it under a private MPS daemon, so the two processes' kernels may overlap instead of time-slicing;
+`--compile-variant`: "after" with `actor.compile_layers`, its compile time in `warmup_step_s`). Each variant: one warm-up step, then `--steps`
 timed steps; the median is reported, with the actor's CPU time per step (host work), its peak GPU
 memory and allocator retries (memory pressure), and the engine's tokens/s in the same window
 (GPU time-slicing shows as both sides slowing). Writes benchmarks/results/trainer_smollm2_h200.json.
@@ -60,6 +61,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--after-attn", default=None, help="actor.attn_implementation after (auto; tiny varlen)")
     p.add_argument("--after-micro-batch-tokens", default="null", help="null: the auto budget")
     p.add_argument("--no-ablation", action="store_true", help="skip sdpa padded rows at the after budget")
+    p.add_argument("--compile-variant", action="store_true", help="also time after + actor.compile_layers")
     p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
     p.add_argument("--engine-concurrency", type=int, default=None, help="requests in flight (64; tiny 4)")
@@ -118,7 +120,9 @@ def model_dir_for(args, tmp: Path) -> tuple[Path, str]:
     return write_engine_dir(model, tmp / "model", dtype), "random weights from the config"
 
 
-def make_actor(model_dir: Path, args, device: torch.device, attn: str, micro_batch_tokens: str):
+def make_actor(
+    model_dir: Path, args, device: torch.device, attn: str, micro_batch_tokens: str, compile_layers=False
+):
     from tandemrl.trainer.actor import Actor
 
     overrides = [
@@ -128,6 +132,7 @@ def make_actor(model_dir: Path, args, device: torch.device, attn: str, micro_bat
         f"algorithm.n_minibatches={args.n_minibatches}",
         f"actor.attn_implementation={attn}",
         f"actor.micro_batch_tokens={micro_batch_tokens}",
+        f"actor.compile_layers={str(compile_layers).lower()}",
     ]
     return Actor(load_config(None, overrides))
 
@@ -141,8 +146,10 @@ def time_variant(actor, samples, args, device: torch.device, load=None) -> dict:
     """One warm-up step, then `args.steps` timed ones: wall and process CPU seconds, GPU memory."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    warm_start = time.perf_counter()
     actor.train_step(samples)
     sync(device)
+    warmup_s = time.perf_counter() - warm_start
     wall, cpu, rates = [], [], []
     for _ in range(args.steps):
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -159,6 +166,8 @@ def time_variant(actor, samples, args, device: torch.device, load=None) -> dict:
         "layout": "padded rows" if actor.is_padded else "packed rows",
         "micro_batch_tokens": actor.micro_batch_tokens,
         "micro_batches_per_step": sum(len(actor._plan(mb)) for mb in _minibatches(samples, args)),
+        "compile_layers": actor.config.actor.compile_layers,
+        "warmup_step_s": warmup_s,
         "train_step_s": wall,
         "cpu_s_per_step": cpu,
         "train_tokens_per_s": tokens / statistics.median(wall),
@@ -309,10 +318,15 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
         engine_startup_s = time.perf_counter() - started
         after = make_actor(model_dir, args, device, args.after_attn, args.after_micro_batch_tokens)
         variants["after_alone"] = time_variant(after, samples, args, device)
+        budget = str(after.micro_batch_tokens)
         if not args.no_ablation:  # which lever: the same budget with padded sdpa rows
-            ablation = make_actor(model_dir, args, device, "sdpa", str(after.micro_batch_tokens))
+            ablation = make_actor(model_dir, args, device, "sdpa", budget)
             variants["sdpa_padded_after_budget_alone"] = time_variant(ablation, samples, args, device)
             free_actor(ablation, device)
+        if args.compile_variant:  # the after settings with each decoder layer compiled
+            compiled = make_actor(model_dir, args, device, args.after_attn, budget, compile_layers=True)
+            variants["after_compiled_alone"] = time_variant(compiled, samples, args, device)
+            free_actor(compiled, device)
         vocab = after.hf_model.config.vocab_size
         prompt_len = min(250, 3 * args.min_len // 8)
         with GenerationLoad(

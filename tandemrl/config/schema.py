@@ -295,6 +295,9 @@ class ActorConfig:
     # `resolve_micro_batch_tokens`: 8192 on CPU, on CUDA sized from the model's activations and free memory)
     micro_batch_tokens: int | None = None
     gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (dynamic shapes): fuses the norm/rotary/activation/cast kernels
+    # around the matmuls; costs compile time at the first steps (trainer/policy.py `compile_layers`)
+    compile_layers: bool = False
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_ranks: int = 1

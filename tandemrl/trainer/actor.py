@@ -29,6 +29,7 @@ from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_toke
 from tandemrl.trainer.optim import build_optimizer
 from tandemrl.trainer.policy import (
     PolicyModel,
+    compile_layers,
     init_distributed,
     reshard,
     resolve_attn_implementation,
@@ -107,6 +108,8 @@ class Actor:
         ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
         if config.actor.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
+        if config.actor.compile_layers:
+            compile_layers(hf_model)
         self.policy = self._place(PolicyModel(hf_model.train(), temperature))
         self.ref_policy = None
         if ref_hf is not None:

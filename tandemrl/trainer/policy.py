@@ -188,6 +188,19 @@ class PolicyModel(nn.Module):
         )
 
 
+def compile_layers(hf_model: nn.Module) -> None:
+    """`torch.compile` every decoder layer in place (parameter names stay the HF ones), with dynamic
+    shapes: packed rows change length every micro-batch and must not recompile each time."""
+    layers = getattr(hf_model.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"actor.compile_layers=true: {type(hf_model).__name__} has no `.layers` on its base model; "
+            "set actor.compile_layers=false."
+        )
+    for layer in layers:
+        layer.compile(dynamic=True)
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"

@@ -88,6 +88,18 @@ def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_di
         )
 
 
+@pytest.mark.slow
+def test_compiled_layers_give_the_same_step(tiny_llama_dir):
+    """actor.compile_layers (inductor on CPU here) changes speed, not the update."""
+    _, m_plain, plain = _run(tiny_llama_dir, "algorithm.n_minibatches=1")
+    actor, m_compiled, compiled = _run(
+        tiny_llama_dir, "algorithm.n_minibatches=1", "actor.compile_layers=true"
+    )
+    assert all(layer._compiled_call_impl is not None for layer in actor.hf_model.model.layers)
+    assert m_compiled[0]["train/actor/loss"] == pytest.approx(m_plain[0]["train/actor/loss"], abs=1e-5)
+    assert _max_diff(plain, compiled) < 1e-4
+
+
 def test_kl_to_reference_starts_at_zero_then_grows(tiny_llama_dir):
     actor, metrics, _ = _run(
         tiny_llama_dir,

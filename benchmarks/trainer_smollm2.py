@@ -64,7 +64,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--compile-variant", action="store_true", help="also time after + actor.compile_layers")
     p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
-    p.add_argument("--engine-concurrency", type=int, default=None, help="requests in flight (64; tiny 4)")
+    p.add_argument(
+        "--engine-concurrency",
+        type=int,
+        default=None,
+        help="requests in flight (64; tiny 4); raises rollout.max_running_requests to it",
+    )
     p.add_argument("--max-new-tokens", type=int, default=None, help="per request (256; tiny 8)")
     p.add_argument("--engine-window-s", type=float, default=None, help="engine-alone window (6; tiny 1)")
     p.add_argument("--mps", action="store_true", help="run actor and engine under a private MPS daemon")
@@ -285,6 +290,7 @@ def start_engine(model_dir: Path, args, device: torch.device):
     rollout = load_config(None, []).rollout
     if args.kv_cache_gb is not None:
         rollout.engine.kv_cache_gb = args.kv_cache_gb
+    rollout.max_running_requests = max(rollout.max_running_requests, args.engine_concurrency)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
 
@@ -389,6 +395,7 @@ def main() -> int:
             measured = run(args, device, model_dir, samples)
         finally:
             stop_mps(mps)
+    algorithm = load_config(None, [f"algorithm.n_minibatches={args.n_minibatches}"]).algorithm
     env = " ".join(f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "TANDEM_HOME") if k in os.environ)
     result = {
         "gpu": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({platform.processor()})",
@@ -400,6 +407,8 @@ def main() -> int:
         "tokens_per_step": sum(s.num_tokens for s in samples),
         "loss_tokens_per_step": sum(s.num_loss_tokens for s in samples),
         "n_minibatches": args.n_minibatches,
+        "off_policy_correction": algorithm.off_policy_correction,
+        "recompute_logprobs": algorithm.recompute_logprobs,
         "mps": mps is not None,
         "before_settings": {"attn_implementation": BEFORE[0], "micro_batch_tokens": int(BEFORE[1])},
         **measured,

@@ -23,15 +23,12 @@ memory and allocator retries (memory pressure), and the engine's tokens/s in the
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import json
-import multiprocessing
 import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +38,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from engine_load import GenerationLoad, start_mps, stop_mps  # noqa: E402
 from model_shapes import SMOLLM2_135M, TINY  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from trainer import write_engine_dir  # noqa: E402
 
@@ -199,84 +197,6 @@ def _minibatches(samples, args):
     return split_minibatches(samples, args.n_minibatches)
 
 
-class GenerationLoad:
-    """A client process (so its host work does not share the actor's GIL, as in a run where rollout
-    clients live apart from the trainer) keeping `concurrency` /generate requests in flight: random
-    prompts, fixed-length answers; it appends "finish-time tokens" lines to a file read here."""
-
-    def __init__(self, url: str, concurrency: int, max_new_tokens: int, vocab: int, prompt_len: int):
-        ctx = multiprocessing.get_context("spawn")
-        self.path = Path(tempfile.mkdtemp(prefix="tandem-bench-load-")) / "done.txt"
-        self.path.touch()
-        self._stop = ctx.Event()
-        self._proc = ctx.Process(
-            target=_load_main,
-            args=(url, concurrency, max_new_tokens, vocab, prompt_len, str(self.path), self._stop),
-            daemon=True,
-        )
-
-    def __enter__(self) -> GenerationLoad:
-        self._proc.start()
-        deadline = time.perf_counter() + 300
-        while not self.records():  # the child imports torch and connects before any request ends
-            if time.perf_counter() > deadline or not self._proc.is_alive():
-                raise RuntimeError(f"generation load finished no request (exit code {self._proc.exitcode})")
-            time.sleep(0.2)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._proc.join(timeout=120)
-        if self._proc.is_alive():
-            self._proc.kill()
-
-    def records(self) -> list[tuple[float, int, str]]:
-        out = []
-        for line in self.path.read_text().splitlines():
-            t, n, err = line.split(" ", 2)
-            out.append((float(t), int(n), err))
-        return out
-
-    def tokens_per_s(self, start: float, end: float) -> float:
-        return sum(n for t, n, _ in self.records() if start <= t < end) / max(end - start, 1e-9)
-
-    def rate_over(self, window_s: float) -> float:
-        start = time.perf_counter()
-        time.sleep(window_s)
-        return self.tokens_per_s(start, time.perf_counter())
-
-    def errors(self) -> list[str]:
-        return [err for _, _, err in self.records() if err != "-"]
-
-
-def _load_main(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
-    asyncio.run(_load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop))
-
-
-async def _load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
-    from tandemrl.rollout.client import EngineClient
-
-    client = EngineClient(url)
-    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
-    with open(path, "a", buffering=1) as out:  # line-buffered: the parent reads it while it grows
-
-        async def worker(seed: int) -> None:
-            rng = random.Random(seed)
-            while not stop.is_set():
-                prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
-                try:
-                    result = await client.generate(prompt, params)
-                    out.write(f"{time.perf_counter()} {len(result.output_ids)} -\n")
-                except Exception as exc:  # reported in the JSON; the load must not die silently
-                    out.write(f"{time.perf_counter()} 0 {repr(exc)[:300]!r}\n")
-                    await asyncio.sleep(0.5)
-
-        try:
-            await asyncio.gather(*(worker(k) for k in range(concurrency)))
-        finally:
-            await client.close()
-
-
 def free_actor(actor, device: torch.device) -> None:
     del actor
     gc.collect()
@@ -293,23 +213,6 @@ def start_engine(model_dir: Path, args, device: torch.device):
     rollout.max_running_requests = max(rollout.max_running_requests, args.engine_concurrency)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
-
-
-def start_mps() -> dict:
-    """A private MPS control daemon (its own pipe/log directories, inherited by the engine process):
-    with it the actor's and the engine's kernels can run concurrently instead of time-sliced."""
-    root = Path(tempfile.mkdtemp(prefix="tandem-bench-mps-"))
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
-    for path in env.values():
-        Path(path).mkdir()
-    os.environ.update(env)
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ})
-    return env
-
-
-def stop_mps(env: dict | None) -> None:
-    if env is not None:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, timeout=30)
 
 
 def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample]) -> dict:

@@ -59,6 +59,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--after-attn", default=None, help="actor.attn_implementation after (auto; tiny varlen)")
     p.add_argument("--after-micro-batch-tokens", default="null", help="null: the auto budget")
     p.add_argument("--no-ablation", action="store_true", help="skip sdpa padded rows at the after budget")
+    p.add_argument("--profile", action="store_true", help="profile one 'after' step: top kernels, GPU busy")
     p.add_argument("--compile-variant", action="store_true", help="also time after + actor.compile_layers")
     p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
@@ -215,6 +216,32 @@ def start_engine(model_dir: Path, args, device: torch.device):
     return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
 
 
+def profile_step(actor, samples, device: torch.device, top: int = 25) -> dict:
+    """One more step under torch.profiler: the kernels with the most GPU time, and the GPU-busy share of
+    the step (summed kernel time over wall time: near 1 the step is GPU-bound, well below it the host
+    or syncs leave the GPU idle). The profiler slows the host, so the wall time here is pessimistic."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        actor.train_step(samples)
+        sync(device)
+        wall = time.perf_counter() - start
+    rows = [e for e in prof.key_averages() if e.device_type.name == device.type.upper()] or list(
+        prof.key_averages()
+    )
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    rows.sort(key=lambda e: -getattr(e, key))
+    busy_s = sum(getattr(e, key) for e in rows) / 1e6
+    return {
+        "wall_s": wall,
+        "kernel_time_s": busy_s,
+        "busy_share": busy_s / wall,
+        "top": [{"name": e.key[:120], "time_s": getattr(e, key) / 1e6, "calls": e.count} for e in rows[:top]],
+    }
+
+
 def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample]) -> dict:
     """The variants in the order of the module docstring; the engine lives from 'after' on."""
     variants: dict[str, dict] = {}
@@ -228,6 +255,11 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
         after = make_actor(model_dir, args, device, args.after_attn, args.after_micro_batch_tokens)
         variants["after_alone"] = time_variant(after, samples, args, device)
         budget = str(after.micro_batch_tokens)
+        if args.profile:
+            try:
+                variants["after_alone"]["profile"] = profile_step(after, samples, device)
+            except Exception as exc:  # a diagnostic; the measurements must still come back
+                variants["after_alone"]["profile"] = {"error": repr(exc)[:500]}
         if not args.no_ablation:  # which lever: the same budget with padded sdpa rows
             ablation = make_actor(model_dir, args, device, "sdpa", budget)
             variants["sdpa_padded_after_budget_alone"] = time_variant(ablation, samples, args, device)

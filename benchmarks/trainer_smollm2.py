@@ -1,7 +1,7 @@
 """SmolLM2-135M actor benchmark: `Actor.train_step` tokens/s alone and while an embedded engine process
 on the same GPU generates, for the session-7 settings ("before": sdpa over length-sorted padded rows,
-8192-token micro-batches) and the current defaults ("after": auto attention, i.e. torch's varlen
-flash kernel over packed rows where it works, and the auto micro-batch budget).
+8192-token micro-batches, HF's eager RMSNorm) and the current defaults ("after": auto attention, i.e.
+torch's varlen flash kernel over packed rows where it works, the auto micro-batch budget, fused RMSNorm).
 
     python3 benchmarks/trainer_smollm2.py          # H200: the prepared SmolLM2 (random weights without it)
     python3 benchmarks/trainer_smollm2.py --tiny   # CPU smoke check of the same code (no figures)
@@ -10,14 +10,17 @@ Steps are the real code path: `Actor(config)` loads the model directory, `train_
 `algorithm.n_minibatches` updates on RL-shaped samples (a ~250-token prompt, then model turns
 alternating with masked information blocks, 300-1000 tokens). Order: "before" alone; the engine
 starts (its KV cache takes its default share of the free memory, as in a run); "after" alone (engine
-idle), then sdpa over padded rows at the after budget (which lever did what), the engine's
-generation rate alone (actor idle), then "after" while a client process keeps
-`--engine-concurrency` /generate requests in flight (`--shared-before`: "before" too; `--mps`: all
-of it under a private MPS daemon, so the two processes' kernels may overlap instead of time-slicing;
-`--compile-variant`: "after" with `actor.compile_layers`, its compile time in `warmup_step_s`). Each variant: one warm-up step, then `--steps`
-timed steps; the median is reported, with the actor's CPU time per step (host work), its peak GPU
-memory and allocator retries (memory pressure), and the engine's tokens/s in the same window
-(GPU time-slicing shows as both sides slowing). Writes benchmarks/results/trainer_smollm2_h200.json.
+idle); at the after budget, sdpa over padded rows and HF's own RMSNorm (which lever did what); the
+engine's generation rate alone (actor idle); then "after" while a client process keeps
+`--engine-concurrency` /generate requests in flight. Options: `--shared-before` times "before" next
+to generation too; `--mps` runs it all under a private MPS daemon (kernels of the two processes may
+overlap instead of time-slicing); `--compile-variant` adds "after" with `actor.compile_layers` (its
+compile time shows in `warmup_step_s`); `--profile` adds the top GPU kernels of one "after" step.
+Each variant: one warm-up step, then `--steps` timed steps; the median is reported, with the
+process's CPU seconds per step (all threads, CUDA spin-waits included: an upper bound on host work),
+its peak GPU memory and allocator retries (memory pressure), and the engine's tokens/s in the same
+window (`gpu_share_sum_after` near 1: the two split the GPU's time). Writes
+benchmarks/results/trainer_smollm2_h200.json.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from trainer import write_engine_dir  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.batching import TrainSample  # noqa: E402
 
-BEFORE = ("sdpa", "8192")  # attn_implementation, micro_batch_tokens of session 7
+# the actor settings of session 7
+BEFORE = ("actor.attn_implementation=sdpa", "actor.micro_batch_tokens=8192", "actor.fused_rms_norm=false")
 
 
 def parse_args() -> argparse.Namespace:
@@ -124,9 +128,8 @@ def model_dir_for(args, tmp: Path) -> tuple[Path, str]:
     return write_engine_dir(model, tmp / "model", dtype), "random weights from the config"
 
 
-def make_actor(
-    model_dir: Path, args, device: torch.device, attn: str, micro_batch_tokens: str, compile_layers=False
-):
+def make_actor(model_dir: Path, args, device: torch.device, *settings: str):
+    """An Actor loading `model_dir`, with the benchmark's overrides and then `settings` (key=value)."""
     from tandemrl.trainer.actor import Actor
 
     overrides = [
@@ -134,9 +137,7 @@ def make_actor(
         f"actor.model.model_path={model_dir}",
         "runner.output_dir=/tmp/tandem-bench",
         f"algorithm.n_minibatches={args.n_minibatches}",
-        f"actor.attn_implementation={attn}",
-        f"actor.micro_batch_tokens={micro_batch_tokens}",
-        f"actor.compile_layers={str(compile_layers).lower()}",
+        *settings,
     ]
     return Actor(load_config(None, overrides))
 
@@ -242,6 +243,33 @@ def profile_step(actor, samples, device: torch.device, top: int = 25) -> dict:
     }
 
 
+def after_variants(args, device: torch.device, model_dir: Path, samples, variants: dict):
+    """'after' alone (kept for sharing, returned), its profile and the ablations (which lever did what)."""
+    after_settings = (
+        f"actor.attn_implementation={args.after_attn}",
+        f"actor.micro_batch_tokens={args.after_micro_batch_tokens}",
+    )
+    after = make_actor(model_dir, args, device, *after_settings)
+    variants["after_alone"] = time_variant(after, samples, args, device)
+    if args.profile:
+        try:
+            variants["after_alone"]["profile"] = profile_step(after, samples, device)
+        except Exception as exc:  # a diagnostic; the measurements must still come back
+            variants["after_alone"]["profile"] = {"error": repr(exc)[:500]}
+    budget = f"actor.micro_batch_tokens={after.micro_batch_tokens}"
+    others = {}
+    if not args.no_ablation:
+        others["sdpa_padded_after_budget_alone"] = ("actor.attn_implementation=sdpa", budget)
+        others["after_without_fused_rms_norm_alone"] = (*after_settings, budget, "actor.fused_rms_norm=false")
+    if args.compile_variant:
+        others["after_compiled_alone"] = (*after_settings, budget, "actor.compile_layers=true")
+    for name, settings in others.items():
+        actor = make_actor(model_dir, args, device, *settings)
+        variants[name] = time_variant(actor, samples, args, device)
+        free_actor(actor, device)
+    return after
+
+
 def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample]) -> dict:
     """The variants in the order of the module docstring; the engine lives from 'after' on."""
     variants: dict[str, dict] = {}
@@ -252,22 +280,7 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
     started = time.perf_counter()
     with engine:
         engine_startup_s = time.perf_counter() - started
-        after = make_actor(model_dir, args, device, args.after_attn, args.after_micro_batch_tokens)
-        variants["after_alone"] = time_variant(after, samples, args, device)
-        budget = str(after.micro_batch_tokens)
-        if args.profile:
-            try:
-                variants["after_alone"]["profile"] = profile_step(after, samples, device)
-            except Exception as exc:  # a diagnostic; the measurements must still come back
-                variants["after_alone"]["profile"] = {"error": repr(exc)[:500]}
-        if not args.no_ablation:  # which lever: the same budget with padded sdpa rows
-            ablation = make_actor(model_dir, args, device, "sdpa", budget)
-            variants["sdpa_padded_after_budget_alone"] = time_variant(ablation, samples, args, device)
-            free_actor(ablation, device)
-        if args.compile_variant:  # the after settings with each decoder layer compiled
-            compiled = make_actor(model_dir, args, device, args.after_attn, budget, compile_layers=True)
-            variants["after_compiled_alone"] = time_variant(compiled, samples, args, device)
-            free_actor(compiled, device)
+        after = after_variants(args, device, model_dir, samples, variants)
         vocab = after.hf_model.config.vocab_size
         prompt_len = min(250, 3 * args.min_len // 8)
         with GenerationLoad(
@@ -345,7 +358,7 @@ def main() -> int:
         "off_policy_correction": algorithm.off_policy_correction,
         "recompute_logprobs": algorithm.recompute_logprobs,
         "mps": mps is not None,
-        "before_settings": {"attn_implementation": BEFORE[0], "micro_batch_tokens": int(BEFORE[1])},
+        "before_settings": list(BEFORE),
         **measured,
     }
     result["summary"] = summarise(result)

@@ -30,6 +30,7 @@ from tandemrl.trainer.optim import build_optimizer
 from tandemrl.trainer.policy import (
     PolicyModel,
     compile_layers,
+    fuse_rms_norms,
     init_distributed,
     reshard,
     resolve_attn_implementation,
@@ -108,6 +109,8 @@ class Actor:
         ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
         if config.actor.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
+        if config.actor.fused_rms_norm:
+            fuse_rms_norms(hf_model)
         if config.actor.compile_layers:
             compile_layers(hf_model)
         self.policy = self._place(PolicyModel(hf_model.train(), temperature))

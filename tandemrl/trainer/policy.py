@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import types
 
 import torch
 import torch.distributed as dist
@@ -186,6 +187,28 @@ class PolicyModel(nn.Module):
             with_entropy,
             compute_dtype=self.autocast_dtype,
         )
+
+
+# HF RMSNorm classes computing weight * (x * rsqrt(mean(x^2) + eps)) with x in fp32 (Gemma's 1 + weight
+# differs and is left alone)
+FUSABLE_RMS_NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")
+
+
+def _fused_rms_norm_forward(module: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    normed = F.rms_norm(hidden_states.float(), module.weight.shape, None, module.variance_epsilon)
+    return module.weight * normed.to(hidden_states.dtype)  # HF's own expression around the norm
+
+
+def fuse_rms_norms(hf_model: nn.Module) -> int:
+    """Route HF's eager RMSNorm (pow, mean, add, rsqrt, mul: five fp32 passes forward, more backward,
+    over the fp32 residual stream of every layer) through `F.rms_norm`, one fused kernel on CUDA; the
+    arithmetic is HF's. Returns how many norms now take that path."""
+    count = 0
+    for module in hf_model.modules():
+        if type(module).__name__ in FUSABLE_RMS_NORMS and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_fused_rms_norm_forward, module)
+            count += 1
+    return count
 
 
 def compile_layers(hf_model: nn.Module) -> None:

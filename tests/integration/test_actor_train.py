@@ -88,6 +88,28 @@ def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_di
         )
 
 
+def test_fused_rms_norm_gives_the_loss_and_grads_of_hf_norms(tiny_llama_dir):
+    """actor.fused_rms_norm (the default) routes every decoder norm through F.rms_norm; the gradient
+    and the step metrics are those of HF's own norm."""
+    torch.set_num_threads(1)
+    samples = make_samples(seed=5, num_samples=6)
+    plain = Actor(actor_config(tiny_llama_dir, "actor.fused_rms_norm=false"))
+    fused = Actor(actor_config(tiny_llama_dir))
+    norms = [m for m in fused.hf_model.modules() if type(m).__name__ == "LlamaRMSNorm"]
+    assert len(norms) == 5 and all("forward" in vars(m) for m in norms)  # 2 per layer + the final one
+    assert not any("forward" in vars(m) for m in plain.hf_model.modules())
+    g_plain, g_fused = _minibatch_grads(plain, samples), _minibatch_grads(fused, samples)
+    scale = max(g.abs().max().item() for g in g_plain.values())
+    assert _max_diff(g_plain, g_fused) < 1e-6 * scale
+    plain.optimizer.zero_grad(set_to_none=True)
+    fused.optimizer.zero_grad(set_to_none=True)
+    m_plain, m_fused = plain.train_step(samples), fused.train_step(samples)
+    for key in ("loss", "entropy", "grad_norm"):
+        assert m_fused[f"train/actor/{key}"] == pytest.approx(
+            m_plain[f"train/actor/{key}"], rel=1e-6, abs=1e-8
+        )
+
+
 @pytest.mark.slow
 def test_compiled_layers_give_the_same_step(tiny_llama_dir):
     """actor.compile_layers (inductor on CPU here) changes speed, not the update."""

@@ -27,7 +27,7 @@ cold_start() {  # $1 = number of demonstrations, then overrides; prints "overall
     local n=$1
     shift
     tandem sft "$sync_cfg" actor.sft.num_demos="$n" runner.output_dir="$out/sft_$n" "$@" > "$out/sft_$n.log" 2>&1
-    tandem eval "$sync_cfg" --split val --limit 200 runner.output_dir="$out/sft_$n" "$@" > "$out/eval_$n.log" 2>&1
+    tandem eval "$sync_cfg" runner.output_dir="$out/sft_$n" "$@" --split val --limit 200 > "$out/eval_$n.log" 2>&1
     python3 - "$out/sft_$n/eval/val_summary.json" <<'EOF'
 import json, sys
 s = json.load(open(sys.argv[1]))["summary"]
@@ -51,7 +51,7 @@ echo "$demos" > "$out/num_demos"
 
 if [ -f benchmarks/trainer_smollm2.py ]; then
     stamp "actor speed"
-    python3 benchmarks/trainer_smollm2.py --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 \
+    python3 benchmarks/trainer_smollm2.py --no-ablation --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 \
         || stamp "trainer benchmark failed (see trainer.log)"
 fi
 

@@ -248,6 +248,7 @@ def after_variants(args, device: torch.device, model_dir: Path, samples, variant
     after_settings = (
         f"actor.attn_implementation={args.after_attn}",
         f"actor.micro_batch_tokens={args.after_micro_batch_tokens}",
+        "actor.fused_rms_norm=true",
     )
     after = make_actor(model_dir, args, device, *after_settings)
     variants["after_alone"] = time_variant(after, samples, args, device)

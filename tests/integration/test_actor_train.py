@@ -89,12 +89,12 @@ def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_di
 
 
 def test_fused_rms_norm_gives_the_loss_and_grads_of_hf_norms(tiny_llama_dir):
-    """actor.fused_rms_norm (the default) routes every decoder norm through F.rms_norm; the gradient
+    """actor.fused_rms_norm routes every decoder norm through F.rms_norm; the gradient
     and the step metrics are those of HF's own norm."""
     torch.set_num_threads(1)
     samples = make_samples(seed=5, num_samples=6)
     plain = Actor(actor_config(tiny_llama_dir, "actor.fused_rms_norm=false"))
-    fused = Actor(actor_config(tiny_llama_dir))
+    fused = Actor(actor_config(tiny_llama_dir, "actor.fused_rms_norm=true"))
     norms = [m for m in fused.hf_model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 5 and all("forward" in vars(m) for m in norms)  # 2 per layer + the final one
     assert not any("forward" in vars(m) for m in plain.hf_model.modules())

@@ -138,10 +138,10 @@ async def _evaluate(
 ) -> list[Trajectory]:
     """The prompts split over the engines (in order, so the results keep the file order)."""
     from tandemrl.agent.search_tool import SearchTool
-    from tandemrl.rollout.client import EngineClient
+    from tandemrl.rollout.backends import make_client
 
     search_cfg = config.tools.search
-    engines = [EngineClient(url) for url in urls]
+    engines = [make_client(config.rollout.backend, url) for url in urls]
     search = SearchTool(
         addr,
         topk=search_cfg.topk,

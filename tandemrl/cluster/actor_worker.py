@@ -35,23 +35,36 @@ class ActorWorker:
     def train_step(self, samples: list[Any]) -> dict[str, float]:
         return self.actor.train_step(samples)
 
-    def connect_weight_sync(self, engine_urls: list[str], backend: str, bucket_mb: int) -> None:
-        """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU)."""
+    def connect_weight_sync(
+        self,
+        engine_urls: list[str],
+        backend: str,
+        bucket_mb: int,
+        engine_backend: str = "embedded",
+        sync_dir: str | None = None,
+    ) -> None:
+        """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU), or
+        prepare the directory the engines reload safetensors from (disk)."""
         from urllib.parse import urlparse
 
         from tandemrl.cluster.server_supervisor import node_address
-        from tandemrl.rollout.client import EngineClient
-        from tandemrl.rollout.weight_sync import WeightSender
+        from tandemrl.rollout.backends import make_weight_sender
 
         # engines on other nodes join the group at this node's address; local ones at loopback
         is_local = all(urlparse(url).hostname in ("127.0.0.1", "localhost") for url in engine_urls)
         master_address = "127.0.0.1" if is_local else node_address()
 
         async def connect():
-            self._clients = [EngineClient(url) for url in engine_urls]
-            self._sender = WeightSender(
-                self._clients, backend=backend, bucket_mb=bucket_mb, master_address=master_address
+            self._sender = make_weight_sender(
+                engine_backend,
+                backend,
+                engine_urls,
+                bucket_mb,
+                sync_dir,
+                str(self.actor.model_path),
+                master_address=master_address,
             )
+            self._clients = list(self._sender.clients)
             await self._sender.connect()
 
         self._loop.run_until_complete(connect())

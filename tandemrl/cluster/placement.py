@@ -132,10 +132,12 @@ def _engines(config: Any) -> list[ProcessPlacement]:
 
 
 def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[ProcessPlacement]) -> str:
-    """rollout.weight_sync=auto: gloo when either side is on CPU; CUDA IPC when actor rank 0 and every
-    engine share one GPU; otherwise NCCL from actor rank 0 to the engines."""
+    """rollout.weight_sync=auto: disk for vLLM (its only route here); gloo when either side is on CPU;
+    CUDA IPC when actor rank 0 and every engine share one GPU; otherwise NCCL from actor rank 0."""
     if config.rollout.weight_sync != "auto":
         return config.rollout.weight_sync
+    if config.rollout.backend == "vllm":
+        return "disk"
     rank0 = actor[0]
     on_cpu = "cpu" in (config.actor.device, config.rollout.device)  # GPU ids may stand for CPU slots
     if on_cpu or not rank0.gpus or (engines and not all(e.gpus for e in engines)):
@@ -220,6 +222,8 @@ def _summary(processes: list[ProcessPlacement]) -> str:
 
 def describe_route(plan: PlacementPlan) -> str:
     rank0 = plan.actor[0]
+    if plan.weight_sync == "disk":
+        return f"safetensors on disk from actor rank 0 (node {rank0.node}), loaded by the engine(s)"
     if plan.weight_sync == "gloo":
         return f"gloo (CPU) from actor rank 0 (node {rank0.node}) to {len(plan.engines) or 'the'} engine(s)"
     if plan.weight_sync == "cuda_ipc":

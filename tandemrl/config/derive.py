@@ -25,6 +25,7 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_buffer_limits(config)
     _derive_output_dir(config)
     _derive_recompute_logprobs(config)
+    _derive_pause_mode(config)
     _validate_cross_section(config)
     return _warnings(config)
 
@@ -136,6 +137,29 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
         why = "its importance weight needs the proximal logprobs" if needs else "no correction"
         config.derived["algorithm.recompute_logprobs"] = (
             f"{str(needs).lower()} (algorithm.off_policy_correction={algorithm.off_policy_correction}: {why})"
+        )
+
+
+def _derive_pause_mode(config: TandemConfig) -> None:
+    from tandemrl.rollout.vllm_client import UNSUPPORTED_PAUSE_MODES
+
+    rollout = config.rollout
+    if rollout.pause_mode is None:
+        rollout.pause_mode = "in_place" if rollout.backend == "vllm" else "retract"
+        config.derived["rollout.pause_mode"] = (
+            f"{rollout.pause_mode} (the default for rollout.backend={rollout.backend})"
+        )
+    if rollout.backend == "vllm" and rollout.pause_mode in UNSUPPORTED_PAUSE_MODES:
+        raise ConfigError(
+            f"rollout.pause_mode={rollout.pause_mode!r} with rollout.backend=vllm: "
+            f"{UNSUPPORTED_PAUSE_MODES[rollout.pause_mode]}. Set rollout.pause_mode=in_place (vLLM's keep) or "
+            "drain, or leave it unset."
+        )
+    if rollout.backend == "vllm" and rollout.weight_sync not in ("auto", "disk"):
+        raise ConfigError(
+            f"rollout.weight_sync={rollout.weight_sync!r} with rollout.backend=vllm: the vLLM backend updates "
+            "weights by having the server reload safetensors (its reload_weights route). Set "
+            "rollout.weight_sync=disk, or leave it at auto."
         )
 
 

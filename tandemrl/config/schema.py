@@ -144,7 +144,7 @@ class SglangConfig:
 
 @dataclass
 class RolloutConfig:
-    pause_mode: str = "retract"
+    pause_mode: str | None = None  # derived: retract (in_place on vLLM, which has no retract)
     backend: str = "embedded"
     sglang: SglangConfig = field(default_factory=SglangConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -155,18 +155,22 @@ class RolloutConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     max_context_len: int = 4096
-    weight_sync: str = "auto"  # auto | gloo | nccl | cuda_ipc
+    weight_sync: str = "auto"  # auto | gloo | nccl | cuda_ipc | disk (safetensors the engines reload)
+    weight_sync_dir: str | None = (
+        None  # disk sync: a directory the engines can read; None: <output_dir>/weight_sync
+    )
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
     # the embedded engine's own settings, whole and under their engine names (tandemrl/engine/config.py)
     engine: EngineOptions = field(default_factory=EngineOptions)
 
     def __post_init__(self):
-        _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        if self.pause_mode is not None:
+            _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
         _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        _check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc"))
+        _check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc", "disk"))
         _check_positive("rollout.max_running_requests", self.max_running_requests)
         _check_positive("rollout.instances", self.instances, allow_none=True)
         _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)

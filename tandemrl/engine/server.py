@@ -127,22 +127,31 @@ class EngineServer:
 
     async def pause(self, request: web.Request) -> web.Response:
         try:
-            body = await read_json(request, {"mode"})
+            body = await read_json(request, {"mode", "rid"})  # SGLang's PauseGenerationReqInput
             mode = body.get("mode", "abort")
             if mode not in PAUSE_MODES:
                 raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         except ValueError as error:
             return bad_request(str(error))
         info = await asyncio.wrap_future(self.loop.pause(mode))
-        return web.json_response({"success": True, "mode": mode, **info})
+        message = {"message": "Generation paused successfully.", "status": "ok"}  # SGLang's answer
+        return web.json_response({**message, "success": True, "mode": mode, **info})
 
     async def resume(self, request: web.Request) -> web.Response:
+        try:
+            await read_json(request, {"torch_empty_cache", "rid"})  # SGLang's ContinueGenerationReqInput
+        except ValueError as error:
+            return bad_request(str(error))
         await asyncio.wrap_future(self.loop.resume())
-        return web.json_response({"success": True})
+        return web.json_response(
+            {"message": "Generation continued successfully.", "status": "ok", "success": True}
+        )
 
     async def abort_request(self, request: web.Request) -> web.Response:
         try:
-            body = await read_json(request, {"rid", "abort_all", "finished_reason", "abort_message"})
+            body = await read_json(
+                request, {"rid", "abort_all", "finished_reason", "abort_message", "weight_versions"}
+            )
         except ValueError as error:
             return bad_request(str(error))
         rid = None if body.get("abort_all") else body.get("rid")
@@ -180,9 +189,12 @@ class EngineServer:
     async def model_info(self, request: web.Request) -> web.Response:
         engine = self.loop.engine
         return web.json_response(
-            {
+            {  # SGLang's fields, then ours
                 "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
                 "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": str(engine.weight_version),
                 "model_type": engine.model.cfg["model_type"],
                 "max_context_len": engine.config.max_context_len,
             }

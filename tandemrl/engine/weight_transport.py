@@ -1,7 +1,7 @@
 """Weight transport shared by the trainer side (`rollout/weight_sync.py`) and the engine side.
 
-Two transports: a torch.distributed group (gloo on CPU, NCCL between GPUs) built directly on a
-TCPStore, so it never touches either process's default group; and CUDA IPC handles for one GPU,
+Two transports: a torch.distributed group (gloo on CPU, NCCL between GPUs) on a TCPStore of its
+own, keyed as SGLang keys it, so it never touches either process's default group; and CUDA IPC handles for one GPU,
 described in JSON. Invariant: nothing is unpickled from the network; an IPC handle is rebuilt only by
 torch's own `rebuild_cuda_tensor`, from values checked here (types, dtypes, sizes, base64 bytes).
 """
@@ -41,15 +41,32 @@ def new_process_group(
     backend: str,
     timeout_s: float = 600.0,
 ):
-    """A process group of its own (not the default one): rank 0 hosts the store, the others connect."""
+    """A process group of its own (not the default one), joined the way SGLang's
+    `init_custom_process_group` joins it, so either side may be a real SGLang engine.
+
+    That is: a TCPStore (rank 0 hosts it: what `tcp://` rendezvous builds), the bare `group_name` as
+    the store prefix, then torch's own group helper (which adds `<group_name>/` and a per-device
+    prefix and, for gloo, a sequence number). Any other key layout makes the peer wait for keys that
+    never come. A group of the same name made earlier by this process is replaced.
+    """
+    from torch.distributed.distributed_c10d import (
+        _cleanup_process_group_global_state,
+        _new_process_group_helper,
+        _world,
+    )
+
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
+    for old, name in list(_world.pg_names.items()):
+        if name == group_name:  # torch refuses a second group of one name; forget the first
+            _cleanup_process_group_global_state(old)
     store = dist.TCPStore(master_address, int(master_port), int(world_size), rank == 0, timeout=timeout)
-    store = dist.PrefixStore(f"tandemrl/{group_name}", store)
-    if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(store, rank, world_size)
+    store = dist.PrefixStore(group_name, store)
+    group, _ = _new_process_group_helper(
+        int(world_size), int(rank), [], dist.Backend(backend), store, group_name=group_name, timeout=timeout
+    )
+    return group
 
 
 def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:

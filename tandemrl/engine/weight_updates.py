@@ -1,14 +1,23 @@
-"""The engine's weight-update endpoints: process-group setup, broadcast receive, CUDA IPC receive.
+"""The engine's weight-update endpoints, with SGLang's routes and request bodies: process-group setup,
+broadcast receive, CUDA IPC receive (`update_weights_from_tensor`), safetensors reload
+(`update_weights_from_disk`).
 
-Receiving and loading run as one command on the engine's loop thread, so a update lands between two
-steps. Invariant: the weight version changes only after every tensor of a call has been loaded; a
-call carrying `weight_version` sets it (bucketed updates repeat the same value), one without bumps it.
+SGLang's `update_weights_from_tensor` entries are pickles; this engine unpickles nothing from the
+network: each entry must be base64 JSON of IPC descriptions (engine/weight_transport.py), and a pickle
+is refused with a 400 that says so. Receiving and loading run as one command on the engine's loop
+thread, so an update lands between two steps. Invariant: the weight version changes only after every
+tensor of a call has been loaded; a call carrying `weight_version` sets it (bucketed updates repeat the
+same value), one without bumps it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
+import json
 import logging
+from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -38,6 +47,60 @@ async def read_json(request: web.Request, allowed: set[str]) -> dict:
     return body
 
 
+# the fields of SGLang's UpdateWeightsFromTensorReqInput / UpdateWeightFromDiskReqInput (and BaseReq's rid)
+TENSOR_FIELDS = {
+    "serialized_named_tensors",
+    "load_format",
+    "flush_cache",
+    "abort_all_requests",
+    "weight_version",
+    "disable_draft_model",
+    "torch_empty_cache",
+    "rid",
+}
+DISK_FIELDS = {
+    "model_path",
+    "load_format",
+    "abort_all_requests",
+    "weight_version",
+    "is_async",
+    "torch_empty_cache",
+    "keep_pause",
+    "recapture_cuda_graph",
+    "token_step",
+    "flush_cache",
+    "manifest",
+    "rid",
+}
+
+
+def decode_ipc_entries(entries) -> list[dict]:
+    """The IPC descriptions of `serialized_named_tensors` (one entry per TP rank; this engine has one).
+    Raises ValueError for anything but base64 JSON, pickles included."""
+    if not isinstance(entries, list) or not entries or not all(isinstance(e, str) for e in entries):
+        raise ValueError("serialized_named_tensors must be a non-empty list of base64 strings")
+    try:
+        raw = base64.b64decode(entries[0], validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"serialized_named_tensors[0] is not base64: {error}") from None
+    if raw[:1] == b"\x80":
+        raise ValueError(
+            "serialized_named_tensors holds a pickle; this engine unpickles nothing from the network. "
+            "Send base64 JSON of IPC descriptions (tandemrl.rollout.weight_sync.ipc_payload)"
+        )
+    try:
+        items = json.loads(raw)
+    except ValueError as error:
+        raise ValueError(f"serialized_named_tensors[0] is not base64 JSON: {error}") from None
+    if not isinstance(items, list) or not all(
+        isinstance(i, dict) and {"name", "tensor"} <= set(i) for i in items
+    ):
+        raise ValueError(
+            'serialized_named_tensors[0] must decode to a list of {"name", "tensor"} descriptions'
+        )
+    return items
+
+
 def parse_weight_version(value) -> int | None:
     if value is None:
         return None
@@ -56,6 +119,7 @@ class WeightUpdateRoutes:
         app.router.add_post("/destroy_weights_update_group", self.destroy_group)
         app.router.add_post("/update_weights_from_distributed", self.update_from_distributed)
         app.router.add_post("/update_weights_from_tensor", self.update_from_tensor)
+        app.router.add_post("/update_weights_from_disk", self.update_from_disk)
 
     async def init_group(self, request: web.Request) -> web.Response:
         try:
@@ -113,6 +177,7 @@ class WeightUpdateRoutes:
                     "weight_version",
                     "abort_all_requests",
                     "load_format",
+                    "torch_empty_cache",
                 },
             )
             names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
@@ -145,19 +210,15 @@ class WeightUpdateRoutes:
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         try:
-            body = await read_json(request, {"named_tensors", "weight_version", "flush_cache", "load_format"})
+            body = await read_json(request, TENSOR_FIELDS)
             version = parse_weight_version(body.get("weight_version"))
-            items = body["named_tensors"]
-            if not isinstance(items, list) or not all(
-                isinstance(i, dict) and {"name", "tensor"} <= set(i) for i in items
-            ):
-                raise ValueError('named_tensors must be a list of {"name", "tensor"} IPC descriptions')
+            items = decode_ipc_entries(body.get("serialized_named_tensors"))
             if self.loop.engine.device.type != "cuda":
                 raise ValueError(
                     "update_weights_from_tensor carries CUDA IPC handles; the engine is not on CUDA"
                 )
         except (ValueError, KeyError, TypeError) as error:
-            return bad_request(f"update_weights_from_tensor: {error!r}")
+            return bad_request(f"update_weights_from_tensor: {error}")
 
         def open_and_load(engine: Engine) -> int:
             torch.cuda.set_device(engine.device)
@@ -167,6 +228,28 @@ class WeightUpdateRoutes:
             return version_after
 
         return await self._run_update(open_and_load)
+
+    async def update_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            body = await read_json(request, DISK_FIELDS)
+            version = parse_weight_version(body.get("weight_version"))
+            files = sorted(Path(str(body["model_path"])).glob("*.safetensors"))
+            if not files:
+                raise ValueError(f"model_path {body['model_path']!r} holds no *.safetensors file")
+        except (ValueError, KeyError, TypeError) as error:
+            return bad_request(f"update_weights_from_disk: {error!r}")
+
+        def read_and_load(engine: Engine) -> int:
+            from safetensors.torch import load_file  # safetensors: tensors only, nothing executable
+
+            named = [item for f in files for item in load_file(str(f)).items()]
+            return engine.load_weights(named, version)
+
+        response = await self._run_update(read_and_load)
+        if response.status == 200:  # SGLang's answer also counts the requests it paused (none here)
+            body = json.loads(response.text)
+            return web.json_response({**body, "num_paused_requests": 0})
+        return response
 
     async def _run_update(self, fn) -> web.Response:
         try:

@@ -1,16 +1,28 @@
-"""Async client for an engine speaking SGLang's HTTP protocol (the embedded engine or a real SGLang).
+"""Async client for an engine speaking SGLang's HTTP protocol: the embedded engine or a real SGLang.
 
-Relies only on SGLang's documented fields; our extension `output_token_weight_versions` is read when
-present and is None otherwise. Invariant: `generate` returns exactly the tokens the engine sampled
-(no decode/re-encode) with one logprob per token.
+Every request body carries only fields of SGLang's request dataclasses (`GenerateReqInput`,
+`PauseGenerationReqInput`, `InitWeightsUpdateGroupReqInput`, `UpdateWeightsFromDistributedReqInput`,
+`UpdateWeightsFromTensorReqInput`, `UpdateWeightFromDiskReqInput`, `AbortReq`); tests/unit/
+test_sglang_conformance.py holds us to that against a fake SGLang that rejects anything else. Our
+request metadata (`task_name`, `metadata`) goes only to the embedded engine.
+
+Per-token weight versions: the embedded engine reports them (`meta_info.output_token_weight_versions`,
+our extension). A real SGLang does not, so with `kind="sglang"` the client streams and stamps
+each token with the version of the update timeline it was received under: `mark_weight_version(v)` is
+called at the update boundary (just before `continue_generation`), so tokens received before it carry
+the old version and tokens after it the new one (docs/BACKENDS.md). Invariant: `generate` returns
+exactly the tokens the engine sampled (no decode/re-encode) with one logprob and one version per token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass
 
 import aiohttp
+
+ENGINE_KINDS = ("embedded", "sglang")
 
 
 class EngineError(RuntimeError):
@@ -23,14 +35,13 @@ class GenerateResult:
     output_logprobs: list[float]  # logprob of each sampled token
     finish_reason: str  # "stop" | "length" | "abort"
     matched_stop: int | str | None
-    weight_versions: list[int] | None  # per output token (our extension; None against a real SGLang)
+    weight_versions: list[int] | None  # per output token (None when neither engine nor timeline gave them)
     weight_version: str | None  # meta_info["weight_version"]
     prompt_tokens: int
 
     @classmethod
     def from_response(cls, body: dict) -> GenerateResult:
         meta = body.get("meta_info", {})
-        reason = meta.get("finish_reason") or {}
         output_ids = list(body.get("output_ids") or [])
         logprobs = [float(entry[0]) for entry in meta.get("output_token_logprobs") or []]
         if len(logprobs) != len(output_ids):
@@ -39,22 +50,30 @@ class GenerateResult:
                 "send return_logprob=true"
             )
         versions = meta.get("output_token_weight_versions")
+        return cls.from_parts(meta, output_ids, logprobs, None if versions is None else list(versions))
+
+    @classmethod
+    def from_parts(cls, meta: dict, output_ids, logprobs, versions) -> GenerateResult:
+        reason = meta.get("finish_reason") or {}
         weight_version = meta.get("weight_version")
         return cls(
-            output_ids=output_ids,
-            output_logprobs=logprobs,
+            output_ids=list(output_ids),
+            output_logprobs=list(logprobs),
             finish_reason=reason.get("type", "abort"),
             matched_stop=reason.get("matched"),
-            weight_versions=None if versions is None else list(versions),
+            weight_versions=versions,
             weight_version=None if weight_version is None else str(weight_version),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
         )
 
 
-class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+class HttpClient:
+    """One aiohttp session per event loop, an optional `Authorization: Bearer` key, JSON in and out."""
+
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -66,12 +85,14 @@ class EngineClient:
             self._session_loop = asyncio.get_running_loop()
             connector = aiohttp.TCPConnector(limit=0)  # the engine batches; do not queue on our side
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers=self.headers,
             )
         return self._session
 
-    async def _post(self, path: str, body: dict | None = None) -> dict | str:
-        async with self._http().post(self.base_url + path, json=body or {}) as resp:
+    async def _post(self, path: str, body: dict | None = None, params: dict | None = None) -> dict | str:
+        async with self._http().post(self.base_url + path, json=body or {}, params=params) as resp:
             return await self._read(resp, path)
 
     async def _get(self, path: str) -> dict | str:
@@ -83,8 +104,72 @@ class EngineClient:
         if resp.status != 200:
             raise EngineError(f"{self.base_url}{path} answered {resp.status}: {text[:500]}")
         if resp.content_type == "application/json":
-            return await resp.json()
+            return json.loads(text)
         return text
+
+    async def _stream(self, path: str, body: dict):
+        """The JSON payloads of a server-sent-event stream (`data: {...}` lines, up to `data: [DONE]`)."""
+        async with self._http().post(self.base_url + path, json=body) as resp:
+            if resp.status != 200:
+                raise EngineError(
+                    f"{self.base_url}{path} answered {resp.status}: {(await resp.text())[:500]}"
+                )
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:") :].strip()
+                if data == "[DONE]":
+                    return
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise EngineError(f"{self.base_url}{path} streamed an error: {chunk['error']}")
+                yield chunk
+
+    async def health(self) -> bool:
+        try:
+            async with self._http().get(
+                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def post(self, path: str, body: dict | None = None) -> dict | str:
+        """Any other endpoint; raises EngineError on a non-200 answer."""
+        return await self._post(path, body)
+
+    def mark_weight_version(self, version: int) -> None:
+        """The update boundary: tokens received from now on were sampled under `version`."""
+        self.weight_version = int(version)
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _checked(answer: dict | str, what: str) -> dict:
+    """SGLang answers weight-update calls with {"success", "message"}; success=false is an error."""
+    if not isinstance(answer, dict) or not answer.get("success", False):
+        raise EngineError(f"{what} failed: {answer}")
+    return answer
+
+
+class EngineClient(HttpClient):
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        kind: str = "embedded",
+        weight_version: int = 0,
+    ):
+        if kind not in ENGINE_KINDS:
+            raise ValueError(f"kind must be one of {ENGINE_KINDS}, got {kind!r}")
+        super().__init__(base_url, timeout_s, api_key)
+        self.kind = kind
+        self.weight_version = weight_version
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
@@ -96,8 +181,37 @@ class EngineClient:
         }
         if rid is not None:
             body["rid"] = rid
-        body.update(extra or {})
+        if self.kind == "embedded":
+            body.update(extra or {})
+        else:
+            return await self._generate_streamed(body)
         return GenerateResult.from_response(await self._post("/generate", body))
+
+    async def _generate_streamed(self, body: dict) -> GenerateResult:
+        """SGLang streams either cumulative or incremental `output_ids`; `completion_tokens` (always
+        cumulative) says which, so the new tokens of each chunk are known either way."""
+        ids, logprobs, versions, meta = [], [], [], {}
+        async for chunk in self._stream("/generate", {**body, "stream": True}):
+            meta = chunk.get("meta_info", {})
+            total = int(meta.get("completion_tokens", len(ids)))
+            new = total - len(ids)
+            if new <= 0:
+                continue
+            chunk_ids = list(chunk.get("output_ids") or [])
+            chunk_lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
+            if len(chunk_ids) == total:  # cumulative
+                chunk_ids = chunk_ids[len(ids) :]
+            if len(chunk_lps) == total:
+                chunk_lps = chunk_lps[len(ids) :]
+            if len(chunk_ids) != new or len(chunk_lps) != new:
+                raise EngineError(
+                    f"stream chunk has {len(chunk_ids)} ids and {len(chunk_lps)} logprobs for {new} new "
+                    "tokens; send return_logprob=true"
+                )
+            ids += chunk_ids
+            logprobs += chunk_lps
+            versions += [self.weight_version] * new
+        return GenerateResult.from_parts(meta, ids, logprobs, versions)
 
     async def pause_generation(self, mode: str) -> None:
         await self._post("/pause_generation", {"mode": mode})
@@ -105,8 +219,8 @@ class EngineClient:
     async def continue_generation(self) -> None:
         await self._post("/continue_generation")
 
-    async def abort_request(self, rid: str) -> None:
-        await self._post("/abort_request", {"rid": rid})
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._post("/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
 
     async def flush_cache(self) -> None:
         await self._post("/flush_cache")
@@ -115,23 +229,59 @@ class EngineClient:
         body = await self._get("/get_weight_version")
         return str(body["weight_version"])
 
-    async def health(self) -> bool:
-        try:
-            async with self._http().get(
-                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+    async def get_model_info(self) -> dict:
+        return await self._get("/get_model_info")
 
     async def server_info(self) -> dict:
         return await self._get("/get_server_info")
 
-    async def post(self, path: str, body: dict | None = None) -> dict | str:
-        """Any other endpoint (weight updates); raises EngineError on a non-200 answer."""
-        return await self._post(path, body)
+    # ---- weight updates (SGLang's routes and bodies) --------------------------------------------------
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict:
+        body = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        return _checked(await self._post("/init_weights_update_group", body), "init_weights_update_group")
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+    async def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name: str, weight_version: int, flush_cache: bool = False
+    ) -> dict:
+        body = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": flush_cache,
+            "weight_version": str(weight_version),
+        }
+        return _checked(
+            await self._post("/update_weights_from_distributed", body), "update_weights_from_distributed"
+        )
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: int, load_format: str | None = None
+    ) -> dict:
+        body = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "flush_cache": False,
+            "weight_version": str(weight_version),
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        return _checked(await self._post("/update_weights_from_tensor", body), "update_weights_from_tensor")
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict:
+        body = {"model_path": str(model_path), "weight_version": str(weight_version), "flush_cache": True}
+        return _checked(await self._post("/update_weights_from_disk", body), "update_weights_from_disk")

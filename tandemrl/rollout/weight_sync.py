@@ -1,24 +1,47 @@
-"""Trainer-side weight sync to the engines: a broadcast group (gloo on CPU, NCCL between GPUs) or CUDA
-IPC handles (one GPU shared by trainer and engine), in buckets of about `bucket_mb`.
+"""Trainer-side weight sync to the engines: a broadcast group (gloo on CPU, NCCL between GPUs), CUDA IPC
+handles (one GPU shared by trainer and engine), in buckets of about `bucket_mb`; or safetensors on a
+shared disk that the engines reload (`DiskWeightSender`, the route vLLM offers).
 
 Protocol per bucket (SGLang's): POST /update_weights_from_distributed with names/dtypes/shapes to every
-engine, then broadcast the tensors from rank 0 (us) in that order; the engines answer once loaded.
-Invariant: every bucket of one `push` carries the same `weight_version`, so the engines end on exactly
-that version; names are the HF parameter names.
+engine, then broadcast the tensors from rank 0 (us) in that order; the engines answer once loaded. CUDA
+IPC goes through SGLang's /update_weights_from_tensor body: to a real SGLang each entry of
+`serialized_named_tensors` is what SGLang's own serializer makes (a base64 pickle that SGLang opens);
+the embedded engine unpickles nothing from the network, so to it each entry is base64 JSON of checked
+IPC descriptions (engine/weight_transport.py). Invariant: every bucket of one `push` carries the same
+`weight_version`, so the engines end on exactly that version; names are the HF parameter names.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
+import json
+import shutil
 import time
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 
 import torch
 
 from tandemrl.engine.weight_transport import broadcast, describe_cuda_tensor, dtype_name, new_process_group
-from tandemrl.rollout.client import EngineClient, EngineError
+from tandemrl.rollout.client import ENGINE_KINDS, EngineClient, EngineError
 
 BACKENDS = ("gloo", "nccl", "cuda_ipc")
+
+
+def ipc_payload(bucket: list[tuple[str, torch.Tensor]], engine_kind: str) -> str:
+    """One `serialized_named_tensors` entry for a bucket of CUDA tensors (see the module docstring)."""
+    if engine_kind == "embedded":
+        described = [{"name": n, "tensor": describe_cuda_tensor(t)} for n, t in bucket]
+        return base64.b64encode(json.dumps(described).encode()).decode()
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  registers torch's CUDA-IPC reductions with ForkingPickler
+
+    buffer = io.BytesIO()
+    ForkingPickler(buffer).dump(list(bucket))
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def iter_buckets(
@@ -45,9 +68,14 @@ class WeightSender:
         master_address: str = "127.0.0.1",
         master_port: int | None = None,
         group_name: str = "tandem_weight_sync",
+        engine_kind: str = "embedded",
+        tp_size: int = 1,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"weight sync backend must be one of {BACKENDS}, got {backend!r}")
+        if engine_kind not in ENGINE_KINDS:
+            raise ValueError(f"engine_kind must be one of {ENGINE_KINDS}, got {engine_kind!r}")
+        self.engine_kind, self.tp_size = engine_kind, tp_size
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.clients, self.backend, self.bucket_bytes = clients, backend, bucket_mb * 2**20
@@ -66,16 +94,8 @@ class WeightSender:
         world_size = 1 + len(self.clients)
         joins = [
             asyncio.create_task(
-                client.post(
-                    "/init_weights_update_group",
-                    {
-                        "master_address": self.master_address,
-                        "master_port": self.master_port,
-                        "rank_offset": 1 + i,
-                        "world_size": world_size,
-                        "group_name": self.group_name,
-                        "backend": self.backend,
-                    },
+                client.init_weights_update_group(
+                    self.master_address, self.master_port, 1 + i, world_size, self.group_name, self.backend
                 )
             )
             for i, client in enumerate(self.clients)
@@ -115,15 +135,15 @@ class WeightSender:
         return tensor.contiguous()
 
     async def _send_broadcast(self, bucket: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
-        body = {
-            "names": [n for n, _ in bucket],
-            "dtypes": [dtype_name(t.dtype) for _, t in bucket],
-            "shapes": [list(t.shape) for _, t in bucket],
-            "group_name": self.group_name,
-            "flush_cache": False,
-            "weight_version": str(weight_version),
-        }
-        posts = [asyncio.create_task(c.post("/update_weights_from_distributed", body)) for c in self.clients]
+        names = [n for n, _ in bucket]
+        dtypes = [dtype_name(t.dtype) for _, t in bucket]
+        shapes = [list(t.shape) for _, t in bucket]
+        posts = [
+            asyncio.create_task(
+                c.update_weights_from_distributed(names, dtypes, shapes, self.group_name, weight_version)
+            )
+            for c in self.clients
+        ]
 
         def send_all() -> None:
             for _, tensor in bucket:
@@ -138,10 +158,46 @@ class WeightSender:
 
     async def _send_ipc(self, bucket: list[tuple[str, torch.Tensor]], weight_version: int) -> None:
         torch.cuda.current_stream().synchronize()  # the engine reads the memory as soon as it opens it
-        body = {
-            "named_tensors": [{"name": n, "tensor": describe_cuda_tensor(t)} for n, t in bucket],
-            "weight_version": str(weight_version),
-            "flush_cache": False,
-        }
-        await asyncio.gather(*(c.post("/update_weights_from_tensor", body) for c in self.clients))
+        payload = [ipc_payload(bucket, self.engine_kind)] * self.tp_size  # one entry per TP rank
+        await asyncio.gather(*(c.update_weights_from_tensor(payload, weight_version) for c in self.clients))
         del bucket  # the engines have copied: the IPC memory may be freed now
+
+
+class DiskWeightSender:
+    """Weights as one safetensors file under `sync_dir/v<version>/` that every engine reloads through its
+    own route (vLLM: `reload_weights` by collective RPC; SGLang and the embedded engine:
+    /update_weights_from_disk). The engines must see `sync_dir` (one machine or a shared filesystem).
+    Invariant: a version directory is complete (written aside, then renamed) before any engine is told
+    of it; only the newest one is kept."""
+
+    def __init__(self, clients: list, sync_dir: str | Path, config_dir: str | Path | None = None):
+        self.clients, self.sync_dir = clients, Path(sync_dir)
+        self.config_dir = None if config_dir is None else Path(config_dir)
+
+    async def connect(self) -> None:
+        self.sync_dir.mkdir(parents=True, exist_ok=True)
+
+    async def push(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> dict:
+        start = time.perf_counter()
+        target = await asyncio.to_thread(self._write, named_tensors, weight_version)
+        await asyncio.gather(*(c.update_weights_from_disk(str(target), weight_version) for c in self.clients))
+        for old in self.sync_dir.glob("v*"):
+            if old != target and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+        num_bytes = (target / "model.safetensors").stat().st_size
+        return {"bytes": num_bytes, "seconds": time.perf_counter() - start, "num_buckets": 1}
+
+    def _write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], weight_version: int) -> Path:
+        from safetensors.torch import save_file
+
+        state = {name: t.detach().cpu().contiguous().clone() for name, t in named_tensors}
+        target, partial = self.sync_dir / f"v{weight_version}", self.sync_dir / f".v{weight_version}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        save_file(state, str(partial / "model.safetensors"), metadata={"format": "pt"})
+        for name in ("config.json", "generation_config.json"):  # SGLang reloads a whole model directory
+            if self.config_dir is not None and (self.config_dir / name).exists():
+                shutil.copy(self.config_dir / name, partial / name)
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)
+        return target

@@ -85,7 +85,8 @@ async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]
 
     retract / in_place: the engines pause (in-flight requests are retracted to the queue, or keep
     their KV cache in place), take the weights, and continue. drain: admission stops and every
-    in-flight group finishes first (SGLang has no such mode, so the client realises it).
+    in-flight group finishes first (SGLang has no such mode, so the client realises it). Marking the
+    version on the clients before `continue_generation` is what stamps streamed tokens (docs/BACKENDS.md).
     """
     mode = ctx.config.rollout.pause_mode
     marks_s = [time.monotonic()]  # start, paused, pushed, continued
@@ -98,6 +99,8 @@ async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]
     marks_s.append(time.monotonic())
     try:
         pushed = await ctx.actor.call("push_weights", weight_version)
+        for engine in ctx.engines:  # the update boundary: tokens received from here on are the new version
+            engine.mark_weight_version(weight_version)
     finally:
         marks_s.append(time.monotonic())
         if mode != "drain":

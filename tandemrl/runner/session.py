@@ -67,14 +67,14 @@ async def run_session(
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.data.loader import load_prompts
     from tandemrl.metrics.logger import MetricsLogger
-    from tandemrl.rollout.client import EngineClient
+    from tandemrl.rollout.backends import make_client
     from tandemrl.runner.checkpoint import load_resume_state
 
     runner, search_cfg = config.runner, config.tools.search
     output_dir = Path(runner.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path(config))
-    engines = [EngineClient(url) for url in services.engine_urls]
+    engines = [make_client(config.rollout.backend, url) for url in services.engine_urls]
     search = SearchTool(
         services.search_addr,
         topk=search_cfg.topk,
@@ -87,6 +87,8 @@ async def run_session(
         services.engine_urls,
         services.plan.weight_sync,
         config.rollout.sync_bucket_mb,
+        config.rollout.backend,
+        config.rollout.weight_sync_dir or str(output_dir.resolve() / "weight_sync"),
     )
     start_step, loader_state = 0, None
     if runner.resume_from:
@@ -106,6 +108,8 @@ async def run_session(
     weight_version = int(await actor.call("get_weight_version"))
     if weight_version > 0:  # the engines started from the base model: give them the resumed weights
         await actor.call("push_weights", weight_version)
+    for engine in engines:  # the start of the update timeline that stamps streamed tokens
+        engine.mark_weight_version(weight_version)
     driver = build_driver(config, engines, search, tokenizer, weight_version, loader_state)
     val_prompts = (
         load_prompts(train_paths(config, "val"), config.data.val_limit)

@@ -1,0 +1,152 @@
+"""Client for a vLLM server (`vllm serve`, OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for its
+RL routes), with the same interface as `EngineClient`, so the runner and the agent loop drive either.
+
+- generate: POST /v1/completions with the prompt as token ids, `return_token_ids` and `logprobs=0`
+  (the logprob of each sampled token), streamed so every token is stamped with the weight version of
+  the update timeline it was received under (see `EngineClient`; docs/BACKENDS.md).
+- pause/resume: POST /pause?mode=… and /resume. vLLM's modes are abort, wait and keep; our in_place
+  is its keep (requests freeze with their KV cache), drain is done by the runner (admission stops and
+  in-flight groups finish). vLLM has no retract mode: `check_pause_mode` refuses it at start-up.
+- weights: vLLM's `reload_weights` worker method through POST /collective_rpc with a directory of
+  safetensors (what `DiskWeightSender` writes), then POST /update_weight_version.
+
+Invariant: as for `EngineClient.generate`, the tokens returned are exactly the sampled ones, with one
+logprob and one weight version each.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
+
+log = logging.getLogger(__name__)
+
+PAUSE_MODES = {"in_place": "keep"}  # ours -> vLLM's; drain needs no engine call
+UNSUPPORTED_PAUSE_MODES = {
+    "retract": "vLLM's /pause has modes abort, wait and keep; none returns running requests to the "
+    "queue with their KV cache freed (keep freezes them in place: that is our in_place)"
+}
+# SGLang sampling params (what the agent loop sends) -> vLLM completion fields
+SAMPLING_FIELDS = {
+    "max_new_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "no_stop_trim": "include_stop_str_in_output",
+}
+
+
+def check_pause_mode(mode: str) -> None:
+    """Raise ValueError naming the reason when vLLM cannot realise `mode`."""
+    if mode in UNSUPPORTED_PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not available on vLLM: {UNSUPPORTED_PAUSE_MODES[mode]}")
+
+
+def completion_body(model: str, input_ids: list[int], sampling_params: dict, rid: str | None) -> dict:
+    unknown = set(sampling_params) - set(SAMPLING_FIELDS)
+    if unknown:
+        raise ValueError(
+            f"sampling_params {sorted(unknown)} have no vLLM equivalent; use {sorted(SAMPLING_FIELDS)}"
+        )
+    body = {SAMPLING_FIELDS[k]: v for k, v in sampling_params.items() if v is not None}
+    if body.get("top_k") == -1:
+        body["top_k"] = 0  # vLLM's "no top-k"
+    body.update(
+        model=model,
+        prompt=list(input_ids),
+        logprobs=0,
+        return_token_ids=True,
+        stream=True,
+        max_tokens=body.get("max_tokens", 128),
+    )
+    if rid is not None:
+        body["request_id"] = rid
+    return body
+
+
+class VllmClient(HttpClient):
+    def __init__(
+        self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None, weight_version: int = 0
+    ):
+        super().__init__(base_url, timeout_s, api_key)
+        self.weight_version = weight_version
+        self._model: str | None = None
+
+    async def model(self) -> str:
+        """The served model name (vLLM checks `model` in every completion request)."""
+        if self._model is None:
+            models = await self._get("/v1/models")
+            self._model = str(models["data"][0]["id"])
+        return self._model
+
+    async def generate(
+        self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
+    ) -> GenerateResult:
+        del extra  # task metadata: the embedded engine echoes it, vLLM has no field for it
+        body = completion_body(await self.model(), input_ids, sampling_params, rid)
+        ids, logprobs, versions = [], [], []
+        finish, matched, prompt_tokens = "abort", None, len(input_ids)
+        async for chunk in self._stream("/v1/completions", body):
+            for choice in chunk.get("choices", []):
+                new_ids = list(choice.get("token_ids") or [])
+                new_lps = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
+                if len(new_lps) != len(new_ids):
+                    raise EngineError(f"vLLM sent {len(new_ids)} token ids with {len(new_lps)} logprobs")
+                ids += new_ids
+                logprobs += [float(lp) for lp in new_lps]
+                versions += [self.weight_version] * len(new_ids)
+                if choice.get("finish_reason") is not None:
+                    finish, matched = choice["finish_reason"], choice.get("stop_reason")
+        meta = {
+            "finish_reason": {"type": finish, "matched": matched},
+            "prompt_tokens": prompt_tokens,
+            "weight_version": str(self.weight_version),
+        }
+        return GenerateResult.from_parts(meta, ids, logprobs, versions)
+
+    async def pause_generation(self, mode: str) -> None:
+        check_pause_mode(mode)
+        await self._post("/pause", params={"mode": PAUSE_MODES.get(mode, mode)})
+
+    async def continue_generation(self) -> None:
+        await self._post("/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._get("/is_paused"))["is_paused"])
+
+    async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        await self._post("/abort_requests", {} if abort_all else {"request_ids": [rid]})
+
+    async def flush_cache(self) -> None:
+        await self._post("/reset_prefix_cache")
+
+    async def get_weight_version(self) -> str:
+        return str((await self._get("/weight_info"))["weight_version"])
+
+    async def get_model_info(self) -> dict:
+        return {
+            "model_path": await self.model(),
+            "is_generation": True,
+            "weight_version": await self.get_weight_version(),
+        }
+
+    async def server_info(self) -> dict:
+        return {"model_path": await self.model(), "is_paused": await self.is_paused()}
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict:
+        """Reload every weight from the safetensors under `model_path`, then record the version."""
+        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
+        await self._post("/collective_rpc", rpc)
+        await self._post("/update_weight_version", {"new_version": str(weight_version)})
+        # Prefix-cache entries hold KV computed under the old weights. vLLM keeps them while requests
+        # are frozen (pause mode keep); the reset then reports failure and the old KV stays, as in_place
+        # means for the frozen requests.
+        reset = await self._post("/reset_prefix_cache")
+        if isinstance(reset, dict) and not reset.get("success", True):
+            log.info("vLLM kept its prefix cache after the update (requests are frozen in place)")
+        return {"success": True, "message": f"reloaded {model_path} as version {weight_version}"}

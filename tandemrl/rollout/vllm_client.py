@@ -7,8 +7,10 @@ RL routes), with the same interface as `EngineClient`, so the runner and the age
 - pause/resume: POST /pause?mode=… and /resume. vLLM's modes are abort, wait and keep; our in_place
   is its keep (requests freeze with their KV cache), drain is done by the runner (admission stops and
   in-flight groups finish). vLLM has no retract mode: `check_pause_mode` refuses it at start-up.
-- weights: vLLM's `reload_weights` worker method through POST /collective_rpc with a directory of
-  safetensors (what `DiskWeightSender` writes), then POST /update_weight_version.
+- weights: POST /collective_rpc calling `tandem_load_safetensors` (our worker extension,
+  rollout/vllm_worker.py; start vLLM with `--worker-extension-cls
+  tandemrl.rollout.vllm_worker.WeightLoader`) on a directory of safetensors (what `DiskWeightSender`
+  writes), then POST /update_weight_version.
 
 Invariant: as for `EngineClient.generate`, the tokens returned are exactly the sampled ones, with one
 logprob and one weight version each.
@@ -22,6 +24,7 @@ from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
 
 log = logging.getLogger(__name__)
 
+WORKER_EXTENSION = "tandemrl.rollout.vllm_worker.WeightLoader"
 PAUSE_MODES = {"in_place": "keep"}  # ours -> vLLM's; drain needs no engine call
 UNSUPPORTED_PAUSE_MODES = {
     "retract": "vLLM's /pause has modes abort, wait and keep; none returns running requests to the "
@@ -139,9 +142,15 @@ class VllmClient(HttpClient):
         return {"model_path": await self.model(), "is_paused": await self.is_paused()}
 
     async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict:
-        """Reload every weight from the safetensors under `model_path`, then record the version."""
-        rpc = {"method": "reload_weights", "kwargs": {"weights_path": str(model_path)}}
-        await self._post("/collective_rpc", rpc)
+        """Load every weight from the safetensors under `model_path`, then record the version."""
+        rpc = {"method": "tandem_load_safetensors", "args": [str(model_path)]}
+        try:
+            await self._post("/collective_rpc", rpc)
+        except EngineError as error:
+            raise EngineError(
+                f"{error}. The vLLM server needs our worker extension: start it with "
+                f"--worker-extension-cls {WORKER_EXTENSION} (and VLLM_SERVER_DEV_MODE=1)"
+            ) from error
         await self._post("/update_weight_version", {"new_version": str(weight_version)})
         # Prefix-cache entries hold KV computed under the old weights. vLLM keeps them while requests
         # are frozen (pause mode keep); the reset then reports failure and the old KV stays, as in_place

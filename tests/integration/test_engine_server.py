@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.engine_process import EngineProcess
-from tandemrl.rollout.weight_sync import WeightSender
+from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
 from tests.integration.engine_helpers import FORCED_TOKEN, forcing_state_dict, hf_state_dict, wait_for
 
 MAX_NEW = 160
@@ -269,3 +269,43 @@ def test_busy_seconds_grow_only_while_requests_run(engine):
     assert idle_after == idle_before  # nothing running: the counter stands still
     assert info["busy_s"] > idle_after
     assert info["busy_s"] <= info["uptime_s"]
+
+
+def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, tmp_path):
+    """The embedded engine takes SGLang's bodies: a safetensors reload (update_weights_from_disk), SGLang's
+    pause/continue answers and model info; an update_weights_from_tensor pickle is refused unopened."""
+    import base64
+    import pickle
+
+    pickled = base64.b64encode(pickle.dumps([("x", torch.zeros(1))])).decode()
+
+    async def run():
+        client = EngineClient(engine.url)
+        sender = DiskWeightSender([client], tmp_path / "sync")
+        await sender.connect()
+        version = int(await client.get_weight_version())
+        await sender.push(forcing_state_dict(tiny_llama_dir).items(), weight_version=version + 1)
+        forced = await client.generate(PROMPTS[0], {"max_new_tokens": 3, "temperature": 0})
+        await sender.push(hf_state_dict(tiny_llama_dir).items(), weight_version=version + 2)
+        restored = await client.generate(PROMPTS[0], GREEDY)
+        paused = await client.post("/pause_generation", {"mode": "in_place"})
+        resumed = await client.post("/continue_generation", {"torch_empty_cache": True})
+        info = await client.get_model_info()
+        refused = await post_raw(
+            engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": [pickled]}
+        )
+        await client.close()
+        return version, forced, restored, paused, resumed, info, refused
+
+    version, forced, restored, paused, resumed, info, refused = asyncio.run(run())
+    assert forced.output_ids == [FORCED_TOKEN] * 3 and forced.weight_versions == [version + 1] * 3
+    assert restored.weight_version == str(version + 2)
+    assert paused["status"] == resumed["status"] == "ok"
+    assert {
+        "model_path",
+        "tokenizer_path",
+        "is_generation",
+        "preferred_sampling_params",
+        "weight_version",
+    } <= set(info)
+    assert refused[0] == 400 and "unpickles nothing" in refused[1]

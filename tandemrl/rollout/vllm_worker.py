@@ -5,7 +5,8 @@ It is vLLM's own `reload_weights` (layer by layer onto fresh parameters, then ea
 processing, e.g. the CPU backend's repacking of linear weights) followed by re-tying a tied output
 head: the reload rebuilds `lm_head` as a parameter of its own and skips it (tied checkpoints have no
 `lm_head.weight`), so without the re-tie the head keeps the old embedding and greedy output no longer
-matches the trainer's (seen with SmolLM2, which ties them). Invariant: after the call the model holds
+matches the trainer's (seen with SmolLM2, which ties them); the head's weight processing then runs
+again, since on CPU it packs a copy of the weight. Invariant: after the call the model holds
 the directory's weights and a tied head is the embedding tensor itself.
 """
 
@@ -27,4 +28,6 @@ class WeightLoader:
         embed = getattr(inner, "embed_tokens", None)
         if tied and head is not None and embed is not None:
             head.weight = embed.weight
+            # the head's GEMM was prepared from the old tensor (on CPU: a packed copy); prepare it again
+            head.quant_method.process_weights_after_loading(head)
         return bool(tied)

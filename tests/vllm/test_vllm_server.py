@@ -155,7 +155,10 @@ def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_fac
         "runner.async_mode=true",
         f"runner.max_steps={steps}",
         "runner.val_interval=0",
-        "actor.optim.lr=1.0e-3",
+        # rewards are all 0 this early (so are the advantages): weight decay makes every update move the
+        # weights, so the engine must really take the synced ones to match the actor
+        "actor.optim.lr=1.0e-2",
+        "actor.optim.weight_decay=1.0",
     ]
     config = load_config(None, overrides)
     ctx = train(config, write_plots=False)
@@ -171,6 +174,10 @@ def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_fac
     prompt = AutoTokenizer.from_pretrained(smollm2_dir).encode(PROMPTS[1])
     engine_ids, _ = greedy(vllm_url, prompt, 16)
     actor_ids, _ = hf_greedy(actor, prompt, 16)
+    base_ids, _ = hf_greedy(base.eval(), prompt, 16)
+    print(
+        f"max weight change {moved:.3g}; actor greedy {'differs from' if actor_ids != base_ids else 'equals'} base"
+    )
     asyncio.run(reload_base(vllm_url, smollm2_dir))
     assert moved > 0  # training changed the weights, so the equality below is about the synced ones
     assert engine_ids == actor_ids

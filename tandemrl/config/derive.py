@@ -158,7 +158,7 @@ def _derive_pause_mode(config: TandemConfig) -> None:
     if rollout.backend == "vllm" and rollout.weight_sync not in ("auto", "disk"):
         raise ConfigError(
             f"rollout.weight_sync={rollout.weight_sync!r} with rollout.backend=vllm: the vLLM backend updates "
-            "weights by having the server reload safetensors (its reload_weights route). Set "
+            "weights by having the server load safetensors from disk (POST /collective_rpc). Set "
             "rollout.weight_sync=disk, or leave it at auto."
         )
 

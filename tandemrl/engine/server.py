@@ -2,14 +2,17 @@
 
 aiohttp on the main thread, the engine on its loop thread (`loop.py`); handlers only queue commands
 and await their futures. Request and response shapes follow SGLang's `/generate`; our extension is
-`meta_info.output_token_weight_versions` (the weight version of every output token). Invariant: every
-accepted `/generate` is answered exactly once, with the whole output (also across retract pauses);
-a client that disconnects has its request aborted.
+`meta_info.output_token_weight_versions` (the weight version of every output token). `stream=true` is
+answered with one server-sent event holding the whole output (then `[DONE]`), so a client that streams
+from SGLang drives this engine unchanged. Invariant: every accepted `/generate` is answered exactly
+once, with the whole output (also across retract pauses); a client that disconnects has its request
+aborted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -85,8 +88,6 @@ class EngineServer:
         return app
 
     def _parse_generate(self, body: dict) -> tuple[list[int], SamplingParams]:
-        if body.get("stream"):
-            raise ValueError("stream=true is not supported by the embedded engine; send stream=false")
         if body.get("top_logprobs_num"):
             raise ValueError("top_logprobs_num is not supported by the embedded engine; omit it or send 0")
         input_ids = body.get("input_ids")
@@ -120,10 +121,17 @@ class EngineServer:
         except ValueError as error:
             return bad_request(str(error))
         try:
-            return web.json_response(await done)
+            result = await done
         except asyncio.CancelledError:
             self.loop.abort(rid)  # the client went away; free the engine's slot
             raise
+        if not body.get("stream"):
+            return web.json_response(result)
+        # stream=true (SGLang clients stream): one event with the whole output, then SGLang's [DONE]
+        stream = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b"data: " + json.dumps(result).encode() + b"\n\ndata: [DONE]\n\n")
+        return stream
 
     async def pause(self, request: web.Request) -> web.Response:
         try:

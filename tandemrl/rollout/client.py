@@ -211,6 +211,9 @@ class EngineClient(HttpClient):
             ids += chunk_ids
             logprobs += chunk_lps
             versions += [self.weight_version] * new
+        reported = meta.get("output_token_weight_versions")  # an engine that knows them (ours) wins
+        if reported is not None and len(reported) == len(ids):
+            versions = [int(v) for v in reported]
         return GenerateResult.from_parts(meta, ids, logprobs, versions)
 
     async def pause_generation(self, mode: str) -> None:

@@ -63,7 +63,6 @@ async def post_raw(url: str, path: str, body) -> tuple[int, str]:
         ({"input_ids": list(range(600)), "sampling_params": {}}, "max_context_len"),
         ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -3}}, "max_new_tokens must be"),
         ({"input_ids": [1, 2], "sampling_params": {"max_tokens": 3}}, "unknown sampling_params"),
-        ({"input_ids": [1, 2], "stream": True}, "stream"),
         ({"input_ids": [[1, 2]]}, "one list of token ids"),
         ({"input_ids": [1, 10**9]}, "token ids in"),
         ("{not json", "not valid JSON"),
@@ -271,7 +270,7 @@ def test_busy_seconds_grow_only_while_requests_run(engine):
     assert info["busy_s"] <= info["uptime_s"]
 
 
-def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, tmp_path):
+def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, tmp_path, reference):
     """The embedded engine takes SGLang's bodies: a safetensors reload (update_weights_from_disk), SGLang's
     pause/continue answers and model info; an update_weights_from_tensor pickle is refused unopened."""
     import base64
@@ -288,6 +287,9 @@ def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, t
         forced = await client.generate(PROMPTS[0], {"max_new_tokens": 3, "temperature": 0})
         await sender.push(hf_state_dict(tiny_llama_dir).items(), weight_version=version + 2)
         restored = await client.generate(PROMPTS[0], GREEDY)
+        sglang_client = EngineClient(engine.url, kind="sglang")  # streams, as to a real SGLang
+        streamed = await sglang_client.generate(PROMPTS[0], GREEDY, extra={"task_name": "t"})
+        await sglang_client.close()
         paused = await client.post("/pause_generation", {"mode": "in_place"})
         resumed = await client.post("/continue_generation", {"torch_empty_cache": True})
         info = await client.get_model_info()
@@ -295,11 +297,12 @@ def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, t
             engine.url, "/update_weights_from_tensor", {"serialized_named_tensors": [pickled]}
         )
         await client.close()
-        return version, forced, restored, paused, resumed, info, refused
+        return version, forced, restored, streamed, paused, resumed, info, refused
 
-    version, forced, restored, paused, resumed, info, refused = asyncio.run(run())
+    version, forced, restored, streamed, paused, resumed, info, refused = asyncio.run(run())
     assert forced.output_ids == [FORCED_TOKEN] * 3 and forced.weight_versions == [version + 1] * 3
-    assert restored.weight_version == str(version + 2)
+    assert restored.weight_version == str(version + 2) and restored.output_ids == reference[0]
+    assert streamed.output_ids == reference[0] and streamed.weight_versions == [version + 2] * MAX_NEW
     assert paused["status"] == resumed["status"] == "ok"
     assert {
         "model_path",

@@ -5,11 +5,14 @@
 query's entry is the bare list of documents, as in Search-R1's server — so a Search-R1 client works
 unchanged. `GET /health` reports readiness. Invariant: the server process owns the index (Qdrant local
 mode allows one process per path) and no request can take it down: bad input gets a 4xx naming the
-field, a failed search a 500 for that request only.
+field, a body over `--max-request-mb` or more than MAX_QUERIES_PER_REQUEST queries a 413, a failed
+search a 500 for that request only. Bound beyond loopback it requires an API key (`Authorization:
+Bearer <key>`) on every path but /health.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from contextlib import asynccontextmanager
@@ -20,6 +23,14 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from tandemrl.engine.http_guard import (
+    LOOPBACK_HOSTS,
+    OPEN_PATHS,
+    RETRIEVAL_KEY_ENV,
+    is_authorized,
+    key_from_env,
+    too_large_message,
+)
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.store import Hit
 
@@ -27,7 +38,8 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TOPK = 3  # Search-R1's server falls back to its configured topk (3 in its scripts)
 MAX_TOPK = 50
-MAX_QUERIES_PER_REQUEST = 4096
+MAX_QUERIES_PER_REQUEST = 1024
+MAX_QUERY_CHARS = 4096  # a query is a few words; the encoder truncates long ones anyway
 
 
 class RetrieveRequest(BaseModel):
@@ -57,13 +69,71 @@ async def _validation_error(_: Request, error: RequestValidationError) -> JSONRe
     return JSONResponse(status_code=422, content={"error": f"invalid request: {message}", "detail": detail})
 
 
+class RequestGuard:
+    """ASGI middleware: the API key (when set), then the body-size limit counted as the body streams
+    in, so neither a stranger nor a huge upload reaches the handler."""
+
+    def __init__(self, app, api_key: str | None, max_request_bytes: int):
+        self.app, self.api_key, self.max_request_bytes = app, api_key, max_request_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if scope["path"] not in OPEN_PATHS and not is_authorized(headers.get("authorization"), self.api_key):
+            message = f"{scope['path']} needs the server's API key: send 'Authorization: Bearer <key>'"
+            return await _send_error(send, 401, message)
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_request_bytes:
+            return await _send_error(send, 413, too_large_message(int(length), self.max_request_bytes))
+        num_bytes = 0
+
+        async def limited_receive():
+            nonlocal num_bytes
+            message = await receive()
+            num_bytes += len(message.get("body", b""))
+            if num_bytes > self.max_request_bytes:
+                raise _TooLarge
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await _send_error(send, 413, too_large_message(None, self.max_request_bytes))
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_error(send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def check_queries(queries: list[str]) -> str | None:
+    """Why the queries cannot be searched (naming the first bad one), or None."""
+    for index, query in enumerate(queries):
+        if len(query) > MAX_QUERY_CHARS:
+            return f"queries[{index}] has {len(query)} characters: at most {MAX_QUERY_CHARS}."
+        try:
+            query.encode("utf-8")
+        except UnicodeEncodeError as error:
+            return f"queries[{index}] is not valid Unicode text ({error.reason} at character {error.start})."
+    return None
+
+
 def _render(hits: list[list[Hit]], return_scores: bool) -> list[list]:
     if return_scores:
         return [[{"document": hit.document, "score": hit.score} for hit in query_hits] for query_hits in hits]
     return [[hit.document for hit in query_hits] for query_hits in hits]
 
 
-def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
+def create_app(
+    batcher: MicroBatcher, info: dict, api_key: str | None = None, max_request_mb: float = 4.0
+) -> FastAPI:
     """The HTTP app around a started-on-startup `batcher`; `info` is echoed by /health."""
 
     @asynccontextmanager
@@ -76,6 +146,7 @@ def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
 
     app = FastAPI(title="tandemrl retrieval", lifespan=lifespan)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=int(max_request_mb * 2**20))
 
     @app.get("/health")
     async def health() -> dict:
@@ -93,7 +164,7 @@ def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
             return JSONResponse(status_code=400, content={"error": f"topk={topk}: must be in 1..{MAX_TOPK}."})
         if len(request.queries) > MAX_QUERIES_PER_REQUEST:
             return JSONResponse(
-                status_code=400,
+                status_code=413,
                 content={
                     "error": f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; "
                     "split the batch."
@@ -101,6 +172,9 @@ def create_app(batcher: MicroBatcher, info: dict) -> FastAPI:
             )
         if not request.queries:
             return {"result": []}
+        reason = check_queries(request.queries)
+        if reason is not None:
+            return JSONResponse(status_code=400, content={"error": reason})
         try:
             hits = await batcher.submit(request.queries, topk)
         except Exception as error:  # a failed search fails this request, never the server
@@ -116,6 +190,14 @@ def run_serve(args) -> int:
 
     from tandemrl.retrieval.retriever import Retriever
 
+    api_key = getattr(args, "api_key", None) or key_from_env(RETRIEVAL_KEY_ENV)
+    if args.host not in LOOPBACK_HOSTS and not api_key:
+        print(
+            f"tandem serve-retrieval: --host {args.host} exposes the index beyond this machine; pass "
+            f"--api-key (or set ${RETRIEVAL_KEY_ENV}) so only your clients can query it",
+            file=sys.stderr,
+        )
+        return 2
     try:
         retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url)
     except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
@@ -128,7 +210,7 @@ def run_serve(args) -> int:
         "num_passages": retriever.num_passages,
         "index": str(retriever.index_dir),
     }
-    app = create_app(MicroBatcher(retriever.search), info)
+    app = create_app(MicroBatcher(retriever.search), info, api_key, getattr(args, "max_request_mb", 4.0))
     log.info(
         "serving %s (%s, %d passages) on http://%s:%d/retrieve",
         args.index,

@@ -1,6 +1,8 @@
-"""The `tandem` command: one subcommand per job, each implemented by a `run_*(args) -> int` function in
-the module that owns the concept. Modules are imported only when their subcommand runs, so
-`tandem config show` never imports torch.
+"""The `tandem` command: RL training of Search-R1 search agents, with rollout and training overlapped.
+
+One subcommand per job, each implemented by a `run_*(args) -> int` function in the module that owns
+the concept. Modules are imported only when their subcommand runs, so `tandem config show` never
+imports torch.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])  # one whole sentence
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -95,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve_retrieval.add_argument("--port", type=int, default=8000)
     serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
     serve_retrieval.add_argument("--qdrant-url", default=None)
+    serve_retrieval.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /retrieve (default: $TANDEM_RETRIEVAL_API_KEY); "
+        "needed when --host is not a loopback address",
+    )
+    serve_retrieval.add_argument("--max-request-mb", type=float, default=4.0, help="larger bodies get 413")
     serve_retrieval.set_defaults(handler="tandemrl.retrieval.server:run_serve")
 
     serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")
@@ -112,6 +121,25 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8192,
         help="prompt tokens per prefill step; longer prompts are prefilled in chunks",
+    )
+    serve_engine.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health, as SGLang's --api-key "
+        "(default: $TANDEM_ENGINE_API_KEY; prefer the variable: a flag shows in the process list)",
+    )
+    serve_engine.add_argument("--max-request-mb", type=float, default=16.0, help="larger bodies get 413")
+    serve_engine.add_argument(
+        "--health-stall-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 once the engine loop is stuck this long in one step or command",
+    )
+    serve_engine.add_argument(
+        "--weight-update-timeout-s",
+        type=float,
+        default=600.0,
+        help="a weight-group join or an announced update whose tensors do not arrive in time is aborted",
     )
     serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
     return parser

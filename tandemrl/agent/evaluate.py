@@ -99,7 +99,7 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
 
 @contextlib.contextmanager
 def engine_url(config: TandemConfig):
-    """The URL of an engine serving the policy: the first external one, or an embedded one we start."""
+    """(URL, API key) of an engine serving the policy: the first external one, or an embedded one we start."""
     rollout = config.rollout
     if rollout.backend != "embedded":
         if not rollout.server_addrs:
@@ -107,8 +107,10 @@ def engine_url(config: TandemConfig):
                 f"rollout.backend={rollout.backend!r} but rollout.server_addrs is empty: evaluation "
                 "needs a running engine. Set rollout.server_addrs=[host:port]."
             )
+        from tandemrl.runner.services import external_engine_api_key
+
         addr = rollout.server_addrs[0]
-        yield addr if addr.startswith("http") else f"http://{addr}"
+        yield (addr if addr.startswith("http") else f"http://{addr}"), external_engine_api_key(rollout)
         return
     from tandemrl.data.prepare_model import prepare_model
     from tandemrl.rollout.engine_process import EngineProcess
@@ -116,7 +118,7 @@ def engine_url(config: TandemConfig):
     model_path = rollout.model.model_path or str(prepare_model())
     device, dtype = resolve_device_dtype(rollout.device, rollout.dtype)
     with EngineProcess.from_rollout(rollout, model_path, device, dtype, config.runner.seed) as engine:
-        yield engine.url
+        yield engine.url, engine.api_key
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[str, str]:
@@ -159,11 +161,11 @@ def run_eval(args) -> int:
     prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
     start_s = time.monotonic()
-    with retrieval_addr(config) as addr, engine_url(config) as url:
+    with retrieval_addr(config) as addr, engine_url(config) as (url, api_key):
         model_path = config.rollout.model.model_path or _default_model_path()
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         log.info("evaluating %d %s questions (engine %s, retrieval %s)", len(prompts), args.split, url, addr)
-        trajectories = asyncio.run(_evaluate(config, prompts, url, addr, tokenizer))
+        trajectories = asyncio.run(_evaluate(config, prompts, (url, api_key), addr, tokenizer))
     elapsed_s = time.monotonic() - start_s
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as stream:
@@ -188,18 +190,23 @@ def _default_model_path() -> str:
     return str(prepare_model())
 
 
-async def _evaluate(config: TandemConfig, prompts: list, url: str, addr: str, tokenizer) -> list[Trajectory]:
+async def _evaluate(
+    config: TandemConfig, prompts: list, engine_at: tuple[str, str | None], addr: str, tokenizer
+) -> list[Trajectory]:
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.rollout.client import EngineClient
+    from tandemrl.runner.services import search_api_key
 
     search_cfg = config.tools.search
-    engine = EngineClient(url)
+    url, api_key = engine_at
+    engine = EngineClient(url, api_key=api_key)
     search = SearchTool(
         addr,
         topk=search_cfg.topk,
         timeout_s=search_cfg.timeout_s,
         max_retries=search_cfg.max_retries,
         backoff_s=search_cfg.backoff_s,
+        api_key=search_api_key(search_cfg),
     )
     try:
         return await evaluate_prompts(

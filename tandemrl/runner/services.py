@@ -49,11 +49,25 @@ def model_path(config: Any) -> str:
     return str(path)
 
 
+def external_engine_api_key(rollout: Any) -> str | None:
+    """The key of external engines: rollout.api_key, else $TANDEM_ENGINE_API_KEY, else $SGLANG_API_KEY."""
+    from tandemrl.engine.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
+
+    return rollout.api_key or key_from_env(ENGINE_KEY_ENV, SGLANG_KEY_ENV)
+
+
+def search_api_key(search: Any) -> str | None:
+    from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV, key_from_env
+
+    return search.api_key or key_from_env(RETRIEVAL_KEY_ENV)
+
+
 class Services:
     def __init__(self, config: Any):
         self.config = config
         self.engine_processes: list[Any] = []
         self.engine_urls: list[str] = []
+        self.engine_api_key: str | None = None  # what the run's engine clients send (never logged)
         self.retrieval: Any = None
         self.search_addr = config.tools.search.server_addr
 
@@ -70,6 +84,7 @@ class Services:
         rollout = self.config.rollout
         if rollout.server_addrs:
             self.engine_urls = [a if a.startswith("http") else f"http://{a}" for a in rollout.server_addrs]
+            self.engine_api_key = external_engine_api_key(rollout)
             log.info("using external %s engines: %s", rollout.backend, ", ".join(self.engine_urls))
             return
         if rollout.backend != "embedded":
@@ -77,8 +92,10 @@ class Services:
                 f"rollout.backend={rollout.backend!r} needs rollout.server_addrs (the URLs of the "
                 "running servers); tandem launches only the embedded engine itself."
             )
+        from tandemrl.engine.http_guard import new_api_key
         from tandemrl.rollout.engine_process import EngineProcess
 
+        self.engine_api_key = new_api_key()  # fresh per run: only this run's clients control its engines
         device = resolve_device(rollout.device)
         for index in range(rollout.instances):
             process = EngineProcess.from_rollout(
@@ -87,6 +104,7 @@ class Services:
                 device,
                 resolve_dtype(rollout.dtype, device),
                 self.config.runner.seed + index,
+                api_key=self.engine_api_key,
             )
             self.engine_processes.append(process)
             process.start()

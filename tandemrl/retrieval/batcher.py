@@ -2,8 +2,8 @@
 
 Requests enter an asyncio queue; a single batching task gathers the requests that arrive within
 `max_wait_s` and runs batches of up to `max_batch_queries` queries on one worker thread. A batch takes
-at most `max_slice_queries` queries from each request, in turn, so a small request is served in the
-next batch even while a large one is being worked through. Invariants: exactly one thread ever touches
+at most `max_slice_queries` queries from each request, round robin, so a small request is served in
+the next batch even while a large one is being worked through. Invariants: exactly one thread ever touches
 the retriever (Qdrant local mode and the encoder are not thread-safe); every submitted request's future
 is resolved — with its hits or with its own error — so no request hangs, no failure stops the batching
 task, and a query that makes the search raise fails only its own request (a failed batch is retried
@@ -87,7 +87,10 @@ class MicroBatcher:
                     log.warning("retrieval batch of %d requests failed; retrying them one by one", len(batch))
                     for pending, start, end in batch:
                         await self._run_alone(pending, start, end)
-            self._active = [p for p in self._active if p.num_left and not p.future.done()]
+            # round robin: the requests just served go to the back, so waiting ones are next
+            served = [pending for pending, _, _ in batch]
+            waiting = [p for p in self._active if all(p is not s for s in served)]
+            self._active = [p for p in waiting + served if p.num_left and not p.future.done()]
 
     async def _collect(self) -> None:
         """Move newly arrived requests to the active list (waiting for one when there is none)."""

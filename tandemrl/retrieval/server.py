@@ -70,7 +70,7 @@ async def _validation_error(_: Request, error: RequestValidationError) -> JSONRe
 
 
 class RequestGuard:
-    """ASGI middleware: the API key (when set), then the body-size limit counted as the body streams
+    """ASGI middleware: the API key (when set), then the body-size limit, counted as the body streams
     in, so neither a stranger nor a huge upload reaches the handler."""
 
     def __init__(self, app, api_key: str | None, max_request_bytes: int):
@@ -86,24 +86,28 @@ class RequestGuard:
         length = headers.get("content-length", "")
         if length.isdigit() and int(length) > self.max_request_bytes:
             return await _send_error(send, 413, too_large_message(int(length), self.max_request_bytes))
-        num_bytes = 0
-
-        async def limited_receive():
-            nonlocal num_bytes
+        body = bytearray()  # read here, within the limit, then replayed to the app in one message
+        while True:
             message = await receive()
-            num_bytes += len(message.get("body", b""))
-            if num_bytes > self.max_request_bytes:
-                raise _TooLarge
-            return message
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message], receive), send)  # a disconnect: pass it on
+            body += message.get("body", b"")
+            if len(body) > self.max_request_bytes:
+                return await _send_error(send, 413, too_large_message(None, self.max_request_bytes))
+            if not message.get("more_body", False):
+                break
+        replayed = _replay([{"type": "http.request", "body": bytes(body), "more_body": False}], receive)
+        await self.app(scope, replayed, send)
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except _TooLarge:
-            await _send_error(send, 413, too_large_message(None, self.max_request_bytes))
 
+def _replay(messages: list[dict], receive):
+    """A `receive` that hands out `messages`, then waits on the real one (for a disconnect)."""
+    queue = list(messages)
 
-class _TooLarge(Exception):
-    pass
+    async def replay():
+        return queue.pop(0) if queue else await receive()
+
+    return replay
 
 
 async def _send_error(send, status: int, message: str) -> None:

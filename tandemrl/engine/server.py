@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from tandemrl.config.derive import check_model_dir
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.http_guard import ENGINE_KEY_ENV, guard_middlewares, key_from_env
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
@@ -224,17 +225,8 @@ class EngineServer:
         )
 
 
-def run_serve(args) -> int:
-    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
-    if not (Path(args.model) / "config.json").exists():
-        raise FileNotFoundError(
-            f"--model {args.model}: no config.json there; pass a Hugging Face model "
-            "directory (e.g. from `tandem prepare model`)"
-        )
-    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
-        # slow both down by an order of magnitude, so take half the cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+def _engine_server(args) -> EngineServer:
+    """Load the model, start the loop thread, and wrap it in the HTTP server the flags describe."""
     config = EngineConfig(
         model_path=str(args.model),
         device=args.device,
@@ -246,21 +238,33 @@ def run_serve(args) -> int:
         max_prefill_tokens=args.chunked_prefill_size,
         freeze_gc=True,  # this process serves one engine
     )
-    engine = Engine(config)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(Engine(config))
     loop.start()
-    api_key = getattr(args, "api_key", None) or key_from_env(ENGINE_KEY_ENV)
-    server = EngineServer(
+    return EngineServer(
         loop,
         str(args.model),
-        api_key=api_key,
+        api_key=getattr(args, "api_key", None) or key_from_env(ENGINE_KEY_ENV),
         max_request_mb=getattr(args, "max_request_mb", 16.0),
         health_stall_s=getattr(args, "health_stall_s", 60.0),
         weight_update_timeout_s=getattr(args, "weight_update_timeout_s", 600.0),
     )
+
+
+def run_serve(args) -> int:
+    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    if not (Path(args.model) / "config.json").exists():
+        raise FileNotFoundError(
+            f"--model {args.model}: no config.json there; pass a Hugging Face model "
+            "directory (e.g. from `tandem prepare model`)"
+        )
+    check_model_dir(Path(args.model), "--model")  # a broken config.json: one paragraph, not tracebacks
+    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
+        # slow both down by an order of magnitude, so take half the cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    server = _engine_server(args)
     logger.info(
-        "API key %s",
-        "required on every endpoint but /health" if api_key else "not set: open to any local process",
+        "API key %s", "required but on /health" if server.api_key else "not set: open to local processes"
     )
     try:
         # shutdown_timeout: on SIGTERM wait briefly for answers in flight, never for a stalled update
@@ -274,5 +278,5 @@ def run_serve(args) -> int:
             shutdown_timeout=5.0,
         )
     finally:
-        loop.stop()
+        server.loop.stop()
     return 0

@@ -117,15 +117,24 @@ async def _send_error(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def check_queries(queries: list[str]) -> str | None:
-    """Why the queries cannot be searched (naming the first bad one), or None."""
-    for index, query in enumerate(queries):
+def refusal(request: RetrieveRequest, topk: int) -> JSONResponse | None:
+    """The 4xx answer for a request that cannot be searched (naming the first bad field), or None."""
+    if not 1 <= topk <= MAX_TOPK:
+        return JSONResponse(status_code=400, content={"error": f"topk={topk}: must be in 1..{MAX_TOPK}."})
+    if len(request.queries) > MAX_QUERIES_PER_REQUEST:
+        message = f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; split the batch."
+        return JSONResponse(status_code=413, content={"error": message})
+    for index, query in enumerate(request.queries):
         if len(query) > MAX_QUERY_CHARS:
-            return f"queries[{index}] has {len(query)} characters: at most {MAX_QUERY_CHARS}."
+            message = f"queries[{index}] has {len(query)} characters: at most {MAX_QUERY_CHARS}."
+            return JSONResponse(status_code=400, content={"error": message})
         try:
             query.encode("utf-8")
         except UnicodeEncodeError as error:
-            return f"queries[{index}] is not valid Unicode text ({error.reason} at character {error.start})."
+            message = (
+                f"queries[{index}] is not valid Unicode text ({error.reason} at character {error.start})."
+            )
+            return JSONResponse(status_code=400, content={"error": message})
     return None
 
 
@@ -164,21 +173,11 @@ def create_app(
     @app.post("/retrieve")
     async def retrieve(request: RetrieveRequest):
         topk = DEFAULT_TOPK if request.topk is None else request.topk
-        if not 1 <= topk <= MAX_TOPK:
-            return JSONResponse(status_code=400, content={"error": f"topk={topk}: must be in 1..{MAX_TOPK}."})
-        if len(request.queries) > MAX_QUERIES_PER_REQUEST:
-            return JSONResponse(
-                status_code=413,
-                content={
-                    "error": f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; "
-                    "split the batch."
-                },
-            )
+        refused = refusal(request, topk)
+        if refused is not None:
+            return refused
         if not request.queries:
             return {"result": []}
-        reason = check_queries(request.queries)
-        if reason is not None:
-            return JSONResponse(status_code=400, content={"error": reason})
         try:
             hits = await batcher.submit(request.queries, topk)
         except Exception as error:  # a failed search fails this request, never the server

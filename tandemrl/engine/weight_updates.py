@@ -6,7 +6,8 @@ model before anything is received, every tensor is received before any is loaded
 checks every value before the first copy, so a refused call, a sender that stops mid-call or a receive
 that times out (`weight_update_timeout_s`) leaves the old weights and version; the weight version only
 moves forward (a call carrying `weight_version` sets it, bucketed updates repeat the same value, one
-without bumps it).
+without bumps it), except for the first update after an (authenticated) group join: a new trainer,
+e.g. one resumed from an older checkpoint, owns the sequence from there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ from aiohttp import web
 
 from tandemrl.engine.engine import Engine
 from tandemrl.engine.loop import EngineLoop
-from tandemrl.engine.weight_transport import broadcast, new_process_group, parse_dtype, rebuild_cuda_tensor
+from tandemrl.engine.weight_transport import (
+    BACKENDS,
+    broadcast,
+    new_process_group,
+    parse_dtype,
+    rebuild_cuda_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +95,30 @@ def parse_specs(
     return specs
 
 
+def parse_group_args(body: dict) -> tuple[str, int, int, int, str, str]:
+    """(master_address, master_port, rank, world_size, group_name, backend) of a group join, checked."""
+    address, group_name = body["master_address"], body.get("group_name", "weight_update_group")
+    numbers = {key: body[key] for key in ("master_port", "rank_offset", "world_size")}
+    for key, value in numbers.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"master_address must be a host name or address, got {address!r}")
+    if not 0 < numbers["master_port"] < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {numbers['master_port']}")
+    if not 1 <= numbers["rank_offset"] < numbers["world_size"]:
+        raise ValueError(
+            f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {numbers['rank_offset']} "
+            f"of world_size {numbers['world_size']}"
+        )
+    if not isinstance(group_name, str):
+        raise ValueError(f"group_name must be a string, got {group_name!r}")
+    backend = body.get("backend", "gloo")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return address, numbers["master_port"], numbers["rank_offset"], numbers["world_size"], group_name, backend
+
+
 def run_in_daemon_thread(fn, *args) -> asyncio.Future:
     """`fn(*args)` on a daemon thread: a rendezvous that never completes must not keep the process
     alive at exit (asyncio.to_thread's pool threads are joined at exit, so SIGTERM would wait on it)."""
@@ -125,20 +156,14 @@ class WeightUpdateRoutes:
                 request,
                 {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
             )
-            group_name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "gloo")
-            if backend == "nccl" and self.loop.engine.device.type != "cuda":
+            args = parse_group_args(body) + (self.timeout_s,)
+            if args[5] == "nccl" and self.loop.engine.device.type != "cuda":
                 raise ValueError("backend nccl needs an engine on CUDA; use gloo for a CPU engine")
-            args = (
-                body["master_address"],
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
-                group_name,
-                backend,
-                self.timeout_s,
-            )
-        except (ValueError, KeyError, TypeError) as error:
+        except KeyError as error:
+            return bad_request(f"init_weights_update_group: missing field {error}")
+        except ValueError as error:
             return bad_request(f"init_weights_update_group: {error}")
+        group_name, backend = args[4], args[5]
         if self.loop.engine.device.type == "cuda":
             torch.cuda.set_device(self.loop.engine.device)
         try:
@@ -148,6 +173,7 @@ class WeightUpdateRoutes:
                 {"success": False, "message": f"group setup failed: {error!r}"}, status=500
             )
         self.groups[group_name] = (group, backend)
+        await asyncio.wrap_future(self.loop.call(lambda engine: engine.restart_version_order()))
         logger.info(
             "joined weight update group %s (%s) as rank %d of %d", group_name, backend, args[2], args[3]
         )
@@ -158,7 +184,7 @@ class WeightUpdateRoutes:
             body = await read_json(request, {"group_name"})
         except ValueError as error:
             return bad_request(str(error))
-        removed = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        removed = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
         return web.json_response(
             {"success": removed is not None, "message": "destroyed" if removed else "unknown"}
         )
@@ -179,7 +205,7 @@ class WeightUpdateRoutes:
                 },
             )
             group_name = body.get("group_name", "weight_update_group")
-            if group_name not in self.groups:
+            if not isinstance(group_name, str) or group_name not in self.groups:
                 raise ValueError(
                     f"no weight update group {group_name!r}; call /init_weights_update_group first"
                 )

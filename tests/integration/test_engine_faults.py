@@ -315,3 +315,34 @@ def test_sigterm_stops_an_engine_with_a_group_join_pending(tiny_llama_dir):
         if code is None:
             proc.proc.kill()
         assert code is not None, "serve-engine ignored SIGTERM while a group join was pending"
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"master_port": 1, "rank_offset": 1, "world_size": 2}, "master_address"),
+        (
+            {"master_address": "127.0.0.1", "master_port": "80", "rank_offset": 1, "world_size": 2},
+            "master_port",
+        ),
+        (
+            {"master_address": "127.0.0.1", "master_port": 70000, "rank_offset": 1, "world_size": 2},
+            "master_port",
+        ),
+        (
+            {"master_address": "127.0.0.1", "master_port": 80, "rank_offset": 0, "world_size": 2},
+            "rank_offset",
+        ),
+        (
+            {"master_address": "h", "master_port": 80, "rank_offset": 1, "world_size": 2, "group_name": [1]},
+            "group_name",
+        ),
+        (
+            {"master_address": "h", "master_port": 80, "rank_offset": 1, "world_size": 2, "backend": "mpi"},
+            "backend",
+        ),
+    ],
+)
+def test_bad_group_joins_are_400_naming_the_field(engine, body, field):
+    status, text = call(engine, "POST", "/init_weights_update_group", body)
+    assert status == 400 and field in text and "Traceback" not in text, text

@@ -169,3 +169,16 @@ def test_ray_token_is_made_private(tmp_path, monkeypatch):
     assert stat.S_IMODE(token.parent.stat().st_mode) == 0o700
     if sys.platform == "linux":
         assert local_ray_kwargs()["_node_ip_address"].startswith("127.")
+
+
+def test_a_new_trainer_may_restart_the_version_order_once(engine):
+    """After an authenticated group join (a trainer resumed from an older checkpoint) the first update
+    may carry any version >= 0; after it, versions move forward again."""
+    norm = _weights(engine)["model.norm.weight"]
+    engine.load_weights([("model.norm.weight", norm)], engine.weight_version + 5)
+    engine.restart_version_order()
+    with pytest.raises(ValueError, match="not larger"):
+        engine.load_weights([("model.norm.weight", norm)], -1)
+    assert engine.load_weights([("model.norm.weight", norm)], 1) == 1
+    with pytest.raises(ValueError, match="not larger"):
+        engine.load_weights([("model.norm.weight", norm)], 0)

@@ -87,7 +87,7 @@ def test_oversize_requests_get_413(retriever):  # noqa: F811
     too_many, too_big, long_query, streamed, after = serve(retriever.search, body, max_request_mb=0.5)
     assert too_many.status_code == 413 and "1025 queries" in too_many.json()["error"]
     assert too_big.status_code == 413 and "too large" in too_big.json()["error"]
-    assert long_query.status_code == 400 and "queries[0]" in long_query.json()["error"]
+    assert long_query.status_code == 200  # cut to MAX_QUERY_CHARS, as the encoder would cut it
     assert streamed.status_code == 413 and "too large" in streamed.json()["error"]
     assert after.status_code == 200
 

@@ -200,7 +200,7 @@ def config_probe(tmp):
         ("devnull", ["/dev/null"], "regular"),
         ("dup", [str(tmp / "dup.yaml")], "twice"),
         ("ctx16", [cfg, "rollout.max_context_len=16"], "max_context_len"),
-        ("turn", [cfg, "agentloop.max_new_tokens_per_turn=400"], "max_new_tokens_per_turn"),
+        ("turn", [cfg, "agentloop.max_new_tokens_per_turn=2000"], "max_new_tokens_per_turn"),
         ("inflight", [cfg, "rollout_buffer.max_inflight_groups=9"], "max_inflight_groups"),
         ("minib", [cfg, "algorithm.n_minibatches=9"], "n_minibatches"),
         ("g1", [cfg, "algorithm.group_size=1"], "group_size"),

@@ -42,8 +42,8 @@ CONFIG_CASES = {
     ),
     "turn longer than the response": (
         lambda t: ASYNC,
-        ["agentloop.max_new_tokens_per_turn=400"],
-        "agentloop.max_new_tokens_per_turn=400",
+        ["agentloop.max_new_tokens_per_turn=2000", "rollout.max_context_len=4096"],
+        "agentloop.max_new_tokens_per_turn=2000",
     ),
     "in-flight above buffered": (
         lambda t: ASYNC,

@@ -141,7 +141,7 @@ async def engine_probe(model_dir):
         ]:
             status, text = await post(proc.url, path, body, {})
             record("no key " + path, status, text, "key")
-        big = json.dumps({"input_ids": [1] * 3_000_000})  # ~18 MB
+        big = json.dumps({"input_ids": [1] * 7_000_000})  # ~21 MB
         record("20MB body", *(await post(proc.url, "/generate", big, auth, timeout=30)), "too large")
         for name, body, field in UPD_LATE:
             status, text = await post(
@@ -176,8 +176,8 @@ async def retrieval_probe():
             results["lost"] += sum(r.status_code != 200 for r in goods)
             too_many = await c.post("/retrieve", json={"queries": ["q"] * 5000})
             record("retrieval 5000 queries", too_many.status_code, too_many.text, "queries")
-            r = await c.post("/retrieve", json={"queries": ["x" * 1000] * 4000})
-            record("retrieval 4MB body", r.status_code, r.text, "too large")
+            r = await c.post("/retrieve", json={"queries": ["x" * 5000] * 1000})
+            record("retrieval 5MB body", r.status_code, r.text, "too large")
     finally:
         await batcher.stop()
 

@@ -2,7 +2,8 @@
 
 Ray 2.x turns a "127.0.0.1" node address into the machine's routable one (so that other nodes could
 reach it), and its runtime-env agent then listens on that address; an address elsewhere in 127/8
-is loopback on Linux yet is used as given. Ray writes `~/.ray/auth_token` with the default umask
+is loopback on Linux yet is used as given. Without an address Ray also joins whatever local
+cluster it finds (another user's included); we always start our own. Ray writes `~/.ray/auth_token` with the default umask
 (world-readable on most systems); any local user holding it can run code in the cluster. Invariant:
 after `harden_local_ray()` the token file, when present, is readable by its owner only. What Ray does
 not let us choose (its gRPC servers listen on every interface, token-protected) is listed in
@@ -20,8 +21,13 @@ LOOPBACK_NODE_IP = "127.0.0.2"  # loopback on Linux, and not rewritten by Ray as
 
 
 def local_ray_kwargs() -> dict:
-    """Extra `ray.init` arguments for a Ray started by this process for this machine only."""
-    return {"_node_ip_address": LOOPBACK_NODE_IP} if sys.platform == "linux" else {}
+    """Extra `ray.init` arguments for a Ray started by this process for this machine only. address
+    "local": a new cluster of our own, never one another process or user left running on this machine
+    (with no address, Ray joins the latest local cluster it finds, $RAY_ADDRESS first)."""
+    kwargs = {"address": "local"}
+    if sys.platform == "linux":
+        kwargs["_node_ip_address"] = LOOPBACK_NODE_IP
+    return kwargs
 
 
 def ray_token_path() -> Path:

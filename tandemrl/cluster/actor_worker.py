@@ -35,8 +35,11 @@ class ActorWorker:
     def train_step(self, samples: list[Any]) -> dict[str, float]:
         return self.actor.train_step(samples)
 
-    def connect_weight_sync(self, engine_urls: list[str], backend: str, bucket_mb: int) -> None:
-        """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU)."""
+    def connect_weight_sync(
+        self, engine_urls: list[str], backend: str, bucket_mb: int, api_key: str | None = None
+    ) -> None:
+        """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU);
+        `api_key` is the engines' key (None for engines that need none)."""
         from urllib.parse import urlparse
 
         from tandemrl.cluster.server_supervisor import node_address
@@ -48,7 +51,7 @@ class ActorWorker:
         master_address = "127.0.0.1" if is_local else node_address()
 
         async def connect():
-            self._clients = [EngineClient(url) for url in engine_urls]
+            self._clients = [EngineClient(url, api_key=api_key) for url in engine_urls]
             self._sender = WeightSender(
                 self._clients, backend=backend, bucket_mb=bucket_mb, master_address=master_address
             )

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from tandemrl.engine.http_guard import auth_headers
+
 
 class EngineError(RuntimeError):
     """The engine answered with an error status; the message carries its reason."""
@@ -52,9 +54,10 @@ class GenerateResult:
 
 
 class EngineClient:
-    def __init__(self, base_url: str, timeout_s: float = 600.0):
+    def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self._headers = auth_headers(api_key)  # sent on every request; never logged
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 
@@ -66,7 +69,9 @@ class EngineClient:
             self._session_loop = asyncio.get_running_loop()
             connector = aiohttp.TCPConnector(limit=0)  # the engine batches; do not queue on our side
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers=self._headers,
             )
         return self._session
 

@@ -1,6 +1,8 @@
-"""The `tandem` command: one subcommand per job, each implemented by a `run_*(args) -> int` function in
-the module that owns the concept. Modules are imported only when their subcommand runs, so
-`tandem config show` never imports torch.
+"""The `tandem` command: RL training of Search-R1 search agents, with rollout and training overlapped.
+
+One subcommand per job, each implemented by a `run_*(args) -> int` function in the module that owns
+the concept. Modules are imported only when their subcommand runs, so `tandem config show` never
+imports torch.
 """
 
 from __future__ import annotations
@@ -21,8 +23,57 @@ def _add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.rollout_batch_size=64")
 
 
+def _add_servers(sub) -> None:
+    """`serve-retrieval` and `serve-engine`: the two HTTP servers a run launches (or an operator runs)."""
+    serve_retrieval = sub.add_parser("serve-retrieval", help="the Search-R1 /retrieve HTTP server")
+    serve_retrieval.add_argument("--index", required=True)
+    serve_retrieval.add_argument("--host", default="127.0.0.1")
+    serve_retrieval.add_argument("--port", type=int, default=8000)
+    serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
+    serve_retrieval.add_argument("--qdrant-url", default=None)
+    serve_retrieval.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /retrieve (default: $TANDEM_RETRIEVAL_API_KEY); "
+        "needed when --host is not a loopback address",
+    )
+    serve_retrieval.add_argument("--max-request-mb", type=float, default=4.0, help="larger bodies get 413")
+    serve_retrieval.set_defaults(handler="tandemrl.retrieval.server:run_serve")
+
+    serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")
+    serve_engine.add_argument("--model", required=True)
+    serve_engine.add_argument("--host", default="127.0.0.1")
+    serve_engine.add_argument("--port", type=int, required=True)
+    serve_engine.add_argument("--device", default="auto")
+    serve_engine.add_argument("--dtype", default="auto")
+    serve_engine.add_argument("--max-running-requests", type=int, default=64)
+    serve_engine.add_argument("--max-context-len", type=int, default=4096)
+    serve_engine.add_argument("--seed", type=int, default=0)
+    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/engine/config.py)
+    serve_engine.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on every endpoint but /health, as SGLang's --api-key "
+        "(default: $TANDEM_ENGINE_API_KEY; prefer the variable: a flag shows in the process list)",
+    )
+    serve_engine.add_argument("--max-request-mb", type=float, default=16.0, help="larger bodies get 413")
+    serve_engine.add_argument(
+        "--health-stall-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 once the engine loop is stuck this long in one step or command",
+    )
+    serve_engine.add_argument(
+        "--weight-update-timeout-s",
+        type=float,
+        default=600.0,
+        help="a weight-group join or an announced update whose tensors do not arrive in time is aborted",
+    )
+    serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__.split("\n")[0])  # one whole sentence
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -96,25 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--batch-size", type=int, default=256)
     build.set_defaults(handler="tandemrl.retrieval.build:run_build")
 
-    serve_retrieval = sub.add_parser("serve-retrieval", help="the Search-R1 /retrieve HTTP server")
-    serve_retrieval.add_argument("--index", required=True)
-    serve_retrieval.add_argument("--host", default="127.0.0.1")
-    serve_retrieval.add_argument("--port", type=int, default=8000)
-    serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
-    serve_retrieval.add_argument("--qdrant-url", default=None)
-    serve_retrieval.set_defaults(handler="tandemrl.retrieval.server:run_serve")
-
-    serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")
-    serve_engine.add_argument("--model", required=True)
-    serve_engine.add_argument("--host", default="127.0.0.1")
-    serve_engine.add_argument("--port", type=int, required=True)
-    serve_engine.add_argument("--device", default="auto")
-    serve_engine.add_argument("--dtype", default="auto")
-    serve_engine.add_argument("--max-running-requests", type=int, default=64)
-    serve_engine.add_argument("--max-context-len", type=int, default=4096)
-    serve_engine.add_argument("--seed", type=int, default=0)
-    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/engine/config.py)
-    serve_engine.set_defaults(handler="tandemrl.engine.server:run_serve")
+    _add_servers(sub)
     return parser
 
 

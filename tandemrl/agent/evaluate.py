@@ -114,7 +114,8 @@ def run_eval(args) -> int:
         log.info(
             "evaluating %d %s questions (engines %s, retrieval %s)", len(prompts), args.split, urls, addr
         )
-        trajectories = asyncio.run(_evaluate(config, prompts, urls, addr, tokenizer))
+        keys = (services.engine_api_key, services.search_api_key)
+        trajectories = asyncio.run(_evaluate(config, prompts, urls, addr, tokenizer, keys))
     elapsed_s = time.monotonic() - start_s
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w") as stream:
@@ -134,20 +135,28 @@ def run_eval(args) -> int:
 
 
 async def _evaluate(
-    config: TandemConfig, prompts: list, urls: list[str], addr: str, tokenizer
+    config: TandemConfig,
+    prompts: list,
+    urls: list[str],
+    addr: str,
+    tokenizer,
+    keys: tuple[str | None, str | None] = (None, None),
 ) -> list[Trajectory]:
-    """The prompts split over the engines (in order, so the results keep the file order)."""
+    """The prompts split over the engines (in order, so the results keep the file order); `keys` are the
+    engines' and the retrieval server's API keys."""
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.rollout.backends import make_client
 
     search_cfg = config.tools.search
-    engines = [make_client(config.rollout.backend, url) for url in urls]
+    engine_key, search_key = keys
+    engines = [make_client(config.rollout.backend, url, api_key=engine_key) for url in urls]
     search = SearchTool(
         addr,
         topk=search_cfg.topk,
         timeout_s=search_cfg.timeout_s,
         max_retries=search_cfg.max_retries,
         backoff_s=search_cfg.backoff_s,
+        api_key=search_key,
     )
     size = -(-len(prompts) // len(engines))
     try:

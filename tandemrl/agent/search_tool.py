@@ -52,6 +52,7 @@ class SearchTool:
         timeout_s: float = 10.0,
         max_retries: int = 3,
         backoff_s: float = 0.5,
+        api_key: str | None = None,
     ):
         if not 1 <= topk <= 50:
             raise ValueError(f"topk={topk}: must be in 1..50 (the retrieval server's limit).")
@@ -61,6 +62,7 @@ class SearchTool:
                 "timeout_s > 0, max_retries >= 0 and backoff_s >= 0."
             )
         self.url = retrieve_url(server_addr)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # never logged
         self.topk = topk
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -78,7 +80,9 @@ class SearchTool:
             # A session is bound to the loop it was made in; a new loop (e.g. a new asyncio.run) needs its own.
             connector = aiohttp.TCPConnector(limit=256)
             self._session = aiohttp.ClientSession(
-                connector=connector, timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                headers=self._headers,
             )
             self._session_loop = loop
         return self._session

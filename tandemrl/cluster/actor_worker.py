@@ -42,9 +42,11 @@ class ActorWorker:
         bucket_mb: int,
         engine_backend: str = "embedded",
         sync_dir: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU), or
-        prepare the directory the engines reload safetensors from (disk)."""
+        prepare the directory the engines reload safetensors from (disk); `api_key` is the engines' key
+        (None for engines that need none)."""
         from urllib.parse import urlparse
 
         from tandemrl.cluster.server_supervisor import node_address
@@ -63,6 +65,7 @@ class ActorWorker:
                 sync_dir,
                 str(self.actor.model_path),
                 master_address=master_address,
+                api_key=api_key,
             )
             self._clients = list(self._sender.clients)
             await self._sender.connect()

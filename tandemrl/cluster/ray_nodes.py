@@ -37,8 +37,17 @@ def init_ray(config: Any) -> None:
     address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
     if address:  # join the cluster started by `ray start` on every node
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
-    else:  # local Ray: this machine only
-        ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True)
+    else:  # local Ray: this machine only, bound to loopback, its token private
+        from tandemrl.cluster.ray_security import harden_local_ray, local_ray_kwargs
+
+        harden_local_ray()  # a token left by an earlier run
+        ray.init(
+            num_cpus=max(2, os.cpu_count() or 2),
+            include_dashboard=False,
+            log_to_driver=True,
+            **local_ray_kwargs(),
+        )
+        harden_local_ray()  # the token this start may have written
 
 
 def shutdown_ray() -> None:

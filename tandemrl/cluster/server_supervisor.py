@@ -28,6 +28,7 @@ class ServerSpec:
     model_path: str | None = None  # engines: the resolved weights directory
     index_dir: str | None = None  # retrieval: the resolved index directory
     port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
+    api_key: str | None = None  # the run's key for this server (embedded engine, retrieval)
 
 
 def node_address() -> str:
@@ -48,7 +49,9 @@ def build_server(spec: ServerSpec, host: str) -> Any:
     if spec.kind == "retrieval":
         from tandemrl.retrieval.server_process import RetrievalServerProcess
 
-        return RetrievalServerProcess(spec.index_dir, mode=config.retrieval.mode, host=host)
+        return RetrievalServerProcess(
+            spec.index_dir, mode=config.retrieval.mode, host=host, api_key=spec.api_key
+        )
     rollout, seed = config.rollout, config.runner.seed + spec.index
     if spec.kind == "sglang":
         from tandemrl.rollout.sglang_process import SglangServerProcess
@@ -61,7 +64,7 @@ def build_server(spec: ServerSpec, host: str) -> Any:
 
     device = resolve_device(rollout.device)
     engine = EngineProcess.from_rollout(
-        rollout, spec.model_path, device, resolve_dtype(rollout.dtype, device), seed
+        rollout, spec.model_path, device, resolve_dtype(rollout.dtype, device), seed, api_key=spec.api_key
     )
     engine.host = host
     return engine

@@ -6,9 +6,11 @@ Invariant: after `derive_and_validate(config)` every derived key holds a concret
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
+from pathlib import Path
 
 from tandemrl.config.schema import ConfigError, TandemConfig
 
@@ -27,6 +29,8 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_recompute_logprobs(config)
     _derive_pause_mode(config)
     _validate_cross_section(config)
+    _validate_sizes(config)
+    _validate_paths(config)
     return _warnings(config)
 
 
@@ -104,9 +108,7 @@ def _derive_buffer_limits(config: TandemConfig) -> None:
     batch = config.data.rollout_batch_size
     if buffer.max_inflight_groups is None:
         rollout, group_size = config.rollout, config.algorithm.group_size
-        buffer.max_inflight_groups = math.ceil(
-            rollout.max_running_requests * rollout.instances * INFLIGHT_HEADROOM / group_size
-        )
+        buffer.max_inflight_groups = derived_inflight_groups(config)
         config.derived["rollout_buffer.max_inflight_groups"] = (
             f"{buffer.max_inflight_groups} = ceil(max_running_requests {rollout.max_running_requests} x "
             f"instances {rollout.instances} x {INFLIGHT_HEADROOM} / group_size {group_size})"
@@ -121,6 +123,11 @@ def _derive_buffer_limits(config: TandemConfig) -> None:
         config.derived["rollout_buffer.max_dropped_groups_per_step"] = (
             f"{buffer.max_dropped_groups_per_step} = 10 x rollout_batch_size {batch}"
         )
+
+
+def derived_inflight_groups(config: TandemConfig) -> int:
+    rollout, group_size = config.rollout, config.algorithm.group_size
+    return math.ceil(rollout.max_running_requests * rollout.instances * INFLIGHT_HEADROOM / group_size)
 
 
 def _derive_output_dir(config: TandemConfig) -> None:
@@ -183,6 +190,84 @@ def _validate_cross_section(config: TandemConfig) -> None:
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
             "async mode pauses the engines and syncs weights through the server protocol, which only the "
             "server backend has. Set rollout.sglang.backend_type=server, or runner.async_mode=false."
+        )
+
+
+def _validate_sizes(config: TandemConfig) -> None:
+    """Limits that contradict each other: each would make a run useless or stall, found only later."""
+    agent, rollout, algo = config.agentloop, config.rollout, config.algorithm
+    if rollout.max_context_len <= agent.max_response_tokens:
+        raise ConfigError(
+            f"rollout.max_context_len={rollout.max_context_len} is not larger than "
+            f"agentloop.max_response_tokens={agent.max_response_tokens}: the prompt and the response share the "
+            "engine's context, so no trajectory could reach its response budget. Raise rollout.max_context_len "
+            f"(e.g. to {agent.max_response_tokens + 1024}) or lower agentloop.max_response_tokens."
+        )
+    buffer = config.rollout_buffer
+    # a derived value above the buffer is harmless (the buffer binds first); a value the user chose is not
+    is_inflight_chosen = buffer.max_inflight_groups != derived_inflight_groups(config)
+    if is_inflight_chosen and buffer.max_inflight_groups > buffer.max_buffered_groups:
+        raise ConfigError(
+            f"rollout_buffer.max_inflight_groups={buffer.max_inflight_groups} is larger than "
+            f"rollout_buffer.max_buffered_groups={buffer.max_buffered_groups}: in-flight groups count against the "
+            "buffer, so the in-flight limit could never bind. Lower max_inflight_groups to at most "
+            f"{buffer.max_buffered_groups}, or leave it unset to derive it."
+        )
+    num_trajectories = config.data.rollout_batch_size * algo.group_size
+    if algo.n_minibatches > num_trajectories:
+        raise ConfigError(
+            f"algorithm.n_minibatches={algo.n_minibatches} is larger than the {num_trajectories} trajectories of "
+            f"one step (data.rollout_batch_size {config.data.rollout_batch_size} x algorithm.group_size "
+            f"{algo.group_size}): some minibatches would be empty. Set algorithm.n_minibatches <= "
+            f"{num_trajectories}."
+        )
+    if algo.group_size < 2:
+        raise ConfigError(
+            f"algorithm.group_size={algo.group_size}: GRPO's advantage is a reward minus its group's mean, so "
+            "with one trajectory per group every advantage is 0 and nothing is learned. Use "
+            "algorithm.group_size >= 2 (e.g. 4)."
+        )
+
+
+def _validate_paths(config: TandemConfig) -> None:
+    """Paths the run reads long after start-up, checked now (no torch: files and JSON only)."""
+    resume_from = config.runner.resume_from
+    if resume_from:
+        state = Path(resume_from) / "data" / "data.pt"  # tandemrl.runner.checkpoint.DATA_FILE
+        if not state.is_file():
+            raise ConfigError(
+                f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
+                "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
+            )
+    for key, path in (
+        ("rollout.model.model_path", config.rollout.model.model_path),
+        ("actor.model.model_path", config.actor.model.model_path),
+    ):
+        if path:
+            check_model_dir(Path(path), key)
+
+
+def check_model_dir(path: Path, key: str) -> None:
+    """A model directory that exists must be one: its config.json, when present, a JSON object naming
+    a `model_type` (a broken one otherwise fails deep inside transformers with chained tracebacks)."""
+    if path.exists() and not path.is_dir():
+        raise ConfigError(
+            f"{key}={str(path)!r} is a file, not a model directory. Point it at a Hugging Face model directory."
+        )
+    config_json = path / "config.json"
+    if not config_json.is_file():
+        return
+    try:
+        hf_config = json.loads(config_json.read_text(encoding="utf-8"))
+    except (ValueError, OSError) as error:
+        raise ConfigError(
+            f"{key}={str(path)!r}: its config.json is not valid JSON ({error}). Re-export the model, or "
+            "point the key at a Hugging Face model directory (e.g. from `tandem prepare model`)."
+        ) from None
+    if not isinstance(hf_config, dict) or not isinstance(hf_config.get("model_type"), str):
+        raise ConfigError(
+            f"{key}={str(path)!r}: its config.json has no model_type, so it is not a Hugging Face model "
+            "config. Point the key at a Hugging Face model directory (e.g. from `tandem prepare model`)."
         )
 
 

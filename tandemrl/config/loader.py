@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -32,21 +33,53 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return config
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise ConfigError(
+                    f"key {key!r} appears twice in one section (line {key_node.start_mark.line + 1}); YAML would "
+                    "silently keep the last value. Delete one of them."
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
-    if not path.is_file():
+    where = f"config file {str(path)!r}"
+    if not path.exists():
         raise ConfigError(
-            f"config file {str(path)!r} does not exist. Pass the path of a YAML file, "
+            f"{where} does not exist. Pass the path of a YAML file, "
             "e.g. examples/searchr1/config/embedded_cpu_async.yaml."
         )
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from error
-    if not isinstance(raw, dict):
+    if path.is_dir():
+        raise ConfigError(f"{where} is a directory. Pass the path of a YAML file inside it.")
+    if not path.is_file():
         raise ConfigError(
-            f"config file {str(path)!r} must hold a mapping of sections, not {type(raw).__name__}."
+            f"{where} is not a regular file (a device or a pipe). Pass the path of a YAML file."
         )
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{where} is not UTF-8 text (byte {error.start} is not valid UTF-8): it looks like a binary "
+            "file. Pass the path of a YAML file."
+        ) from None
+    except OSError as error:
+        raise ConfigError(f"{where} cannot be read: {error.strerror}.") from None
+    try:
+        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{where} is not valid YAML: {error}") from None
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {error}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must hold a mapping of sections, not {type(raw).__name__}.")
     return raw
 
 
@@ -126,14 +159,17 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
             return value
         _type_error(key, value, "an integer")
     if hint is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads `1e-3` (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        _type_error(key, value, "a number")
+        if number is not None and math.isfinite(number):
+            return number
+        _type_error(key, value, "a finite number")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)

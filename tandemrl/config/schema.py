@@ -8,6 +8,7 @@ values live in `derive.py`. This module is pure Python: no torch, no ray.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandemrl.config.errors import ConfigError
@@ -36,6 +37,18 @@ def _check_positive(key: str, value: int | float | None, allow_none: bool = Fals
     _check(value is not None and value > 0, key, value, "must be > 0", f"Set {key} to a positive number.")
 
 
+def _check_finite_positive(key: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    _check(
+        value is not None and math.isfinite(value) and value > 0,
+        key,
+        value,
+        "must be a finite number > 0",
+        f"Set {key} to a positive number of seconds.",
+    )
+
+
 @dataclass
 class RunnerConfig:
     name: str = "searchr1"
@@ -46,11 +59,15 @@ class RunnerConfig:
     val_before_train: bool = False  # validate once before the first step (the starting val EM)
     output_dir: str | None = None  # derived: runs/<name>-<time>
     resume_from: str | None = None
+    # on resume, issue first the prompts that were in flight, buffered or prefetched at the save;
+    # false: skip them until the loader's next epoch (the behaviour before re-issue existed)
+    reissue_on_resume: bool = True
     seed: int = 1
     engine_health_interval_s: float = 1.0
 
     def __post_init__(self):
         _check_positive("runner.max_steps", self.max_steps)
+        _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
         _check(
             self.save_interval >= 0,
             "runner.save_interval",
@@ -108,6 +125,28 @@ class AgentLoopConfig:
             "Use 0 for greedy decoding.",
         )
         _check(0 < self.top_p <= 1, "agentloop.top_p", self.top_p, "must be in (0, 1]", "Use 1.0 to disable.")
+        _check(
+            math.isfinite(self.temperature),
+            "agentloop.temperature",
+            self.temperature,
+            "must be finite",
+            "Use e.g. 1.0, or 0 for greedy decoding.",
+        )
+        _check(
+            self.top_k == -1 or self.top_k >= 1,
+            "agentloop.top_k",
+            self.top_k,
+            "must be -1 (disabled) or >= 1",
+            "Use -1 to disable top-k sampling.",
+        )
+        _check(
+            self.max_new_tokens_per_turn <= self.max_response_tokens,
+            "agentloop.max_new_tokens_per_turn",
+            self.max_new_tokens_per_turn,
+            f"is larger than agentloop.max_response_tokens={self.max_response_tokens}, so one turn could "
+            "never use it",
+            "Lower max_new_tokens_per_turn or raise max_response_tokens.",
+        )
 
 
 @dataclass
@@ -163,8 +202,15 @@ class RolloutConfig:
     startup_timeout_s: float = 300.0
     # the embedded engine's own settings, whole and under their engine names (tandemrl/engine/config.py)
     engine: EngineOptions = field(default_factory=EngineOptions)
+    # an announced weight update whose tensors do not arrive within this is aborted (old weights kept)
+    weight_update_timeout_s: float = 600.0
+    # key of external engines (rollout.server_addrs); None: $TANDEM_ENGINE_API_KEY or $SGLANG_API_KEY.
+    # Engines the run launches get a fresh key of their own.
+    api_key: str | None = None
 
     def __post_init__(self):
+        _check_finite_positive("rollout.weight_update_timeout_s", self.weight_update_timeout_s)
+        _check_finite_positive("rollout.startup_timeout_s", self.startup_timeout_s)
         if self.pause_mode is not None:
             _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
@@ -256,7 +302,22 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self):
-        _check(self.lr >= 0, "actor.optim.lr", self.lr, "must be >= 0", "Set a non-negative learning rate.")
+        _check(
+            math.isfinite(self.lr) and self.lr >= 0,
+            "actor.optim.lr",
+            self.lr,
+            "must be a finite number >= 0",
+            "Set a non-negative learning rate, e.g. 1e-6.",
+        )
+        for key in ("weight_decay", "min_lr_ratio", "max_grad_norm"):
+            value = getattr(self, key)
+            _check(
+                math.isfinite(value) and value >= 0,
+                f"actor.optim.{key}",
+                value,
+                "must be a finite number >= 0",
+                f"Set actor.optim.{key} to a non-negative number.",
+            )
         _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _check(
             len(self.betas) == 2,
@@ -287,7 +348,13 @@ class SftConfig:
         _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
         _check_positive("actor.sft.num_epochs", self.num_epochs)
         _check_positive("actor.sft.batch_size", self.batch_size)
-        _check(self.lr >= 0, "actor.sft.lr", self.lr, "must be >= 0", "Use e.g. 1e-5.")
+        _check(
+            math.isfinite(self.lr) and self.lr >= 0,
+            "actor.sft.lr",
+            self.lr,
+            "must be finite and >= 0",
+            "Use e.g. 1e-5.",
+        )
 
 
 @dataclass
@@ -351,6 +418,7 @@ class SearchToolConfig:
     backoff_s: float = 0.5
     # a step whose failed searches (after retries) pass this fraction of its searches logs a warning
     warn_error_fraction: float = 0.05
+    api_key: str | None = None  # None: $TANDEM_RETRIEVAL_API_KEY (a server launched by the run needs none)
 
     def __post_init__(self):
         _check(
@@ -359,6 +427,14 @@ class SearchToolConfig:
             self.warn_error_fraction,
             "must be in [0, 1]",
             "Use e.g. 0.05.",
+        )
+        _check_finite_positive("tools.search.timeout_s", self.timeout_s)
+        _check(
+            math.isfinite(self.backoff_s) and self.backoff_s >= 0,
+            "tools.search.backoff_s",
+            self.backoff_s,
+            "must be a finite number >= 0",
+            "Use 0 to retry at once.",
         )
         _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
         _check(

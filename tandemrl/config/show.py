@@ -1,4 +1,5 @@
-"""`tandem config show`: the resolved configuration as YAML, derived values marked with a comment."""
+"""`tandem config show`: the resolved configuration as YAML, derived values marked with a comment, API
+keys shown only as `<set>`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ def render(config) -> str:
             out.append(line)
             continue
         path = path[:depth] + [key]
+        if key == "api_key" and not stripped.endswith(": null"):
+            line = line.split(":", 1)[0] + ": <set>"  # a secret: say that it is set, never what it is
         how = config.derived.get(".".join(path))
         out.append(f"{line}  # derived: {how}" if how else line)
     return "\n".join(out)

@@ -140,9 +140,5 @@ class PromptLoader:
             )
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
         self._order = self._epoch_order(self.epoch)
-        log.info(
-            "prompt loader resumed at epoch %d index %d (%d prompts already issued skipped)",
-            self.epoch,
-            self.index,
-            self.num_issued,
-        )
+        # position only: the count of prompts re-issued or skipped is logged once, by the runner
+        log.info("prompt loader resumed at epoch %d index %d", self.epoch, self.index)

@@ -82,6 +82,8 @@ class Engine:
         self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
         self.overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
         self.weight_version = 0
+        self.is_version_set_by_update = False  # whether a call carrying this version loaded it
+        self.is_version_order_restarted = False  # a new trainer joined: its first version may be any
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_steps = 0
@@ -244,13 +246,35 @@ class Engine:
 
     def load_weights(self, named_tensors, weight_version: int | None = None) -> int:
         """Copy HF-named tensors into the model; bumps (or sets) the weight version. Between steps only."""
+        self.check_weight_version(weight_version)
         self.drain()
         names = self.model.load_weights(named_tensors)
         if isinstance(self.scheduler, PrefixCachingScheduler):
             self.scheduler.invalidate_prefix_cache()  # KV of the old weights must not serve new requests
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        self.is_version_set_by_update = weight_version is not None
+        self.is_version_order_restarted = False
         logger.info("loaded %d tensors, weight_version=%d", len(names), self.weight_version)
         return self.weight_version
+
+    def check_weight_version(self, weight_version: int | None) -> None:
+        """A version only moves forward: it must exceed the current one, except that the buckets of one
+        push repeat the version the first bucket set (a bare version-less call bumps by one), and that
+        the first update after `restart_version_order` (a trainer joined anew, e.g. resumed from an
+        older checkpoint) may carry any version >= 0."""
+        if weight_version is None:
+            return
+        is_repeat = weight_version == self.weight_version and self.is_version_set_by_update
+        is_fresh = self.is_version_order_restarted and weight_version >= 0
+        if weight_version < 0 or (weight_version <= self.weight_version and not (is_repeat or is_fresh)):
+            raise ValueError(
+                f"weight_version={weight_version} is not larger than the current weight_version "
+                f"{self.weight_version}; versions only move forward. No weight was changed."
+            )
+
+    def restart_version_order(self) -> None:
+        """A trainer joined a new weight-update group: it owns the version sequence from now on."""
+        self.is_version_order_restarted = True
 
     def flush_cache(self) -> bool:
         """Drop cached KV; refused (False) while requests hold blocks, as SGLang refuses it then."""

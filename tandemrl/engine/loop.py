@@ -5,6 +5,8 @@ this thread, so a weight update can never land inside a step. Invariant: every s
 `on_finish` callback runs exactly once, on this thread, with the finished sequence. `busy_s` counts
 the seconds spent in `Engine.step()` (the engine had requests to run), never decreasing, so a reader
 gets a busy fraction from two samples (`/get_server_info`, read at the runner's step boundaries).
+`busy_for_s()` tells how long the thread has been inside one step or command, so `/health` can report
+a blocked loop.
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
         self.busy_s = 0.0
+        self._busy_since: float | None = None  # monotonic start of the step or command running now
+        self.busy_with = ""
 
     def start(self) -> None:
         self._thread.start()
@@ -43,14 +47,24 @@ class EngineLoop:
         self._commands.put(None)
         self._thread.join(timeout=10)
 
-    def call(self, fn: Callable[[Engine], object]) -> Future:
-        """Run `fn(engine)` on the loop thread between two steps; the future holds its result."""
+    def call(self, fn: Callable[[Engine], object], label: str = "") -> Future:
+        """Run `fn(engine)` on the loop thread between two steps; the future holds its result. `label`
+        names the command in a /health report while it runs."""
         future: Future = Future()
         if self.error is not None:
             future.set_exception(RuntimeError(f"engine loop died: {self.error!r}"))
         else:
-            self._commands.put((fn, future))
+            self._commands.put((fn, future, label or getattr(fn, "__name__", "command")))
         return future
+
+    def busy_for_s(self) -> float:
+        """Seconds the loop thread has spent in the step or command it is running now (0 when idle)."""
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def _mark_busy(self, what: str | None) -> None:
+        self.busy_with = what or ""
+        self._busy_since = None if what is None else time.monotonic()
 
     def submit(
         self,
@@ -120,13 +134,15 @@ class EngineLoop:
         except queue.Empty:
             return
         while item is not None:
-            fn, future = item
+            fn, future, label = item
             if future.set_running_or_notify_cancel():
                 result, error = None, None
+                self._mark_busy(label)
                 try:
                     result = fn(self.engine)
                 except BaseException as raised:  # reported to the caller, the loop carries on
                     error = raised
+                self._mark_busy(None)
                 # A command that drained the step in flight answers the requests it finished first.
                 self._deliver(self.engine.take_finished())
                 if error is None:
@@ -145,7 +161,9 @@ class EngineLoop:
                 self._run_commands(block=is_idle)
                 if not self.is_paused and self.engine.has_work():
                     start_s = time.perf_counter()
+                    self._mark_busy("a generation step")
                     finished = self.engine.step()
+                    self._mark_busy(None)
                     self.busy_s += time.perf_counter() - start_s
                     self._deliver(finished)
         except BaseException as error:

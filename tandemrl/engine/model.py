@@ -136,25 +136,49 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, named_tensors) -> list[str]:
-        """Copy HF-named tensors into the parameters; returns the names loaded. Unknown names raise."""
+        """Copy HF-named tensors into the parameters; returns the names loaded. All or nothing: every
+        name, shape, dtype and value is checked before the first copy, so a refused update (unknown
+        name, wrong shape, NaN) leaves every weight as it was."""
+        staged = self.check_weights(named_tensors)
+        for param, tensor in staged.values():
+            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
+        return list(staged)
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """HF name -> shape of every parameter: what an announced update is checked against."""
+        return {name: tuple(p.shape) for name, p in self.named_parameters(remove_duplicate=False)}
+
+    def check_weights(self, named_tensors) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """name -> (parameter, new tensor) for every tensor of an update; raises ValueError naming the
+        first bad one (unknown name, wrong shape, not floating point, non-finite values)."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        loaded = []
+        staged = {}
         for name, tensor in named_tensors:
             if name not in params:
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # older checkpoints store the RoPE buffer; we compute it from the config
                 raise ValueError(
                     f"weight {name!r} is not a parameter of this {self.cfg['model_type']} model; "
-                    "weight updates must use the HF parameter names of the served model"
+                    "weight updates must use the HF parameter names of the served model; no weight was changed"
                 )
             param = params[name]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(
-                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(param.shape)}"
+                    f"weight {name!r} has shape {tuple(tensor.shape)}, the model expects "
+                    f"{tuple(param.shape)}; no weight was changed"
                 )
-            param.copy_(tensor.to(device=param.device, dtype=param.dtype))
-            loaded.append(name)
-        return loaded
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"weight {name!r} has dtype {tensor.dtype}, not floating point; no weight was changed"
+                )
+            staged[name] = (param, tensor)
+        finite = [torch.isfinite(t).all() for _, t in staged.values()]
+        if finite and not bool(
+            torch.stack([f.to(finite[0].device) for f in finite]).all()
+        ):  # one device sync for the whole update
+            bad = next(n for n, ok in zip(staged, finite, strict=True) if not bool(ok))
+            raise ValueError(f"weight {bad!r} holds NaN or infinite values; no weight was changed")
+        return staged
 
 
 def model_dims(hf_config) -> dict:

@@ -13,6 +13,7 @@ the step is launched) and the step samples nothing for that request.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 SAMPLING_KEYS = {
@@ -49,7 +50,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: no top-k
+    top_k: int = -1  # -1: no top-k (0 is refused, as SGLang refuses it)
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
@@ -58,7 +59,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, raw: dict | None) -> SamplingParams:
-        """Validate SGLang-style sampling params; raises ValueError with the reason."""
+        """Validate SGLang-style sampling params; raises ValueError naming the field and the reason."""
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"sampling_params must be a JSON object, got {type(raw).__name__}")
         raw = dict(raw or {})
         unknown = set(raw) - SAMPLING_KEYS
         if unknown:
@@ -71,25 +74,46 @@ class SamplingParams:
                 )
         raw.pop("spaces_between_special_tokens", None)
         stop = raw.pop("stop", None) or []
-        raw["stop"] = [stop] if isinstance(stop, str) else list(stop)
-        raw["stop_token_ids"] = list(raw.get("stop_token_ids") or [])
+        raw["stop"] = [stop] if isinstance(stop, str) else stop
+        raw["stop_token_ids"] = raw.get("stop_token_ids") or []
         params = cls(**{k: v for k, v in raw.items() if v is not None})
         params.check()
         return params
 
     def check(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (-1 disables it), got {self.top_k!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        def is_int(value) -> bool:  # JSON true/false are not numbers here
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_number(value) -> bool:
+            return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+            raise ValueError(
+                f"sampling_params.max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"
+            )
+        if not is_number(self.temperature) or self.temperature < 0:
+            raise ValueError(
+                f"sampling_params.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}"
+            )
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+            raise ValueError(
+                f"sampling_params.top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}"
+            )
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(
+                f"sampling_params.stop must be a string or a list of non-empty strings, got {self.stop!r}"
+            )
+        if not isinstance(self.stop_token_ids, list) or not all(
+            is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"sampling_params.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
+            )
+        for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"sampling_params.{key} must be true or false, got {getattr(self, key)!r}")
 
     @property
     def is_greedy(self) -> bool:

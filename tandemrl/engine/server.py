@@ -6,7 +6,9 @@ and await their futures. Request and response shapes follow SGLang's `/generate`
 answered with one server-sent event holding the whole output (then `[DONE]`), so a client that streams
 from SGLang drives this engine unchanged. Invariant: every accepted `/generate` is answered exactly
 once, with the whole output (also across retract pauses); a client that disconnects has its request
-aborted.
+aborted. Every request passes `http_guard` first (API key, size limit); a bad one gets a 400 naming
+its field, and `/health` answers 503 while the loop thread has been stuck in one step or command for
+longer than `health_stall_s`.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
+from tandemrl.config.derive import check_model_dir
 from tandemrl.engine.config import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
+from tandemrl.engine.http_guard import ENGINE_KEY_ENV, guard_middlewares, key_from_env
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
 from tandemrl.engine.sequence import SamplingParams, Sequence
 from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
@@ -66,12 +70,25 @@ def response_body(seq: Sequence, text: str, weight_version: int, return_logprob:
 
 
 class EngineServer:
-    def __init__(self, loop: EngineLoop, model_path: str):
-        self.loop, self.model_path = loop, model_path
+    def __init__(
+        self,
+        loop: EngineLoop,
+        model_path: str,
+        api_key: str | None = None,
+        max_request_mb: float = 16.0,
+        health_stall_s: float = 60.0,
+        weight_update_timeout_s: float = 600.0,
+    ):
+        self.loop, self.model_path, self.api_key = loop, model_path, api_key
+        self.max_request_bytes = int(max_request_mb * 2**20)
+        self.health_stall_s, self.weight_update_timeout_s = health_stall_s, weight_update_timeout_s
         self.started_s = time.time()
 
     def build_app(self) -> web.Application:
-        app = web.Application(client_max_size=64 * 2**20)
+        app = web.Application(
+            client_max_size=self.max_request_bytes,
+            middlewares=guard_middlewares(self.api_key, self.max_request_bytes),
+        )
         app.router.add_post("/generate", self.generate)
         app.router.add_post("/pause_generation", self.pause)
         app.router.add_post("/continue_generation", self.resume)
@@ -84,16 +101,26 @@ class EngineServer:
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/metrics", self.server_info)
         app.router.add_get("/get_model_info", self.model_info)
-        WeightUpdateRoutes(self.loop).add_to(app)
+        WeightUpdateRoutes(self.loop, self.weight_update_timeout_s).add_to(app)
         return app
 
     def _parse_generate(self, body: dict) -> tuple[list[int], SamplingParams]:
+        for key in ("stream", "return_logprob", "return_text_in_logprobs"):
+            if key in body and not isinstance(body[key], bool):
+                raise ValueError(f"{key} must be true or false, got {body[key]!r}")
         if body.get("top_logprobs_num"):
             raise ValueError("top_logprobs_num is not supported by the embedded engine; omit it or send 0")
-        input_ids = body.get("input_ids")
-        if input_ids is None and isinstance(body.get("text"), str):
-            input_ids = self.loop.engine.tokenizer.encode(body["text"])
-        if not isinstance(input_ids, list) or not all(isinstance(t, int) for t in input_ids):
+        if not isinstance(body.get("rid"), (str, type(None))):
+            raise ValueError(f"rid must be a string, got {body['rid']!r}")
+        input_ids, text = body.get("input_ids"), body.get("text")
+        if input_ids is not None and text is not None:
+            raise ValueError("send either text or input_ids, not both (the engine would have to pick one)")
+        if text is not None:
+            if not isinstance(text, str):
+                raise ValueError("text must be one string (batched requests are not supported)")
+            input_ids = self.loop.engine.tokenizer.encode(text)
+        # type(...) is int: JSON true/false are not token ids (bool is an int subclass)
+        if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
             raise ValueError("input_ids must be one list of token ids (batched requests are not supported)")
         params = SamplingParams.from_dict(body.get("sampling_params"))
         self.loop.engine.validate(input_ids, params)
@@ -102,12 +129,15 @@ class EngineServer:
     async def generate(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request, GENERATE_FIELDS)
-            input_ids, params = self._parse_generate(body)
+            if "text" in body:  # tokenizing a long text must not hold the event loop (and /health)
+                input_ids, params = await asyncio.to_thread(self._parse_generate, body)
+            else:
+                input_ids, params = self._parse_generate(body)
         except (ValueError, TypeError) as error:
             return bad_request(str(error))
         rid = str(body.get("rid") or uuid.uuid4().hex)
         extra = {k: body[k] for k in ("task_name", "metadata") if k in body}
-        return_logprob = bool(body.get("return_logprob", False))
+        return_logprob = body.get("return_logprob", False)
         aio_loop = asyncio.get_running_loop()
         done: asyncio.Future = aio_loop.create_future()
         engine = self.loop.engine
@@ -180,6 +210,13 @@ class EngineServer:
     async def health(self, request: web.Request) -> web.Response:
         if self.loop.error is not None:
             return web.Response(status=503, text=f"engine loop died: {self.loop.error!r}")
+        busy_s = self.loop.busy_for_s()
+        if busy_s > self.health_stall_s:
+            return web.Response(
+                status=503,
+                text=f"engine loop blocked for {busy_s:.0f} s in {self.loop.busy_with} "
+                f"(health_stall_s={self.health_stall_s:g})",
+            )
         return web.Response(text="ok")
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -209,17 +246,8 @@ class EngineServer:
         )
 
 
-def run_serve(args) -> int:
-    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
-    if not (Path(args.model) / "config.json").exists():
-        raise FileNotFoundError(
-            f"--model {args.model}: no config.json there; pass a Hugging Face model "
-            "directory (e.g. from `tandem prepare model`)"
-        )
-    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
-        # slow both down by an order of magnitude, so take half the cores.
-        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+def _engine_server(args) -> EngineServer:
+    """Load the model, start the loop thread, and wrap it in the HTTP server the flags describe."""
     config = EngineConfig(
         model_path=str(args.model),
         device=args.device,
@@ -230,14 +258,45 @@ def run_serve(args) -> int:
         freeze_gc=True,  # this process serves one engine
         **options_from_args(args),
     )
-    engine = Engine(config)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(Engine(config))
     loop.start()
-    app = EngineServer(loop, str(args.model)).build_app()
+    return EngineServer(
+        loop,
+        str(args.model),
+        api_key=getattr(args, "api_key", None) or key_from_env(ENGINE_KEY_ENV),
+        max_request_mb=getattr(args, "max_request_mb", 16.0),
+        health_stall_s=getattr(args, "health_stall_s", 60.0),
+        weight_update_timeout_s=getattr(args, "weight_update_timeout_s", 600.0),
+    )
+
+
+def run_serve(args) -> int:
+    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    if not (Path(args.model) / "config.json").exists():
+        raise FileNotFoundError(
+            f"--model {args.model}: no config.json there; pass a Hugging Face model "
+            "directory (e.g. from `tandem prepare model`)"
+        )
+    check_model_dir(Path(args.model), "--model")  # a broken config.json: one paragraph, not tracebacks
+    if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
+        # slow both down by an order of magnitude, so take half the cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    server = _engine_server(args)
+    logger.info(
+        "API key %s", "required but on /health" if server.api_key else "not set: open to local processes"
+    )
     try:
+        # shutdown_timeout: on SIGTERM wait briefly for answers in flight, never for a stalled update
         web.run_app(
-            app, host=args.host, port=args.port, handler_cancellation=True, print=None, access_log=None
+            server.build_app(),
+            host=args.host,
+            port=args.port,
+            handler_cancellation=True,
+            print=None,
+            access_log=None,
+            shutdown_timeout=5.0,
         )
     finally:
-        loop.stop()
+        server.loop.stop()
     return 0

@@ -5,9 +5,14 @@ broadcast receive, CUDA IPC receive (`update_weights_from_tensor`), safetensors 
 SGLang's `update_weights_from_tensor` entries are pickles; this engine unpickles nothing from the
 network: each entry must be base64 JSON of IPC descriptions (engine/weight_transport.py), and a pickle
 is refused with a 400 that says so. Receiving and loading run as one command on the engine's loop
-thread, so an update lands between two steps. Invariant: the weight version changes only after every
-tensor of a call has been loaded; a call carrying `weight_version` sets it (bucketed updates repeat the
-same value), one without bumps it.
+thread, so an update lands between two steps. Invariants: a call is all or nothing — its names, shapes
+and dtypes are checked against the model before anything is received, every tensor is received before
+any is loaded, and the loader checks every value before the first copy, so a refused call, a sender
+that stops mid-call or a receive that times out (`weight_update_timeout_s`) leaves the old weights and
+version; the weight version only moves forward (a call carrying `weight_version` sets it, bucketed
+updates repeat the same value, one without bumps it), except for the first update after an
+(authenticated) group join: a new trainer, e.g. one resumed from an older checkpoint, owns the
+sequence from there.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import base64
 import binascii
 import json
 import logging
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -24,7 +31,13 @@ from aiohttp import web
 
 from tandemrl.engine.engine import Engine
 from tandemrl.engine.loop import EngineLoop
-from tandemrl.engine.weight_transport import broadcast, new_process_group, parse_dtype, rebuild_cuda_tensor
+from tandemrl.engine.weight_transport import (
+    BACKENDS,
+    broadcast,
+    new_process_group,
+    parse_dtype,
+    rebuild_cuda_tensor,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +50,8 @@ async def read_json(request: web.Request, allowed: set[str]) -> dict:
     """The request's JSON object; raises ValueError naming unknown fields."""
     try:
         body = await request.json() if request.can_read_body else {}
+    except RecursionError:
+        raise ValueError("body is nested too deeply; send a flat JSON object") from None
     except ValueError as error:
         raise ValueError(f"body is not valid JSON: {error}") from None
     if not isinstance(body, dict):
@@ -104,15 +119,93 @@ def decode_ipc_entries(entries) -> list[dict]:
 def parse_weight_version(value) -> int | None:
     if value is None:
         return None
-    if isinstance(value, int) or (isinstance(value, str) and value.isdigit()):
+    if (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and value.isdigit()
+    ):
         return int(value)
-    raise ValueError(f"weight_version must be an integer (or its decimal string), got {value!r}")
+    raise ValueError(f"weight_version must be a non-negative integer (or its decimal string), got {value!r}")
+
+
+def parse_specs(
+    body: dict, shapes_by_name: dict[str, tuple[int, ...]]
+) -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of every announced tensor, each checked against the served model, so nothing
+    is received (or allocated) for an update that would be refused."""
+    names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
+    if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
+        raise ValueError("names, dtypes and shapes must be lists")
+    if not (len(names) == len(dtypes) == len(shapes)):
+        raise ValueError("names, dtypes and shapes must have the same length")
+    specs = []
+    for name, dtype_text, shape in zip(names, dtypes, shapes, strict=True):
+        if not isinstance(name, str):
+            raise ValueError(f"names: {name!r} is not a string")
+        dtype = parse_dtype(dtype_text)
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtypes: weight {name!r} has dtype {dtype_text!r}; weights are floating point")
+        if not isinstance(shape, list) or not all(
+            isinstance(x, int) and not isinstance(x, bool) for x in shape
+        ):
+            raise ValueError(f"shapes: weight {name!r} has shape {shape!r}; a shape is a list of integers")
+        expected = shapes_by_name.get(name)
+        if expected is None and not name.endswith("rotary_emb.inv_freq"):
+            raise ValueError(f"names: {name!r} is not a parameter of the served model; no weight was changed")
+        if expected is not None and tuple(shape) != expected:
+            raise ValueError(f"shapes: weight {name!r} has shape {shape}, the model expects {list(expected)}")
+        if expected is None and (len(shape) != 1 or not 0 < shape[0] <= 2**16):
+            raise ValueError(f"shapes: {name!r} has shape {shape}; a RoPE buffer is one short vector")
+        specs.append((name, dtype, list(shape)))
+    return specs
+
+
+def parse_group_args(body: dict) -> tuple[str, int, int, int, str, str]:
+    """(master_address, master_port, rank, world_size, group_name, backend) of a group join, checked."""
+    address, group_name = body["master_address"], body.get("group_name", "weight_update_group")
+    numbers = {key: body[key] for key in ("master_port", "rank_offset", "world_size")}
+    for key, value in numbers.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    if not isinstance(address, str) or not address:
+        raise ValueError(f"master_address must be a host name or address, got {address!r}")
+    if not 0 < numbers["master_port"] < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {numbers['master_port']}")
+    if not 1 <= numbers["rank_offset"] < numbers["world_size"]:
+        raise ValueError(
+            f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {numbers['rank_offset']} "
+            f"of world_size {numbers['world_size']}"
+        )
+    if not isinstance(group_name, str):
+        raise ValueError(f"group_name must be a string, got {group_name!r}")
+    backend = body.get("backend", "gloo")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return address, numbers["master_port"], numbers["rank_offset"], numbers["world_size"], group_name, backend
+
+
+def run_in_daemon_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread: a rendezvous that never completes must not keep the process
+    alive at exit (asyncio.to_thread's pool threads are joined at exit, so SIGTERM would wait on it)."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=target, name="weight-group-join", daemon=True).start()
+    return asyncio.wrap_future(future)
+
+
+class WeightUpdateAborted(RuntimeError):
+    """Receiving an update's tensors failed or timed out; nothing was loaded."""
 
 
 class WeightUpdateRoutes:
-    def __init__(self, loop: EngineLoop):
-        self.loop = loop
+    def __init__(self, loop: EngineLoop, timeout_s: float = 600.0):
+        self.loop, self.timeout_s = loop, timeout_s
         self.groups: dict[str, tuple[object, str]] = {}
+        self.shapes_by_name = loop.engine.model.parameter_shapes()
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/init_weights_update_group", self.init_group)
@@ -127,28 +220,24 @@ class WeightUpdateRoutes:
                 request,
                 {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
             )
-            group_name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "gloo")
-            if backend == "nccl" and self.loop.engine.device.type != "cuda":
+            args = parse_group_args(body) + (self.timeout_s,)
+            if args[5] == "nccl" and self.loop.engine.device.type != "cuda":
                 raise ValueError("backend nccl needs an engine on CUDA; use gloo for a CPU engine")
-            args = (
-                body["master_address"],
-                int(body["master_port"]),
-                int(body["rank_offset"]),
-                int(body["world_size"]),
-                group_name,
-                backend,
-            )
-        except (ValueError, KeyError, TypeError) as error:
-            return bad_request(f"init_weights_update_group: {error!r}")
+        except KeyError as error:
+            return bad_request(f"init_weights_update_group: missing field {error}")
+        except ValueError as error:
+            return bad_request(f"init_weights_update_group: {error}")
+        group_name, backend = args[4], args[5]
         if self.loop.engine.device.type == "cuda":
             torch.cuda.set_device(self.loop.engine.device)
         try:
-            group = await asyncio.to_thread(new_process_group, *args)
+            group = await run_in_daemon_thread(new_process_group, *args)
         except Exception as error:  # the rendezvous failed: report, keep serving
             return web.json_response(
                 {"success": False, "message": f"group setup failed: {error!r}"}, status=500
             )
         self.groups[group_name] = (group, backend)
+        await asyncio.wrap_future(self.loop.call(lambda engine: engine.restart_version_order()))
         logger.info(
             "joined weight update group %s (%s) as rank %d of %d", group_name, backend, args[2], args[3]
         )
@@ -159,7 +248,7 @@ class WeightUpdateRoutes:
             body = await read_json(request, {"group_name"})
         except ValueError as error:
             return bad_request(str(error))
-        removed = self.groups.pop(body.get("group_name", "weight_update_group"), None)
+        removed = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
         return web.json_response(
             {"success": removed is not None, "message": "destroyed" if removed else "unknown"}
         )
@@ -180,44 +269,62 @@ class WeightUpdateRoutes:
                     "torch_empty_cache",
                 },
             )
-            names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
-            if not (len(names) == len(dtypes) == len(shapes)):
-                raise ValueError("names, dtypes and shapes must have the same length")
-            specs = [
-                (n, parse_dtype(d), [int(x) for x in s])
-                for n, d, s in zip(names, dtypes, shapes, strict=True)
-            ]
-            version = parse_weight_version(body.get("weight_version"))
             group_name = body.get("group_name", "weight_update_group")
-            if group_name not in self.groups:
+            if not isinstance(group_name, str) or group_name not in self.groups:
                 raise ValueError(
                     f"no weight update group {group_name!r}; call /init_weights_update_group first"
                 )
-        except (ValueError, KeyError, TypeError) as error:
-            return bad_request(f"update_weights_from_distributed: {error!r}")
+            specs = parse_specs(body, self.shapes_by_name)
+            version = parse_weight_version(body.get("weight_version"))
+            self.loop.engine.check_weight_version(version)
+        except KeyError as error:
+            return bad_request(f"update_weights_from_distributed: missing field {error}")
+        except (ValueError, TypeError) as error:
+            return bad_request(f"update_weights_from_distributed: {error}")
         group, backend = self.groups[group_name]
 
         def receive_and_load(engine: Engine) -> int:
             device = engine.device if backend == "nccl" else torch.device("cpu")
             received = []
-            for name, dtype, shape in specs:
-                tensor = torch.empty(shape, dtype=dtype, device=device)
-                broadcast(group, tensor, root=0)
-                received.append((name, tensor))
+            try:
+                for name, dtype, shape in specs:
+                    tensor = torch.empty(shape, dtype=dtype, device=device)
+                    broadcast(group, tensor, root=0)
+                    received.append((name, tensor))
+            except RuntimeError as error:  # the sender stopped or stalled: keep the old weights
+                self.groups.pop(group_name, None)  # a collective that failed leaves the group unusable
+                raise WeightUpdateAborted(
+                    f"update_weights_from_distributed aborted after receiving {len(received)} of "
+                    f"{len(specs)} tensors (timeout {self.timeout_s:g} s): {error}. No weight was changed "
+                    f"(weight_version stays {engine.weight_version}); group {group_name!r} was dropped, "
+                    "call /init_weights_update_group again"
+                ) from None
             return engine.load_weights(received, version)
 
-        return await self._run_update(receive_and_load)
+        return await self._run_update(receive_and_load, label="update_weights_from_distributed")
 
     async def update_from_tensor(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request, TENSOR_FIELDS)
             version = parse_weight_version(body.get("weight_version"))
             items = decode_ipc_entries(body.get("serialized_named_tensors"))
+            unknown = [
+                i["name"]
+                for i in items
+                if not isinstance(i["name"], str) or i["name"] not in self.shapes_by_name
+            ]
+            if unknown:
+                raise ValueError(
+                    f"serialized_named_tensors: {unknown[:3]} are not parameters of the served model"
+                )
             if self.loop.engine.device.type != "cuda":
                 raise ValueError(
                     "update_weights_from_tensor carries CUDA IPC handles; the engine is not on CUDA"
                 )
-        except (ValueError, KeyError, TypeError) as error:
+            self.loop.engine.check_weight_version(version)
+        except KeyError as error:
+            return bad_request(f"update_weights_from_tensor: missing field {error}")
+        except (ValueError, TypeError) as error:
             return bad_request(f"update_weights_from_tensor: {error}")
 
         def open_and_load(engine: Engine) -> int:
@@ -227,17 +334,20 @@ class WeightUpdateRoutes:
             torch.cuda.synchronize(engine.device)  # the sender may free its tensors once we answer
             return version_after
 
-        return await self._run_update(open_and_load)
+        return await self._run_update(open_and_load, label="update_weights_from_tensor")
 
     async def update_from_disk(self, request: web.Request) -> web.Response:
         try:
             body = await read_json(request, DISK_FIELDS)
             version = parse_weight_version(body.get("weight_version"))
+            self.loop.engine.check_weight_version(version)
             files = sorted(Path(str(body["model_path"])).glob("*.safetensors"))
             if not files:
                 raise ValueError(f"model_path {body['model_path']!r} holds no *.safetensors file")
-        except (ValueError, KeyError, TypeError) as error:
-            return bad_request(f"update_weights_from_disk: {error!r}")
+        except KeyError as error:
+            return bad_request(f"update_weights_from_disk: missing field {error}")
+        except (ValueError, TypeError) as error:
+            return bad_request(f"update_weights_from_disk: {error}")
 
         def read_and_load(engine: Engine) -> int:
             from safetensors.torch import load_file  # safetensors: tensors only, nothing executable
@@ -245,17 +355,20 @@ class WeightUpdateRoutes:
             named = [item for f in files for item in load_file(str(f)).items()]
             return engine.load_weights(named, version)
 
-        response = await self._run_update(read_and_load)
+        response = await self._run_update(read_and_load, label="update_weights_from_disk")
         if response.status == 200:  # SGLang's answer also counts the requests it paused (none here)
             body = json.loads(response.text)
             return web.json_response({**body, "num_paused_requests": 0})
         return response
 
-    async def _run_update(self, fn) -> web.Response:
+    async def _run_update(self, fn, label: str) -> web.Response:
         try:
-            version = await asyncio.wrap_future(self.loop.call(fn))
+            version = await asyncio.wrap_future(self.loop.call(fn, label=label))
         except ValueError as error:
             return bad_request(str(error))
+        except WeightUpdateAborted as error:
+            logger.warning("%s", error)
+            return web.json_response({"success": False, "message": str(error)}, status=500)
         return web.json_response(
             {"success": True, "message": "weights updated", "weight_version": str(version)}
         )

@@ -24,8 +24,13 @@ class RetrievalServerProcess(ChildServer):
         qdrant_url: str | None = None,
         startup_timeout_s: float = 180.0,
         log_path: str | Path | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(port, host, startup_timeout_s, log_path)
+        from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV
+
+        # the key travels in the environment, never on the command line; "" clears an inherited one
+        super().__init__(port, host, startup_timeout_s, log_path, {RETRIEVAL_KEY_ENV: api_key or ""})
+        self.api_key = api_key
         self.index_dir = Path(index_dir)
         self.mode = mode
         self.qdrant_url = qdrant_url

@@ -35,11 +35,12 @@ def make_weight_sender(
     config_dir: str | None = None,
     tp_size: int = 1,
     master_address: str = "127.0.0.1",
+    api_key: str | None = None,
 ):
     """The sender for `rollout.weight_sync` (already resolved from auto) to the engines at `urls`."""
     from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
 
-    clients = [make_client(backend, url) for url in urls]
+    clients = [make_client(backend, url, api_key=api_key) for url in urls]
     if sync == "disk":
         if sync_dir is None:
             raise ValueError(

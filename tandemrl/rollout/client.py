@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from tandemrl.engine.http_guard import auth_headers
+
 ENGINE_KINDS = ("embedded", "sglang")
 
 
@@ -73,7 +75,7 @@ class HttpClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.headers = auth_headers(api_key)  # sent on every request; never logged
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
 

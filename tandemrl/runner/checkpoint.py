@@ -1,9 +1,11 @@
-"""Run checkpoints (docs/DESIGN.md, Checkpoints and resume): the actor's own checkpoint plus `data/data.pt`, the loader position.
+"""Run checkpoints (docs/DESIGN.md, Checkpoints and resume): the actor's own checkpoint plus `data/data.pt`,
+the loader position and the open prompts.
 
-Invariant: the loader position, the step and the skip count are taken at one instant (no await in
-between), so on resume exactly the prompts drawn before the save but not trained or dropped are
-skipped: skipped = in-flight + buffered groups + prefetched prompts at save time, logged at every
-save. The actor writes the directory atomically, `data/data.pt` included.
+Invariant: the loader position, the step and the open prompts (drawn before the save but not trained
+or dropped: in-flight + buffered groups + prefetched prompts) are taken at one instant (no await in
+between). On resume the open prompts are issued first, before the loader's next one
+(`runner.reissue_on_resume`, the default), or skipped until the loader's next epoch; either way one
+log line says how many. The actor writes the directory atomically, `data/data.pt` included.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
 
 
 def resume_summary(ctx: Any, step: int) -> dict:
-    """The data state of a save: what resuming from it restores and skips."""
+    """The data state of a save: what resuming from it restores and re-issues (or skips)."""
     buffer, feed = ctx.driver.buffer, ctx.driver.feed
+    open_groups = sorted(buffer.unfinished_groups(), key=lambda group: group.issue_id)
     counts = {
         "num_inflight": buffer.num_inflight,
         "num_buffered": buffer.num_buffered,
@@ -39,8 +42,33 @@ def resume_summary(ctx: Any, step: int) -> dict:
         "loader": feed.loader_state(),
         "loader_position": list(feed.position()),
         **counts,
-        "num_skipped_on_resume": sum(counts.values()),
+        "num_skipped_on_resume": sum(counts.values()),  # the open prompts (name kept for old checkpoints)
+        "open_prompt_ids": [g.prompt_id for g in open_groups] + [p.prompt_id for p in feed.prefetched()],
     }
+
+
+def resume_prompts(state: dict, prompts_by_id: dict[str, Any], reissue: bool, resume_from: str) -> list[Any]:
+    """The prompts to issue first after resuming from `state` (none when skipping); logs one line."""
+    num_open = int(state["num_skipped_on_resume"])
+    where = (
+        f"resuming from {resume_from} at step {state['step']}: {num_open} prompts were open at the save "
+        f"(in-flight {state['num_inflight']} + buffered {state['num_buffered']} + prefetched "
+        f"{state['num_prefetched']})"
+    )
+    open_ids = state.get("open_prompt_ids")
+    if not reissue or open_ids is None:
+        why = "runner.reissue_on_resume=false" if reissue is False else "the checkpoint predates re-issue"
+        log.info("%s; 0 prompts re-issued, %d skipped until the next epoch (%s)", where, num_open, why)
+        return []
+    missing = [prompt_id for prompt_id in open_ids if prompt_id not in prompts_by_id]
+    if missing:
+        raise ConfigError(
+            f"runner.resume_from={resume_from!r}: prompts {missing[:3]} of the checkpoint are not in "
+            "data.train_data_paths. Resume with the original training data, or set "
+            "runner.reissue_on_resume=false to skip the open prompts."
+        )
+    log.info("%s; %d prompts re-issued", where, len(open_ids))
+    return [prompts_by_id[prompt_id] for prompt_id in open_ids]
 
 
 async def save_checkpoint(ctx: Any, step: int) -> Path:
@@ -63,7 +91,7 @@ async def save_checkpoint(ctx: Any, step: int) -> Path:
     directory = checkpoint_dir(ctx.output_dir, step)
     await ctx.actor.call("save_checkpoint", str(directory), {DATA_FILE: summary})
     log.info(
-        "checkpoint step %d saved to %s; resuming from it skips %d prompts issued before the save "
+        "checkpoint step %d saved to %s; %d prompts are open at the save "
         "(in-flight %d + buffered %d + prefetched %d)",
         step,
         directory,

@@ -2,9 +2,10 @@
 
 Invariant: every prompt drawn from the loader is, at any moment, exactly one of prefetched here,
 issued (in flight or buffered), trained or dropped. The loader's state is its position after the
-last drawn prompt, so a checkpoint skips on resume exactly the prefetched + in-flight + buffered
-prompts of save time (docs/DESIGN.md, Checkpoints and resume), and `num_prefetched` is the first term of that count. A dropped
-prompt is not re-queued: the loader's next epoch brings it again, as it brings every prompt.
+last drawn prompt, so the prompts open at a checkpoint are the prefetched + in-flight + buffered ones
+of save time (docs/DESIGN.md, Checkpoints and resume); after a resume they are handed out first
+(`reissue`), ahead of the loader's next prompt. A dropped prompt is not re-queued: the loader's next
+epoch brings it again, as it brings every prompt.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ class PromptFeed:
     @property
     def num_prefetched(self) -> int:
         return len(self._queue)
+
+    def prefetched(self) -> list[Any]:
+        return list(self._queue)
+
+    def reissue(self, prompts: list[Any]) -> None:
+        """Hand out `prompts` (open at the checkpoint resumed from) before anything else, in order."""
+        self._queue.extendleft(reversed(prompts))
 
     def next(self) -> Any:
         """The next prompt; refills the prefetch queue from the loader (epochs wrap inside it)."""

@@ -88,6 +88,19 @@ def index_dir(config: Any) -> str:
     return str(path)
 
 
+def external_engine_api_key(rollout: Any) -> str | None:
+    """The key of external engines: rollout.api_key, else $TANDEM_ENGINE_API_KEY, else $SGLANG_API_KEY."""
+    from tandemrl.engine.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
+
+    return rollout.api_key or key_from_env(ENGINE_KEY_ENV, SGLANG_KEY_ENV)
+
+
+def search_api_key(search: Any) -> str | None:
+    from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV, key_from_env
+
+    return search.api_key or key_from_env(RETRIEVAL_KEY_ENV)
+
+
 class Services:
     """`with_engines=False`: the retrieval server only (`tandem sft`)."""
 
@@ -103,6 +116,10 @@ class Services:
         self.engine_handles: list[Any] = []
         self.retrieval_handle: Any = None
         self.engine_urls: list[str] = []
+        # what the run's clients send (never logged): a fresh key per run for the servers it launches,
+        # so only this run controls them; an external engine's or retrieval server's from config or env
+        self.engine_api_key: str | None = None
+        self.retrieval_api_key: str | None = None
         self.search_addr = config.tools.search.server_addr
 
     def start(self) -> Services:
@@ -154,12 +171,16 @@ class Services:
     def _specs(self) -> tuple[list, list]:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
         from tandemrl.cluster.server_supervisor import ServerSpec
+        from tandemrl.engine.http_guard import new_api_key
 
         config, plan = self.config, self.plan
         use_ray = config.cluster.use_ray
         local, remote = [], []
         if plan.retrieval is not None:
-            spec = ServerSpec("retrieval", 0, config, index_dir=index_dir(config))
+            self.retrieval_api_key = new_api_key()
+            spec = ServerSpec(
+                "retrieval", 0, config, index_dir=index_dir(config), api_key=self.retrieval_api_key
+            )
             item = ("retrieval server", spec, plan.retrieval)
             (remote if use_ray and plan.retrieval.node != 0 else local).append(item)
         if not self.with_engines or not plan.engines:
@@ -176,11 +197,14 @@ class Services:
                 "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray "
                 "actors on their GPUs. Set cluster.use_ray=true, or start them yourself (rollout.server_addrs)."
             )
+        self.engine_api_key = new_api_key() if kind == "embedded" else None
         per_node: dict[int, int] = {}
         for index, placement in enumerate(plan.engines):
             offset = per_node.get(placement.node, 0)
             per_node[placement.node] = offset + 1
-            spec = ServerSpec(kind, index, config, model_path=path, port_offset=offset)
+            spec = ServerSpec(
+                kind, index, config, model_path=path, port_offset=offset, api_key=self.engine_api_key
+            )
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote
 
@@ -202,6 +226,7 @@ class Services:
         rollout = self.config.rollout
         if rollout.server_addrs:
             self.engine_urls = [a if a.startswith("http") else f"http://{a}" for a in rollout.server_addrs]
+            self.engine_api_key = external_engine_api_key(rollout)
             log.info("using external %s engines: %s", rollout.backend, ", ".join(self.engine_urls))
         else:
             self.engine_urls = [h.url for h in self.engine_handles]
@@ -214,6 +239,13 @@ class Services:
             )
         else:
             log.info("retrieval.launch=false: using the retrieval server at %s", self.search_addr)
+
+    @property
+    def search_api_key(self) -> str | None:
+        """The key the search tool sends: the launched retrieval server's, else the configured one."""
+        if self.retrieval_handle is not None:
+            return self.retrieval_api_key
+        return search_api_key(self.config.tools.search)
 
     async def check(self) -> None:
         """Raise `EngineDiedError` / `RetrievalDiedError` if a launched server has exited."""

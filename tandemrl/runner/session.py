@@ -36,14 +36,18 @@ def build_driver(
     search: Any,
     tokenizer: Any,
     weight_version: int,
-    loader_state: dict | None,
+    resume_state: dict | None,
 ) -> RolloutDriver:
     from tandemrl.data.loader import PromptLoader
+    from tandemrl.runner.checkpoint import resume_prompts
 
     loader = PromptLoader(train_paths(config, "train"), seed=config.data.seed, shuffle=config.data.shuffle)
-    if loader_state is not None:
-        loader.load_state_dict(loader_state)
     feed = PromptFeed(loader, prefetch=config.data.rollout_batch_size)
+    if resume_state is not None:
+        loader.load_state_dict(resume_state["loader"])
+        by_id = {prompt.prompt_id: prompt for prompt in loader.prompts}
+        runner = config.runner
+        feed.reissue(resume_prompts(resume_state, by_id, runner.reissue_on_resume, runner.resume_from))
     buffer = RolloutBuffer(BufferLimits.from_config(config)).task(config.agentloop.task_name or "default")
     return RolloutDriver(
         buffer,
@@ -74,13 +78,17 @@ async def run_session(
     output_dir = Path(runner.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(model_path(config))
-    engines = [make_client(config.rollout.backend, url) for url in services.engine_urls]
+    engines = [
+        make_client(config.rollout.backend, url, api_key=services.engine_api_key)
+        for url in services.engine_urls
+    ]
     search = SearchTool(
         services.search_addr,
         topk=search_cfg.topk,
         timeout_s=search_cfg.timeout_s,
         max_retries=search_cfg.max_retries,
         backoff_s=search_cfg.backoff_s,
+        api_key=services.search_api_key,
     )
     await actor.call(
         "connect_weight_sync",
@@ -89,28 +97,19 @@ async def run_session(
         config.rollout.sync_bucket_mb,
         config.rollout.backend,
         config.rollout.weight_sync_dir or str(output_dir.resolve() / "weight_sync"),
+        services.engine_api_key,
     )
-    start_step, loader_state = 0, None
+    start_step, resume_state = 0, None
     if runner.resume_from:
-        state = load_resume_state(runner.resume_from)
+        resume_state = load_resume_state(runner.resume_from)
         await actor.call("load_checkpoint", runner.resume_from)
-        start_step, loader_state = int(state["step"]), state["loader"]
-        log.info(
-            "resuming from %s at step %d: skipping the %d prompts issued before that save (in-flight %d + "
-            "buffered %d + prefetched %d)",
-            runner.resume_from,
-            start_step,
-            state["num_skipped_on_resume"],
-            state["num_inflight"],
-            state["num_buffered"],
-            state["num_prefetched"],
-        )
+        start_step = int(resume_state["step"])
     weight_version = int(await actor.call("get_weight_version"))
     if weight_version > 0:  # the engines started from the base model: give them the resumed weights
         await actor.call("push_weights", weight_version)
     for engine in engines:  # the start of the update timeline that stamps streamed tokens
         engine.mark_weight_version(weight_version)
-    driver = build_driver(config, engines, search, tokenizer, weight_version, loader_state)
+    driver = build_driver(config, engines, search, tokenizer, weight_version, resume_state)
     val_prompts = (
         load_prompts(train_paths(config, "val"), config.data.val_limit)
         if runner.val_interval or runner.val_before_train

@@ -98,16 +98,25 @@ def render_demos(config, demos: list[dict]) -> list[tuple[list[int], list[int]]]
 
     # the retrieval server only (launched for the rendering when retrieval.launch, else the configured one)
     with Services(config, with_engines=False) as services:
-        return asyncio.run(_render_all(config, services.search_addr, demos, tokenizer))
+        return asyncio.run(
+            _render_all(config, services.search_addr, demos, tokenizer, services.search_api_key)
+        )
 
 
-async def _render_all(config, addr: str, demos: list[dict], tokenizer) -> list[tuple[list[int], list[int]]]:
+async def _render_all(
+    config, addr: str, demos: list[dict], tokenizer, api_key: str | None = None
+) -> list[tuple[list[int], list[int]]]:
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.data.demos import render_demo
 
     tool = config.tools.search
     search = SearchTool(
-        addr, topk=tool.topk, timeout_s=tool.timeout_s, max_retries=tool.max_retries, backoff_s=tool.backoff_s
+        addr,
+        topk=tool.topk,
+        timeout_s=tool.timeout_s,
+        max_retries=tool.max_retries,
+        backoff_s=tool.backoff_s,
+        api_key=api_key,
     )
     limit = asyncio.Semaphore(RENDER_CONCURRENCY)
 

@@ -1,6 +1,9 @@
-"""Resume (docs/DESIGN.md, Checkpoints and resume): stop after step 2, resume from its checkpoint to step 4. The logged skip count equals
+"""Resume (docs/DESIGN.md, Checkpoints and resume): stop after step 2, resume from its checkpoint to step 4.
+The logged count of open prompts equals
 the in-flight + buffered groups + prefetched prompts at save time (checked against the loader position and
-the prompt ledger), the skipped prompts never come back in that epoch, and no prompt is trained twice."""
+the prompt ledger); the resumed run issues exactly those prompts first, logs "N prompts re-issued" once,
+and no prompt is trained twice. (The skip alternative, runner.reissue_on_resume=false, is covered in
+tests/unit/test_resume_prompts.py.)"""
 
 from __future__ import annotations
 
@@ -14,12 +17,12 @@ from tandemrl.runner.launch import train
 from tests.integration.runner_helpers import account, read_ledger, small_kb_once, tiny_overrides
 
 SAVE_LINE = re.compile(
-    r"checkpoint step (\d+) saved to .*skips (\d+) prompts issued before the save "
+    r"checkpoint step (\d+) saved to .*; (\d+) prompts are open at the save "
     r"\(in-flight (\d+) \+ buffered (\d+) \+ prefetched (\d+)\)"
 )
 
 
-def test_resume_skips_exactly_the_prompts_issued_before_the_save(
+def test_resume_reissues_exactly_the_prompts_open_at_the_save(
     tmp_path, tmp_path_factory, tiny_llama_dir, caplog
 ):
     """The actor runs as a Ray actor here (the default placement), so the default suite covers Ray."""
@@ -54,6 +57,11 @@ def test_resume_skips_exactly_the_prompts_issued_before_the_save(
     )
     assert skipped == num_drawn - num_ended
     assert inflight + buffered == num_open
+    ended_ids = {e["issue_id"] for e in before if e["event"] in ("trained", "dropped")}
+    open_issued = [
+        e["prompt_id"] for e in before if e["event"] == "issued" and e["issue_id"] not in ended_ids
+    ]
+    assert state["open_prompt_ids"][:num_open] == open_issued and len(state["open_prompt_ids"]) == skipped
     run1 = account(ledger1, {g.issue_id for g in ctx1.driver.buffer.unfinished_groups()})
 
     second = load_config(
@@ -62,15 +70,17 @@ def test_resume_skips_exactly_the_prompts_issued_before_the_save(
     )
     ctx2 = train(second, write_plots=False)
     assert ctx2.weight_version == 4
-    assert any(f"skipping the {skipped} prompts issued before that save" in m for m in caplog.messages)
+    resumed = [m for m in caplog.messages if "prompts re-issued" in m]
+    assert len(resumed) == 1 and resumed[0].endswith(f"; {skipped} prompts re-issued"), resumed
+    assert not any("already issued skipped" in m for m in caplog.messages)  # the old, confusable count
     run2 = account(
         read_ledger(tmp_path / "run2"), {g.issue_id for g in ctx2.driver.buffer.unfinished_groups()}
     )
     assert len(run1["trained_prompts"]) == 4 and len(run2["trained_prompts"]) == 4
     trained = run1["trained_prompts"] + run2["trained_prompts"]
     assert len(trained) == len(set(trained)), "a prompt was trained twice across the resume"
-    # the prompts issued before the save (including the unfinished ones) are never issued again
-    issued_before_save = {e["prompt_id"] for e in before if e["event"] == "issued"}
-    assert not issued_before_save & set(run2["issued_prompts"])
+    # the prompts open at the save are the first ones the resumed run issues, in their order
+    num_first = min(skipped, len(run2["issued_prompts"]))
+    assert run2["issued_prompts"][:num_first] == state["open_prompt_ids"][:num_first] and num_first >= 1
     scalars = read_tensorboard_scalars(tmp_path / "run2" / "tensorboard")
     assert [s for s, _ in scalars["time/step"]] == [3, 4]

@@ -74,7 +74,7 @@ def test_bad_input_gets_4xx_naming_the_field(retriever):
         ({"queries": ["ok"], "return_scores": "yes"}, 422, "return_scores"),
         ({"queries": ["ok"], "topk": 0}, 400, "topk=0"),
         ({"queries": ["ok"], "topk": 51}, 400, "topk=51"),
-        ({"queries": ["ok"] * 5000}, 400, "5000 queries"),
+        ({"queries": ["ok"] * 5000}, 413, "5000 queries"),
     ]
 
     async def body(client, _):

@@ -1,0 +1,103 @@
+"""After a resume the prompts open at the save come first (or, with runner.reissue_on_resume=false, are
+skipped), and one log line gives the count; and the run's engine clients get the key of their engines."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
+from tandemrl.data.loader import Prompt
+from tandemrl.runner.checkpoint import resume_prompts
+from tandemrl.runner.prompt_feed import PromptFeed
+
+PROMPTS = [Prompt(f"train:{i}", f"q{i}", [f"a{i}"], "kb") for i in range(10)]
+
+
+class ListLoader:
+    """Stands in for PromptLoader: hands out PROMPTS from 5 on, wrapping (what follows the saved position)."""
+
+    def __init__(self):
+        self.next_index = 5
+
+    def next_prompts(self, num: int) -> list[Prompt]:
+        out = [PROMPTS[(self.next_index + k) % len(PROMPTS)] for k in range(num)]
+        self.next_index += num
+        return out
+
+
+STATE = {
+    "step": 2,
+    "num_inflight": 2,
+    "num_buffered": 1,
+    "num_prefetched": 1,
+    "num_skipped_on_resume": 4,
+    "open_prompt_ids": ["train:1", "train:3", "train:2", "train:4"],
+}
+
+
+def _draw(reissue: bool, state: dict, caplog) -> tuple[list[str], list[str]]:
+    feed = PromptFeed(ListLoader(), prefetch=2)
+    with caplog.at_level(logging.INFO, logger="tandemrl"):
+        feed.reissue(resume_prompts(state, {p.prompt_id: p for p in PROMPTS}, reissue, "ckpt"))
+    drawn = [feed.next().prompt_id for _ in range(6)]
+    return drawn, [r.getMessage() for r in caplog.records if "resuming from" in r.getMessage()]
+
+
+def test_open_prompts_are_issued_first_and_counted_once(caplog):
+    drawn, lines = _draw(True, STATE, caplog)
+    assert drawn == ["train:1", "train:3", "train:2", "train:4", "train:5", "train:6"]
+    assert len(lines) == 1 and lines[0].endswith("; 4 prompts re-issued"), lines
+
+
+def test_the_old_skip_behaviour_stays_behind_a_key(caplog):
+    drawn, lines = _draw(False, STATE, caplog)
+    assert drawn == ["train:5", "train:6", "train:7", "train:8", "train:9", "train:0"]
+    assert len(lines) == 1 and "0 prompts re-issued, 4 skipped" in lines[0]
+    assert "runner.reissue_on_resume=false" in lines[0]
+    assert load_config(None, ["runner.reissue_on_resume=false"]).runner.reissue_on_resume is False
+    assert load_config(None).runner.reissue_on_resume is True
+
+
+def test_a_checkpoint_from_other_data_is_refused():
+    state = dict(STATE, open_prompt_ids=["other:1"])
+    with pytest.raises(ConfigError, match="not in data.train_data_paths"):
+        resume_prompts(state, {p.prompt_id: p for p in PROMPTS}, True, "ckpt")
+
+
+def test_external_engine_keys_come_from_config_or_environment(monkeypatch):
+    from tandemrl.runner.services import Services
+
+    monkeypatch.delenv("TANDEM_ENGINE_API_KEY", raising=False)
+    monkeypatch.setenv("SGLANG_API_KEY", "from-sglang-env")
+    external = ["rollout.backend=sglang", "rollout.server_addrs=[127.0.0.1:30000]"]
+    services = Services(load_config(None, external))
+    services._start_engines()
+    assert services.engine_api_key == "from-sglang-env"
+    monkeypatch.setenv("TANDEM_ENGINE_API_KEY", "from-tandem-env")
+    services = Services(load_config(None, external))
+    services._start_engines()
+    assert services.engine_api_key == "from-tandem-env"
+    services = Services(load_config(None, external + ["rollout.api_key=from-config"]))
+    services._start_engines()
+    assert services.engine_api_key == "from-config"
+
+
+def test_launched_engines_share_the_runs_fresh_key(tmp_path, monkeypatch):
+    from tandemrl.rollout.engine_process import EngineProcess
+    from tandemrl.runner.services import Services
+
+    (tmp_path / "model").mkdir()
+    config = load_config(
+        None, [f"rollout.model.model_path={tmp_path / 'model'}", "rollout.device=cpu", "rollout.instances=2"]
+    )
+    monkeypatch.setattr(EngineProcess, "start", lambda self: self)
+    monkeypatch.setenv("TANDEM_ENGINE_API_KEY", "a-key-for-external-engines")
+    services = Services(config)
+    services._start_engines()
+    keys = {p.api_key for p in services.engine_processes}
+    assert keys == {services.engine_api_key} and services.engine_api_key != "a-key-for-external-engines"
+    assert all(p.env["TANDEM_ENGINE_API_KEY"] == services.engine_api_key for p in services.engine_processes)
+    assert all(services.engine_api_key not in " ".join(p.command()) for p in services.engine_processes)

@@ -189,7 +189,7 @@ def create_app(
 def run_serve(args) -> int:
     import uvicorn
 
-    from tandemrl.retrieval.fusion import FusionParams
+    from tandemrl.retrieval.fusion import default_fusion
     from tandemrl.retrieval.retriever import Retriever
 
     api_key = getattr(args, "api_key", None) or key_from_env(RETRIEVAL_KEY_ENV)
@@ -201,7 +201,7 @@ def run_serve(args) -> int:
         )
         return 2
     try:
-        fusion = FusionParams(method=args.fusion)
+        fusion = default_fusion(args.fusion)
         retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
     except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
         print(f"tandem serve-retrieval: {error}", file=sys.stderr)

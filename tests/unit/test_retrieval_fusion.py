@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from tandemrl.retrieval.fusion import FusionParams, fuse, rrf, standardise, zscore
+from tandemrl.retrieval.fusion import FusionParams, default_fusion, fuse, rrf, standardise, zscore
 
 
 def keys(ranked):
@@ -162,5 +162,7 @@ def test_bad_fusion_params_are_rejected(kwargs, message):
 
 def test_fuse_dispatches_on_method():
     dense, sparse = [("a", 0.9), ("b", 0.1)], [("b", 9.0), ("c", 1.0)]
-    assert fuse(dense, sparse, 3, FusionParams(method="rrf", rrf_k=60)) == rrf([dense, sparse], 3, 60)
+    assert fuse(dense, sparse, 3, default_fusion("rrf")) == rrf([dense, sparse], 3, 60)
     assert fuse(dense, sparse, 3, FusionParams(sparse_weight=0.5)) == zscore([dense, sparse], 3, [1.0, 0.5])
+    assert FusionParams().method == "zscore" and FusionParams().weights == (1.0, 0.2)
+    assert default_fusion() == FusionParams() and default_fusion("rrf").weights == (1.0, 1.0)

@@ -13,7 +13,7 @@ import pytest
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.build import build_index, read_corpus
 from tandemrl.retrieval.encoders import Encoder, EncoderSpec, resolve_encoder
-from tandemrl.retrieval.fusion import FusionParams, zscore
+from tandemrl.retrieval.fusion import FusionParams, default_fusion, zscore
 from tandemrl.retrieval.retriever import IndexMeta, Retriever
 from tandemrl.retrieval.store import QdrantStore
 
@@ -111,7 +111,8 @@ def test_hybrid_scores_are_the_default_fusion_of_both_lists(retriever):
     query = ["Northwind Guild brewing company"]
     depth = len(PASSAGES)
     dense, sparse = (retriever.search(query, [depth], mode=mode)[0] for mode in ("dense", "bm25"))
-    expected = zscore([[(h.document["id"], h.score) for h in hits] for hits in (dense, sparse)], limit=2)
+    lists = [[(hit.document["id"], hit.score) for hit in hits] for hits in (dense, sparse)]
+    expected = zscore(lists, limit=2, weights=FusionParams().weights)
     hits = retriever.search(query, [2], mode="hybrid")[0]
     assert [(hit.document["id"], hit.score) for hit in hits] == [
         (pid, pytest.approx(score)) for pid, score in expected
@@ -120,7 +121,7 @@ def test_hybrid_scores_are_the_default_fusion_of_both_lists(retriever):
 
 
 def test_hybrid_rrf_scores_are_reciprocal_rank_fusion(retriever):
-    retriever.fusion = FusionParams(method="rrf")
+    retriever.fusion = default_fusion("rrf")
     try:
         hits = retriever.search(["Northwind Guild brewing company"], [2], mode="hybrid")[0]
     finally:

@@ -158,13 +158,12 @@ class QdrantStore:
             sparse_query = models.SparseVector(indices=sparse[i].indices, values=sparse[i].values)
         if mode == "dense" or (mode == "hybrid" and sparse_query is None):
             return [models.QueryRequest(query=dense_query, using=DENSE, limit=topk, with_payload=True)]
-        if mode == "bm25":  # nothing to match: an empty result rather than an arbitrary one
-            return (
-                []
-                if sparse_query is None
-                else [models.QueryRequest(query=sparse_query, using=SPARSE, limit=topk, with_payload=True)]
-            )
+        if mode == "bm25":
+            if sparse_query is None:  # nothing to match: an empty result rather than an arbitrary one
+                return []
+            return [models.QueryRequest(query=sparse_query, using=SPARSE, limit=topk, with_payload=True)]
         depth = max(fusion.prefetch, topk)
+        # payloads for the whole depth keep it to one round trip; Qdrant's own RRF query cannot do z-scores
         return [
             models.QueryRequest(query=dense_query, using=DENSE, limit=depth, with_payload=True),
             models.QueryRequest(query=sparse_query, using=SPARSE, limit=depth, with_payload=True),

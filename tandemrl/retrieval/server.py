@@ -201,7 +201,7 @@ def run_serve(args) -> int:
         )
         return 2
     try:
-        fusion = default_fusion(args.fusion)
+        fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
         retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
     except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
         print(f"tandem serve-retrieval: {error}", file=sys.stderr)

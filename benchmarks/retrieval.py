@@ -1,21 +1,24 @@
-"""Retrieval benchmark: recall@3 of the gold passage (dense, BM25, hybrid), query latency of the real
-server with 1 and 32 concurrent clients, and indexing throughput, on the default knowledge base.
+"""Retrieval benchmark: recall@1/@3/@10 of the gold passage per mode and search latency per batch, on any
+Search-R1-format corpus and questions, or on the generated knowledge base.
 
-    python benchmarks/retrieval.py [--kb DIR] [--max-questions N] [--out benchmarks/results/retrieval.json]
+    python benchmarks/retrieval.py --corpus C --questions Q [Q2 ...] [--index DIR] [--out FILE]
+    python benchmarks/retrieval.py --kb [DIR|default] [--index DIR] [--server-latency]
 
-Recall uses every single-hop question's gold query (`gold_queries[0]`) and gold passage
-(`gold_passage_ids[0]`); the raw question is scored as well, since that is what an untrained policy
-tends to search for. Latency is measured over HTTP against `tandem serve-retrieval` in its own process.
+The corpus is a jsonl of `{"id", "contents": "\\"Title\\"\\ntext"}` (wiki-18's format); a question file is a
+jsonl of `{"question", "gold_passage_ids": [...]}` (the knowledge base's format); a hit is a question
+with any gold id among the top k. `--kb` turns each KB split into such files: one row per hop, with the
+hop's gold query (what a policy searches for) as the question, plus the raw single-hop questions. Modes:
+`dense`, `bm25`, `hybrid` (the default fusion, see tandemrl/retrieval/fusion.py) and `hybrid_rrf` (the
+previous default, plain RRF). Latency is the wall time of one in-process `Retriever.search` call on a
+batch of `--batch-size` queries; `--server-latency` also times the real HTTP server, one query a request.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
-import random
 import statistics
 import sys
 import tempfile
@@ -25,116 +28,99 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from tandemrl.data.home import default_kb_dir  # noqa: E402
 from tandemrl.retrieval.build import build_index  # noqa: E402
+from tandemrl.retrieval.fusion import FusionParams, default_fusion  # noqa: E402
 from tandemrl.retrieval.retriever import Retriever  # noqa: E402
-from tandemrl.retrieval.server_process import RetrievalServerProcess  # noqa: E402
-from tandemrl.retrieval.store import MODES  # noqa: E402
 
-TOPK = 3
-
-
-def load_single_hop(kb_dir: Path, max_questions: int, seed: int) -> list[dict]:
-    questions = []
-    for split in ("train", "val", "test"):
-        with open(kb_dir / f"{split}.jsonl", encoding="utf-8") as handle:
-            questions += [q for q in map(json.loads, handle) if q["data_source"] == "kb_1hop"]
-    random.Random(seed).shuffle(questions)
-    return questions[:max_questions]
+KS = (1, 3, 10)
+MODES = {  # reported name -> (retriever mode, fusion)
+    "dense": ("dense", FusionParams()),
+    "bm25": ("bm25", FusionParams()),
+    "hybrid": ("hybrid", FusionParams()),
+    "hybrid_rrf": ("hybrid", default_fusion("rrf")),
+}
 
 
-def recall(retriever: Retriever, mode: str, queries: list[str], gold_ids: list[str]) -> dict:
-    """Recall@1 and @3 from one top-3 search per query; also the search time per query."""
-    num_first = num_top3 = 0
-    start = time.perf_counter()
-    for offset in range(0, len(queries), 256):
-        batch = queries[offset : offset + 256]
-        results = retriever.search(batch, [TOPK] * len(batch), mode=mode)
-        for hits, gold in zip(results, gold_ids[offset : offset + 256], strict=True):
-            ids = [hit.document["id"] for hit in hits]
-            num_first += ids[:1] == [gold]
-            num_top3 += gold in ids
-    num = max(len(queries), 1)
-    return {
-        "at_1": round(num_first / num, 4),
-        "at_3": round(num_top3 / num, 4),
-        "ms_per_query": round((time.perf_counter() - start) * 1000 / num, 2),
-    }
+def load_questions(path: Path, max_questions: int | None = None) -> list[dict]:
+    """`{"question", "gold_passage_ids"}` rows; a row without them is an error naming file and line."""
+    rows = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path}:{line_no}: not valid JSON ({error.msg}).") from error
+            gold = row.get("gold_passage_ids") if isinstance(row, dict) else None
+            if not isinstance(row.get("question"), str) or not isinstance(gold, list) or not gold:
+                raise ValueError(
+                    f'{path}:{line_no}: a question row needs "question" (a string) and "gold_passage_ids" '
+                    "(a non-empty list of corpus ids)."
+                )
+            rows.append({"question": row["question"], "gold": {str(g) for g in gold}})
+    if not rows:
+        raise ValueError(f"{path}: no questions.")
+    return rows[:max_questions] if max_questions else rows
 
 
-def measure_recall(index_dir: Path, questions: list[dict]) -> dict:
-    retriever = Retriever(index_dir, mode="hybrid")
-    gold = [q["gold_passage_ids"][0] for q in questions]
-    out: dict[str, dict] = {"recall_at_3": {}, "recall_at_1": {}, "question_recall_at_3": {}, "search_ms": {}}
-    try:
-        for mode in MODES:
-            by_query = recall(retriever, mode, [q["gold_queries"][0] for q in questions], gold)
-            by_question = recall(retriever, mode, [q["question"] for q in questions], gold)
-            out["recall_at_3"][mode], out["recall_at_1"][mode] = by_query["at_3"], by_query["at_1"]
-            out["question_recall_at_3"][mode] = by_question["at_3"]
-            out["search_ms"][mode] = by_query["ms_per_query"]
-            print(
-                f"  {mode:6s} recall@3 {by_query['at_3']:.3f}  recall@1 {by_query['at_1']:.3f}  "
-                f"question recall@3 {by_question['at_3']:.3f}  ({by_query['ms_per_query']:.1f} ms/query "
-                "in process)",
-                flush=True,
-            )
-    finally:
-        retriever.close()
-    return out
-
-
-async def _client(url: str, queries: list[str], latencies_s: list[float], session) -> None:
-    for query in queries:
-        start = time.perf_counter()
-        async with session.post(
-            url, json={"queries": [query], "topk": TOPK, "return_scores": True}
-        ) as response:
-            body = await response.json()
-            if response.status != 200 or len(body["result"]) != 1:
-                raise RuntimeError(f"bad answer from {url}: HTTP {response.status} {body}")
-        latencies_s.append(time.perf_counter() - start)
-
-
-async def _latency(url: str, queries: list[str], num_clients: int, requests_per_client: int) -> dict:
-    import aiohttp
-
-    latencies_s: list[float] = []
-    async with aiohttp.ClientSession() as session:
-        await _client(url, queries[:4], [], session)  # warm the connection pool and the server
-        chunks = [
-            queries[i * requests_per_client : (i + 1) * requests_per_client] for i in range(num_clients)
+def kb_question_files(kb_dir: Path, out_dir: Path) -> list[Path]:
+    """The KB's val (dev) and test splits as question files: per-hop gold queries, raw 1-hop questions."""
+    paths = []
+    for split, name in (("val", "kb_dev"), ("test", "kb_test")):
+        rows = [json.loads(line) for line in open(kb_dir / f"{split}.jsonl", encoding="utf-8")]
+        hops = [
+            {"question": query, "gold_passage_ids": [gold]}
+            for row in rows
+            for query, gold in zip(row["gold_queries"], row["gold_passage_ids"], strict=True)
         ]
-        start = time.perf_counter()
-        await asyncio.gather(*(_client(url, chunk, latencies_s, session) for chunk in chunks))
-        wall_s = time.perf_counter() - start
-    quantiles = statistics.quantiles(latencies_s, n=100)
-    return {
-        "num_clients": num_clients,
-        "num_requests": len(latencies_s),
-        "p50_ms": round(quantiles[49] * 1000, 2),
-        "p95_ms": round(quantiles[94] * 1000, 2),
-        "requests_per_s": round(len(latencies_s) / wall_s, 1),
-    }
+        raw = [
+            {"question": row["question"], "gold_passage_ids": row["gold_passage_ids"][:1]}
+            for row in rows
+            if row["data_source"] == "kb_1hop"
+        ]
+        for suffix, items in (("", hops), ("_questions", raw)):
+            path = out_dir / f"{name}{suffix}.jsonl"
+            path.write_text("".join(json.dumps(item) + "\n" for item in items))
+            paths.append(path)
+    return paths
 
 
-def measure_latency(index_dir: Path, mode: str, queries: list[str], num_requests: int) -> dict:
+def percentile_ms(seconds: list[float], q: int) -> float:
+    if len(seconds) == 1:
+        return round(seconds[0] * 1000, 2)
+    return round(statistics.quantiles(seconds, n=100, method="inclusive")[q - 1] * 1000, 2)
+
+
+def evaluate(retriever: Retriever, questions: list[dict], batch_size: int) -> dict:
+    """Recall@k and per-batch latency for every mode in MODES, from one top-10 search per question."""
     out = {}
-    with RetrievalServerProcess(index_dir, mode=mode) as server:
-        for num_clients in (1, 32):
-            per_client = max(num_requests // num_clients, 4) if num_clients > 1 else num_requests
-            needed = per_client * num_clients
-            pool = (queries * (needed // max(len(queries), 1) + 1))[:needed]
-            out[str(num_clients)] = asyncio.run(
-                _latency(f"{server.url}/retrieve", pool, num_clients, per_client)
-            )
-            print(
-                f"  {mode:6s} {num_clients:2d} client(s): p50 {out[str(num_clients)]['p50_ms']:.1f} ms, "
-                f"p95 {out[str(num_clients)]['p95_ms']:.1f} ms, "
-                f"{out[str(num_clients)]['requests_per_s']:.0f} req/s",
-                flush=True,
-            )
-        out["server"] = server.health()
+    for name, (mode, fusion) in MODES.items():
+        retriever.fusion = fusion
+        hits = dict.fromkeys(KS, 0)
+        batch_s = []
+        for offset in range(0, len(questions), batch_size):
+            batch = questions[offset : offset + batch_size]
+            start = time.perf_counter()
+            results = retriever.search([q["question"] for q in batch], [max(KS)] * len(batch), mode=mode)
+            batch_s.append(time.perf_counter() - start)
+            for question, ranked in zip(batch, results, strict=True):
+                ids = [hit.document["id"] for hit in ranked]
+                for k in KS:
+                    hits[k] += bool(question["gold"] & set(ids[:k]))
+        out[name] = {
+            **{f"recall_at_{k}": round(hits[k] / len(questions), 4) for k in KS},
+            "batch_p50_ms": percentile_ms(batch_s, 50),
+            "batch_p95_ms": percentile_ms(batch_s, 95),
+        }
+        print(
+            f"  {name:10s} "
+            + "  ".join(f"R@{k} {out[name][f'recall_at_{k}']:.3f}" for k in KS)
+            + f"  batch of {batch_size}: p50 {out[name]['batch_p50_ms']:.1f} ms, "
+            f"p95 {out[name]['batch_p95_ms']:.1f} ms",
+            flush=True,
+        )
+    retriever.fusion = FusionParams()
     return out
 
 
@@ -150,65 +136,96 @@ def machine() -> dict:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", help="Search-R1-format corpus jsonl")
+    parser.add_argument("--questions", nargs="+", default=[], help="question jsonl file(s)")
     parser.add_argument(
         "--kb",
-        default=None,
-        help="knowledge-base dir; 'default' = $TANDEM_HOME's prepared KB (default: generate "
-        "the seed-0 KB afresh, so the figures match the current generator)",
+        nargs="?",
+        const="generate",
+        help="benchmark a knowledge base: a KB dir, 'default' ($TANDEM_HOME's prepared KB), or no value "
+        "to generate the seed-0 KB afresh",
     )
-    parser.add_argument("--index", default=None, help="index dir to build into (default: a fresh temp dir)")
+    parser.add_argument("--index", help="index dir to build into or reuse (default: a fresh temp dir)")
     parser.add_argument("--encoder", default="minilm")
-    parser.add_argument("--max-questions", type=int, default=2000)
-    parser.add_argument("--num-requests", type=int, default=200, help="requests per latency run")
+    parser.add_argument("--batch-size", type=int, default=32, help="queries per search call")
+    parser.add_argument("--max-questions", type=int, default=None, help="per question file")
+    parser.add_argument("--provenance", help="a JSON file (licence, source) copied into the results")
+    parser.add_argument("--server-latency", action="store_true", help="also time the HTTP server")
+    parser.add_argument("--num-requests", type=int, default=200, help="requests per server latency run")
     parser.add_argument(
-        "--latency-modes", default="dense,hybrid", help="comma-separated server modes to time"
+        "--out", default=None, help="results JSON (default: benchmarks/results/retrieval_<corpus>.json)"
     )
-    parser.add_argument("--out", default="benchmarks/results/retrieval.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if (args.kb is None) == (args.corpus is None):
+        parser.error("give either --corpus C --questions Q [Q ...] or --kb [DIR|default].")
+    if args.corpus and not args.questions:
+        parser.error("--corpus needs --questions Q [Q ...].")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size {args.batch_size}: must be >= 1.")
+    return args
 
 
-def run(args: argparse.Namespace, tmp: Path) -> dict:
-    kb_dir = default_kb_dir() if args.kb == "default" else Path(args.kb) if args.kb else None
-    if kb_dir is None:
+def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[Path], str]:
+    """(corpus, question files, name) from --corpus/--questions or --kb."""
+    if args.corpus:
+        return Path(args.corpus), [Path(q) for q in args.questions], Path(args.corpus).parent.name
+    from tandemrl.data.home import default_kb_dir
+
+    if args.kb == "generate":
         from tandemrl.data.kb import generate_kb
 
         print(f"generating the default knowledge base (seed 0) in {tmp / 'kb'}", flush=True)
         kb_dir = generate_kb(tmp / "kb", seed=0)
+    else:
+        kb_dir = default_kb_dir() if args.kb == "default" else Path(args.kb)
+    return kb_dir / "corpus.jsonl", kb_question_files(kb_dir, tmp), "kb"
+
+
+def run(args: argparse.Namespace, tmp: Path) -> dict:
+    corpus, question_files, name = resolve_inputs(args, tmp)
     index_dir = Path(args.index) if args.index else tmp / "index"
-    print(f"indexing {kb_dir / 'corpus.jsonl'} into {index_dir}", flush=True)
-    build = build_index(kb_dir / "corpus.jsonl", index_dir, encoder=args.encoder, sparse="bm25")
-    questions = load_single_hop(kb_dir, args.max_questions, seed=0)
-    print(f"recall on {len(questions)} single-hop questions", flush=True)
-    recall = measure_recall(index_dir, questions)
-    queries = [q["gold_queries"][0] for q in questions]
-    latency = {
-        mode: measure_latency(index_dir, mode, queries, args.num_requests)
-        for mode in args.latency_modes.split(",")
-    }
-    served = "hybrid" if "hybrid" in latency else next(iter(latency))
-    return {
-        **recall,
-        "p50_ms": latency[served]["1"]["p50_ms"],
-        "p95_ms": latency[served]["1"]["p95_ms"],
-        "latency_mode": served,
-        "latency": latency,
-        "passages_per_s": build["passages_per_s"],
-        "build": build,
-        "num_questions": len(questions),
-        "kb": str(kb_dir),
-    }
+    print(f"indexing {corpus} into {index_dir}", flush=True)
+    build = build_index(corpus, index_dir, encoder=args.encoder, sparse="bm25", show_progress=False)
+    retriever = Retriever(index_dir, mode="hybrid")
+    results: dict[str, dict] = {}
+    try:
+        for path in question_files:
+            questions = load_questions(path, args.max_questions)
+            print(
+                f"{path.stem}: {len(questions)} questions over {retriever.num_passages} passages", flush=True
+            )
+            results[path.stem] = {
+                "num_questions": len(questions),
+                **evaluate(retriever, questions, args.batch_size),
+            }
+    finally:
+        retriever.close()
+    out = {"name": name, "corpus": str(corpus), "encoder": args.encoder, "batch_size": args.batch_size}
+    out.update(results=results, default_fusion=vars(FusionParams()), build=build)
+    if args.server_latency:
+        from retrieval_latency import measure_latency
+
+        queries = [q["question"] for q in load_questions(question_files[0], args.max_questions)]
+        out["server_latency"] = measure_latency(index_dir, "hybrid", queries, args.num_requests)
+    if args.provenance:
+        out["provenance"] = json.loads(Path(args.provenance).read_text())
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     info = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "machine": machine()}
-    with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
-        result = {**run(args, Path(tmp)), **info}
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-bench-") as tmp:
+            result = {**run(args, Path(tmp)), **info}
+    except (ValueError, FileNotFoundError) as error:
+        print(f"benchmarks/retrieval.py: {error}", file=sys.stderr)
+        return 2
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: result[k] for k in ("recall_at_3", "p50_ms", "p95_ms", "passages_per_s")}, indent=2))
-    print(f"wrote {args.out}")
+    out = Path(args.out or f"benchmarks/results/retrieval_{result['name']}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     return 0
 
 

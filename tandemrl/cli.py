@@ -30,6 +30,12 @@ def _add_servers(sub) -> None:
     serve_retrieval.add_argument("--host", default="127.0.0.1")
     serve_retrieval.add_argument("--port", type=int, default=8000)
     serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
+    serve_retrieval.add_argument(
+        "--fusion",
+        default="zscore",
+        choices=["zscore", "rrf"],
+        help="how hybrid merges its dense and BM25 lists (docs/RETRIEVAL.md)",
+    )
     serve_retrieval.add_argument("--qdrant-url", default=None)
     serve_retrieval.add_argument(
         "--api-key",

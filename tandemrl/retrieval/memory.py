@@ -5,8 +5,8 @@ every sparse vector, ~0.35 s (dense) and ~1.4 s (BM25) per query at 19k passages
 `MemoryIndex` loads the collection's points once (through the public scroll API) and scores a whole
 batch of queries with one matrix product (dense) and an inverted index (BM25). Invariant: it returns
 what `QdrantStore.search` returns for the same collection — cosine scores, BM25 with Qdrant's IDF
-`ln((N − df + 0.5) / (df + 0.5) + 1)`, RRF `Σ 1/(k + rank)` with 0-based ranks and ties kept in
-dense-then-sparse order — which the tests check side by side. Against a Qdrant server, the server's
+`ln((N − df + 0.5) / (df + 0.5) + 1)`, and hybrid lists merged by the same `fusion.fuse` — which the
+tests check side by side. Against a Qdrant server, the server's
 own query API is used instead.
 """
 
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandemrl.retrieval.bm25 import SparseVector
-from tandemrl.retrieval.store import DENSE, MODES, SPARSE, FusionParams, Hit, QdrantStore
+from tandemrl.retrieval.fusion import FusionParams, fuse
+from tandemrl.retrieval.store import DENSE, MODES, SPARSE, Hit, QdrantStore
 
 log = logging.getLogger(__name__)
 SCROLL_BATCH = 2048
@@ -125,9 +126,7 @@ class MemoryIndex:
                 ranked = self._bm25_top(sparse[i], topk)
             else:
                 depth = max(fusion.prefetch, topk)
-                ranked = _rrf(
-                    [_top(dense_scores[i], depth), self._bm25_top(sparse[i], depth)], topk, fusion.rrf_k
-                )
+                ranked = fuse(_top(dense_scores[i], depth), self._bm25_top(sparse[i], depth), topk, fusion)
             results.append([Hit(self.documents[row], score) for row, score in ranked])
         return results
 
@@ -144,11 +143,3 @@ class MemoryIndex:
             scores[postings.rows[span]] += value * postings.idf[column] * postings.weights[span]
             matched[postings.rows[span]] = True
         return _top(scores, k, np.flatnonzero(matched))
-
-
-def _rrf(ranked_lists: list[list[tuple[int, float]]], limit: int, k: int) -> list[tuple[int, float]]:
-    scores: dict[int, float] = {}
-    for ranked in ranked_lists:
-        for rank, (row, _) in enumerate(ranked):
-            scores[row] = scores.get(row, 0.0) + 1.0 / (k + rank)
-    return sorted(scores.items(), key=lambda item: -item[1])[:limit]  # stable: ties keep first-seen order

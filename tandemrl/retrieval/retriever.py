@@ -14,7 +14,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from tandemrl.retrieval import bm25
-from tandemrl.retrieval.store import MODES, FusionParams, Hit, QdrantStore
+from tandemrl.retrieval.fusion import FusionParams
+from tandemrl.retrieval.store import MODES, Hit, QdrantStore
 
 log = logging.getLogger(__name__)
 

@@ -189,6 +189,7 @@ def create_app(
 def run_serve(args) -> int:
     import uvicorn
 
+    from tandemrl.retrieval.fusion import default_fusion
     from tandemrl.retrieval.retriever import Retriever
 
     api_key = getattr(args, "api_key", None) or key_from_env(RETRIEVAL_KEY_ENV)
@@ -200,13 +201,15 @@ def run_serve(args) -> int:
         )
         return 2
     try:
-        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url)
+        fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
+        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
     except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
         print(f"tandem serve-retrieval: {error}", file=sys.stderr)
         return 2
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
     info = {
         "mode": retriever.mode,
+        **({"fusion": fusion.method} if retriever.mode == "hybrid" else {}),
         "encoder": retriever.meta.encoder,
         "num_passages": retriever.num_passages,
         "index": str(retriever.index_dir),

@@ -25,6 +25,7 @@ class RetrievalServerProcess(ChildServer):
         startup_timeout_s: float = 180.0,
         log_path: str | Path | None = None,
         api_key: str | None = None,
+        fusion: str | None = None,  # zscore | rrf; None: the server's default (zscore)
     ):
         from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV
 
@@ -33,6 +34,7 @@ class RetrievalServerProcess(ChildServer):
         self.api_key = api_key
         self.index_dir = Path(index_dir)
         self.mode = mode
+        self.fusion = fusion
         self.qdrant_url = qdrant_url
 
     @property
@@ -54,4 +56,6 @@ class RetrievalServerProcess(ChildServer):
             args += ["--mode", self.mode]
         if self.qdrant_url:
             args += ["--qdrant-url", self.qdrant_url]
+        if self.fusion:
+            args += ["--fusion", self.fusion]
         return args

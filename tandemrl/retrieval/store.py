@@ -2,10 +2,11 @@
 server (`QdrantClient(url=...)`) through the same calls.
 
 Invariant: a passage's point id is a UUID derived from its passage id, so re-indexing the same corpus
-finds the points already there and skips them. `search` uses Qdrant's query API (prefetch + RRF
-fusion), fast on a Qdrant server; in local mode the retriever searches a `MemoryIndex` instead (see
-memory.py), which scores identically. Qdrant local mode lets one process open a path; the
-retrieval server owns its index while it runs, everyone else goes through HTTP.
+finds the points already there and skips them. `search` uses Qdrant's batched query API, fast on a
+Qdrant server (a hybrid query fetches both lists and fuses them here, see fusion.py); in local mode the
+retriever searches a `MemoryIndex` instead (see memory.py), which scores identically. Qdrant local
+mode lets one process open a path; the retrieval server owns its index while it runs, everyone else
+goes through HTTP.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tandemrl.retrieval.bm25 import SparseVector
+from tandemrl.retrieval.fusion import FusionParams, fuse
 
 COLLECTION = "passages"
 DENSE = "dense"
@@ -35,15 +37,6 @@ def point_id(passage_id: str) -> str:
 class Hit:
     document: dict  # the corpus record as indexed, e.g. {"id": ..., "contents": "\"Title\"\ntext"}
     score: float
-
-
-@dataclass(frozen=True)
-class FusionParams:
-    """Reciprocal-rank fusion: score = Σ_lists 1 / (k + rank), rank 0-based as in Qdrant; each list is
-    prefetched `prefetch` deep. k=60 is the usual choice (Cormack et al.); Qdrant's default is 2."""
-
-    rrf_k: int = 60
-    prefetch: int = 50
 
 
 class QdrantStore:
@@ -129,20 +122,25 @@ class QdrantStore:
         sparse: list[SparseVector] | None = None,
         fusion: FusionParams = FusionParams(),
     ) -> list[list[Hit]]:
-        """One batched Qdrant call for all queries; `topks[i]` hits for query i, best first."""
+        """One batched Qdrant call for all queries; `topks[i]` hits for query i, best first. A hybrid query
+        asks for its dense and its BM25 list and merges them with `fusion.fuse`, as `MemoryIndex` does."""
         assert mode in MODES, mode
-        requests = [self._request(mode, i, topk, dense, sparse, fusion) for i, topk in enumerate(topks)]
-        asked = [request for request in requests if request is not None]
+        per_query = [self._requests(mode, i, topk, dense, sparse, fusion) for i, topk in enumerate(topks)]
+        asked = [request for requests in per_query for request in requests]
         responses = iter(self.client.query_batch_points(self.collection, requests=asked) if asked else [])
         results: list[list[Hit]] = []
-        for request in requests:
-            points = next(responses).points if request is not None else []
-            results.append(
-                [Hit(document=point.payload["document"], score=float(point.score)) for point in points]
-            )
+        for topk, requests in zip(topks, per_query, strict=True):
+            lists = [next(responses).points for _ in requests]
+            if len(lists) == 2:
+                payloads = {point.id: point.payload["document"] for points in lists for point in points}
+                ranked = fuse(*([(p.id, p.score) for p in points] for points in lists), topk, fusion)
+                results.append([Hit(document=payloads[pid], score=score) for pid, score in ranked])
+            else:
+                points = lists[0] if lists else []
+                results.append([Hit(document=p.payload["document"], score=float(p.score)) for p in points])
         return results
 
-    def _request(
+    def _requests(
         self,
         mode: str,
         i: int,
@@ -150,7 +148,8 @@ class QdrantStore:
         dense: np.ndarray | None,
         sparse: list[SparseVector] | None,
         fusion: FusionParams,
-    ):
+    ) -> list:
+        """The Qdrant requests for query i: none, one (dense or BM25), or two (hybrid: dense, then BM25)."""
         from qdrant_client import models
 
         dense_query = dense[i].tolist() if dense is not None else None
@@ -158,18 +157,14 @@ class QdrantStore:
         if sparse is not None and sparse[i].indices:  # a query of punctuation only has no terms
             sparse_query = models.SparseVector(indices=sparse[i].indices, values=sparse[i].values)
         if mode == "dense" or (mode == "hybrid" and sparse_query is None):
-            return models.QueryRequest(query=dense_query, using=DENSE, limit=topk, with_payload=True)
+            return [models.QueryRequest(query=dense_query, using=DENSE, limit=topk, with_payload=True)]
         if mode == "bm25":
             if sparse_query is None:  # nothing to match: an empty result rather than an arbitrary one
-                return None
-            return models.QueryRequest(query=sparse_query, using=SPARSE, limit=topk, with_payload=True)
+                return []
+            return [models.QueryRequest(query=sparse_query, using=SPARSE, limit=topk, with_payload=True)]
         depth = max(fusion.prefetch, topk)
-        return models.QueryRequest(
-            prefetch=[
-                models.Prefetch(query=dense_query, using=DENSE, limit=depth),
-                models.Prefetch(query=sparse_query, using=SPARSE, limit=depth),
-            ],
-            query=models.RrfQuery(rrf=models.Rrf(k=fusion.rrf_k)),
-            limit=topk,
-            with_payload=True,
-        )
+        # payloads for the whole depth keep it to one round trip; Qdrant's own RRF query cannot do z-scores
+        return [
+            models.QueryRequest(query=dense_query, using=DENSE, limit=depth, with_payload=True),
+            models.QueryRequest(query=sparse_query, using=SPARSE, limit=depth, with_payload=True),
+        ]

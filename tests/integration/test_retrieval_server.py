@@ -43,7 +43,7 @@ def post(server, body) -> requests.Response:
 
 def test_health_reports_the_index(server, kb):
     health = requests.get(f"{server.url}/health", timeout=5).json()
-    assert health["status"] == "ok" and health["mode"] == "hybrid"
+    assert health["status"] == "ok" and health["mode"] == "hybrid" and health["fusion"] == "zscore"
     assert health["num_passages"] == len(kb["corpus"])
 
 

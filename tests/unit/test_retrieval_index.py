@@ -13,8 +13,9 @@ import pytest
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.build import build_index, read_corpus
 from tandemrl.retrieval.encoders import Encoder, EncoderSpec, resolve_encoder
+from tandemrl.retrieval.fusion import FusionParams, default_fusion, zscore
 from tandemrl.retrieval.retriever import IndexMeta, Retriever
-from tandemrl.retrieval.store import FusionParams, QdrantStore
+from tandemrl.retrieval.store import QdrantStore
 
 PASSAGES = [
     ("p0", "Alaric Venn", "Alaric Venn was born in Marrowdale in 1903. He worked as a cartographer."),
@@ -106,14 +107,33 @@ def test_bm25_scores_match_a_reference_bm25(retriever, index):
     assert [hit.score for hit in hits] == pytest.approx([score for score, _ in expected], rel=1e-4)
 
 
-def test_hybrid_scores_are_reciprocal_rank_fusion(retriever):
-    hits = retriever.search(["Northwind Guild brewing company"], [2], mode="hybrid")[0]
+def test_hybrid_scores_are_the_default_fusion_of_both_lists(retriever):
+    query = ["Northwind Guild brewing company"]
+    depth = len(PASSAGES)
+    dense, sparse = (retriever.search(query, [depth], mode=mode)[0] for mode in ("dense", "bm25"))
+    lists = [[(hit.document["id"], hit.score) for hit in hits] for hits in (dense, sparse)]
+    expected = zscore(lists, limit=2, weights=FusionParams().weights)
+    hits = retriever.search(query, [2], mode="hybrid")[0]
+    assert [(hit.document["id"], hit.score) for hit in hits] == [
+        (pid, pytest.approx(score)) for pid, score in expected
+    ]
+    assert hits[0].document["id"] == "p5"
+
+
+def test_hybrid_rrf_scores_are_reciprocal_rank_fusion(retriever):
+    retriever.fusion = default_fusion("rrf")
+    try:
+        hits = retriever.search(["Northwind Guild brewing company"], [2], mode="hybrid")[0]
+    finally:
+        retriever.fusion = FusionParams()
     assert hits[0].document["id"] == "p5"
     assert hits[0].score == pytest.approx(2 / 60)  # first in both lists: 1/(k + 0-based rank), k=60
 
 
-@pytest.mark.parametrize("mode", ["dense", "bm25", "hybrid"])
-def test_in_memory_search_matches_qdrant_query_api(retriever, mode):
+@pytest.mark.parametrize(
+    ("mode", "method"), [("dense", "zscore"), ("bm25", "zscore"), ("hybrid", "zscore"), ("hybrid", "rrf")]
+)
+def test_in_memory_search_matches_qdrant_query_api(retriever, mode, method):
     """The local-mode fast path must rank and score exactly like Qdrant's own query API."""
     queries = [
         "Where was Alaric Venn born?",
@@ -126,7 +146,7 @@ def test_in_memory_search_matches_qdrant_query_api(retriever, mode):
     dense = retriever.encoder.encode_queries(queries)
     sparse = [bm25.query_vector(query) for query in queries]
     topks = [3, 8, 2, 5, 1, 4]
-    fusion = FusionParams(rrf_k=60, prefetch=8)
+    fusion = FusionParams(method=method, rrf_k=60, prefetch=8)
     ours = retriever.memory.search(mode, topks, dense=dense, sparse=sparse, fusion=fusion)
     qdrant = retriever.store.search(mode, topks, dense=dense, sparse=sparse, fusion=fusion)
     for mine, theirs in zip(ours, qdrant, strict=True):

@@ -93,3 +93,13 @@ def test_step_rewards_reads_training_rows_only(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert step_rewards(tmp_path) == [0.25]
     assert step_rewards(tmp_path / "missing") == []
+
+
+def test_demo_cli_takes_the_cold_start_mode_before_overrides():
+    from tandemrl.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--cold-start", "always", "runner.max_steps=1"])
+    assert (args.cold_start, args.overrides) == ("always", ["runner.max_steps=1"])
+    assert build_parser().parse_args(["demo"]).cold_start == "auto"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["demo", "--cold-start", "sometimes"])

@@ -16,6 +16,7 @@ coldstart directory appears whole or not at all (written aside, then renamed).
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import shutil
@@ -106,6 +107,7 @@ def run_cold_start(config: Any, target: Path) -> None:
     _, metrics = train_sft(config, samples)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+    gc.collect()  # the SFT actor's weights and optimizer state (GBs) go before RL starts its own
     log.info(
         "cold start done in %.0f s: %d demonstrations, final loss %.4f",
         time.monotonic() - start,

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     train.set_defaults(handler="tandemrl.runner.launch:run_train")
 
     demo = sub.add_parser("demo", help="prepare the embedded defaults and run a short async training on them")
+    demo.add_argument(
+        "--cold-start",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="the small SFT before RL: auto runs it when $TANDEM_HOME's coldstart model is missing, "
+        "always redoes it, never trains the base SmolLM2 (whose reward is all zeros)",
+    )
     demo.add_argument("overrides", nargs="*")
     demo.set_defaults(handler="tandemrl.runner.demo:run_demo")
 

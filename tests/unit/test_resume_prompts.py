@@ -68,36 +68,47 @@ def test_a_checkpoint_from_other_data_is_refused():
 
 
 def test_external_engine_keys_come_from_config_or_environment(monkeypatch):
-    from tandemrl.runner.services import Services
+    from tandemrl.runner.services import external_engine_api_key
 
     monkeypatch.delenv("TANDEM_ENGINE_API_KEY", raising=False)
     monkeypatch.setenv("SGLANG_API_KEY", "from-sglang-env")
     external = ["rollout.backend=sglang", "rollout.server_addrs=[127.0.0.1:30000]"]
-    services = Services(load_config(None, external))
-    services._start_engines()
-    assert services.engine_api_key == "from-sglang-env"
+    assert external_engine_api_key(load_config(None, external).rollout) == "from-sglang-env"
     monkeypatch.setenv("TANDEM_ENGINE_API_KEY", "from-tandem-env")
-    services = Services(load_config(None, external))
-    services._start_engines()
-    assert services.engine_api_key == "from-tandem-env"
-    services = Services(load_config(None, external + ["rollout.api_key=from-config"]))
-    services._start_engines()
-    assert services.engine_api_key == "from-config"
+    assert external_engine_api_key(load_config(None, external).rollout) == "from-tandem-env"
+    config = load_config(None, external + ["rollout.api_key=from-config"])
+    assert external_engine_api_key(config.rollout) == "from-config"
 
 
 def test_launched_engines_share_the_runs_fresh_key(tmp_path, monkeypatch):
-    from tandemrl.rollout.engine_process import EngineProcess
+    """The servers a run launches (two engines, the retrieval server) get fresh keys of the run's own,
+    in their environment and never on their command line."""
+    from tandemrl.cluster.server_supervisor import build_server
     from tandemrl.runner.services import Services
 
     (tmp_path / "model").mkdir()
+    (tmp_path / "index").mkdir()
     config = load_config(
-        None, [f"rollout.model.model_path={tmp_path / 'model'}", "rollout.device=cpu", "rollout.instances=2"]
+        None,
+        [
+            f"rollout.model.model_path={tmp_path / 'model'}",
+            f"retrieval.index_dir={tmp_path / 'index'}",
+            "rollout.device=cpu",
+            "actor.device=cpu",
+            "rollout.instances=2",
+            "cluster.use_ray=false",
+        ],
     )
-    monkeypatch.setattr(EngineProcess, "start", lambda self: self)
     monkeypatch.setenv("TANDEM_ENGINE_API_KEY", "a-key-for-external-engines")
     services = Services(config)
-    services._start_engines()
-    keys = {p.api_key for p in services.engine_processes}
-    assert keys == {services.engine_api_key} and services.engine_api_key != "a-key-for-external-engines"
-    assert all(p.env["TANDEM_ENGINE_API_KEY"] == services.engine_api_key for p in services.engine_processes)
-    assert all(services.engine_api_key not in " ".join(p.command()) for p in services.engine_processes)
+    local, remote = services._specs()
+    assert not remote and len(local) == 3  # the retrieval server and two engines, all local
+    engine_specs = [spec for _, spec, _ in local if spec.kind == "embedded"]
+    assert {spec.api_key for spec in engine_specs} == {services.engine_api_key}
+    assert services.engine_api_key not in (None, "a-key-for-external-engines")
+    assert services.retrieval_api_key not in (None, services.engine_api_key)
+    for _, spec, _ in local:
+        server = build_server(spec, "127.0.0.1")
+        key = spec.api_key
+        assert key in server.env.values()  # TANDEM_ENGINE_API_KEY / TANDEM_RETRIEVAL_API_KEY
+        assert key not in " ".join(server.command())

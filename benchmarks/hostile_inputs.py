@@ -81,7 +81,7 @@ GEN = [
     ("not json", "{nope", "JSON"),
     ("json array", "[1,2]", "object"),
     ("deep nesting", "[" * 100000 + "]" * 100000, "nested"),
-    ("stream", {"input_ids": [1, 2], "stream": True}, "stream"),
+    ("stream str", {"input_ids": [1, 2], "stream": "yes"}, "stream"),  # stream=true is served (one event)
     ("too long", {"input_ids": list(range(1, 300))}, "max_context_len"),
 ]
 UPD = [  # refused while parsing, on main too

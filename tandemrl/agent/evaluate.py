@@ -150,14 +150,7 @@ async def _evaluate(
     search_cfg = config.tools.search
     engine_key, search_key = keys
     engines = [make_client(config.rollout.backend, url, api_key=engine_key) for url in urls]
-    search = SearchTool(
-        addr,
-        topk=search_cfg.topk,
-        timeout_s=search_cfg.timeout_s,
-        max_retries=search_cfg.max_retries,
-        backoff_s=search_cfg.backoff_s,
-        api_key=search_key,
-    )
+    search = SearchTool.from_config(addr, search_cfg, search_key)
     size = -(-len(prompts) // len(engines))
     try:
         shards = await asyncio.gather(

@@ -15,6 +15,8 @@ import time
 
 import aiohttp
 
+from tandemrl.engine.http_guard import auth_headers
+
 log = logging.getLogger(__name__)
 
 
@@ -62,7 +64,7 @@ class SearchTool:
                 "timeout_s > 0, max_retries >= 0 and backoff_s >= 0."
             )
         self.url = retrieve_url(server_addr)
-        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}  # never logged
+        self._headers = auth_headers(api_key)  # never logged
         self.topk = topk
         self.timeout_s = timeout_s
         self.max_retries = max_retries
@@ -73,6 +75,18 @@ class SearchTool:
         self.latency_s_total = 0.0
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_config(cls, server_addr: str, search_cfg, api_key: str | None = None) -> SearchTool:
+        """The tool `tools.search` describes (topk, timeout, retries, backoff), at `server_addr`."""
+        return cls(
+            server_addr,
+            topk=search_cfg.topk,
+            timeout_s=search_cfg.timeout_s,
+            max_retries=search_cfg.max_retries,
+            backoff_s=search_cfg.backoff_s,
+            api_key=api_key,
+        )
 
     def _get_session(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()

@@ -82,14 +82,7 @@ async def run_session(
         make_client(config.rollout.backend, url, api_key=services.engine_api_key)
         for url in services.engine_urls
     ]
-    search = SearchTool(
-        services.search_addr,
-        topk=search_cfg.topk,
-        timeout_s=search_cfg.timeout_s,
-        max_retries=search_cfg.max_retries,
-        backoff_s=search_cfg.backoff_s,
-        api_key=services.search_api_key,
-    )
+    search = SearchTool.from_config(services.search_addr, search_cfg, services.search_api_key)
     await actor.call(
         "connect_weight_sync",
         services.engine_urls,

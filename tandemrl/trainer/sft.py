@@ -110,14 +110,7 @@ async def _render_all(
     from tandemrl.data.demos import render_demo
 
     tool = config.tools.search
-    search = SearchTool(
-        addr,
-        topk=tool.topk,
-        timeout_s=tool.timeout_s,
-        max_retries=tool.max_retries,
-        backoff_s=tool.backoff_s,
-        api_key=api_key,
-    )
+    search = SearchTool.from_config(addr, tool, api_key)
     limit = asyncio.Semaphore(RENDER_CONCURRENCY)
 
     async def one(demo: dict):

@@ -17,6 +17,7 @@ import socket
 from typing import Any
 
 from tandemrl.cluster.actor_worker import ActorWorker
+from tandemrl.cluster.mps import sm_percent_env
 from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,9 @@ class ActorGroup:
                 placement_group=self._placement, placement_group_bundle_index=rank
             )
             options = {"scheduling_strategy": strategy, **nodes.remote_options(num_gpus[rank])}
-            if self.num_ranks > 1:
-                options["runtime_env"] = {"env_vars": env}
+            env_vars = {**(env if self.num_ranks > 1 else {}), **sm_percent_env(config, "actor")}
+            if env_vars:
+                options["runtime_env"] = {"env_vars": env_vars}
             self._handles.append(ray.remote(ActorWorker).options(**options).remote(config))
             log.info("actor rank %d: node %d (%s)", rank, placement.node, nodes[placement.node].address)
 

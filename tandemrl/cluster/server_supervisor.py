@@ -14,7 +14,7 @@ node's own address.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KINDS = ("embedded", "sglang", "retrieval")
@@ -29,6 +29,7 @@ class ServerSpec:
     index_dir: str | None = None  # retrieval: the resolved index directory
     port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
     api_key: str | None = None  # the run's key for this server (embedded engine, retrieval)
+    env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
 
 
 def node_address() -> str:
@@ -74,6 +75,7 @@ class ServerSupervisor:
     def __init__(self, spec: ServerSpec, multi_node: bool):
         self.spec = spec
         self.server = build_server(spec, node_address() if multi_node else "127.0.0.1")
+        self.server.env = {**(self.server.env or {}), **spec.env}
 
     def launch(self) -> str:
         """Spawn the server; returns its URL (it is not healthy yet)."""

@@ -336,6 +336,9 @@ class SftConfig:
     demos_path: str | None = None  # None: demos.jsonl of the default KB under $TANDEM_HOME
     rendered_path: str | None = None  # jsonl of {"input_ids", "loss_mask"}: skip rendering (no retriever)
     num_demos: int | None = None  # seeded subset of the demos (the cold-start size knob); None: all
+    # seeded subset per data_source instead, e.g. {kb_1hop: 250, kb_2hop: 1250}: the mix decides which
+    # behaviours the cold start teaches (docs/LEARNING.md); sources left out get no demonstrations
+    num_demos_per_source: dict[str, int] = field(default_factory=dict)
     num_epochs: int = 1
     batch_size: int = 16  # demonstrations per parameter update
     lr: float = 1e-5
@@ -346,6 +349,21 @@ class SftConfig:
 
     def __post_init__(self):
         _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
+        for source, count in self.num_demos_per_source.items():
+            _check(
+                count >= 0,
+                f"actor.sft.num_demos_per_source.{source}",
+                count,
+                "must be >= 0",
+                "Give each data_source a count of demonstrations, 0 to leave it out.",
+            )
+        _check(
+            not (self.num_demos is not None and self.num_demos_per_source),
+            "actor.sft.num_demos",
+            self.num_demos,
+            f"cannot be combined with actor.sft.num_demos_per_source={self.num_demos_per_source!r}",
+            "Set one of the two: a total (num_demos) or a count per data_source (num_demos_per_source).",
+        )
         _check_positive("actor.sft.num_epochs", self.num_epochs)
         _check_positive("actor.sft.batch_size", self.batch_size)
         _check(
@@ -482,6 +500,12 @@ class ClusterConfig:
     ray_address: str | None = None  # None: start a local Ray; "auto" or host:port: join a cluster
     retrieval_node: int = 0  # node rank that runs the retrieval server (retrieval.launch=true)
     gpu_resource: str = "GPU"  # the Ray resource that counts GPUs (tests stand a custom one in for GPUs)
+    # a private CUDA MPS daemon for the run: processes sharing a GPU run kernels side by side instead of
+    # in time slices (cluster/mps.py); needs a local Ray or use_ray false
+    mps: bool = False
+    # under mps, the share of the SMs (1-100) each side may use while the async runner overlaps them,
+    # e.g. {actor: 70, rollout: 30}; the sync runner never overlaps them and leaves each the whole GPU
+    mps_sm_percent: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
@@ -498,6 +522,29 @@ class ClusterConfig:
             self.retrieval_node,
             "must be >= 0",
             "Use a node rank, e.g. 0.",
+        )
+        for component, percent in self.mps_sm_percent.items():
+            _check(
+                component in ("actor", "rollout") and 1 <= percent <= 100,
+                f"cluster.mps_sm_percent.{component}",
+                percent,
+                "must name actor or rollout with a percentage from 1 to 100",
+                "Use e.g. {actor: 70, rollout: 30}.",
+            )
+        _check(
+            self.mps or not self.mps_sm_percent,
+            "cluster.mps_sm_percent",
+            self.mps_sm_percent,
+            "caps SM shares under MPS, and cluster.mps is false",
+            "Set cluster.mps=true, or remove cluster.mps_sm_percent.",
+        )
+        _check(
+            not (self.mps and self.ray_address),
+            "cluster.mps",
+            self.mps,
+            f"starts an MPS daemon on this machine for a local Ray, and cluster.ray_address="
+            f"{self.ray_address!r} joins a running cluster",
+            "Start nvidia-cuda-mps-control -d on every node before `ray start` and set cluster.mps=false.",
         )
         for component in self.component_placement:
             _check(

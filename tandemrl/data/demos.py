@@ -73,19 +73,48 @@ def plan_demo(world: dict[str, Entity], record: dict, hops: tuple[Hop, ...], rng
     }
 
 
-def load_demos(path: str | Path, num_demos: int | None = None, seed: int = 0) -> list[dict]:
+def load_demos(
+    path: str | Path,
+    num_demos: int | None = None,
+    seed: int = 0,
+    per_source: dict[str, int] | None = None,
+) -> list[dict]:
     """Demo plans from a demos.jsonl; `num_demos` picks a seeded random subset (the cold-start size knob,
-    kept small so that RL still has room to improve)."""
+    kept small so that RL still has room to improve). `per_source` ({data_source: count}) picks a seeded
+    subset of each named source instead and leaves the others out; the result is shuffled."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
     with open(path, encoding="utf-8") as f:
         demos = [json.loads(line) for line in f if line.strip()]
+    if per_source:
+        return _per_source(demos, per_source, random.Random(seed), path)
     if num_demos is not None:
         if num_demos < 0:
             raise ValueError(f"num_demos={num_demos} must be >= 0 (or None for all demonstrations).")
         demos = random.Random(seed).sample(demos, min(num_demos, len(demos)))
     return demos
+
+
+def _per_source(demos: list[dict], per_source: dict[str, int], rng: random.Random, path: Path) -> list[dict]:
+    by_source: dict[str, list[dict]] = {}
+    for demo in demos:
+        by_source.setdefault(demo.get("data_source", ""), []).append(demo)
+    unknown = sorted(set(per_source) - set(by_source))
+    if unknown:
+        raise ValueError(
+            f"num_demos_per_source names data_source(s) {unknown} that {path} does not hold; "
+            f"its sources are {sorted(by_source)}."
+        )
+    picked = []
+    for source in sorted(per_source):  # sorted: the subset does not depend on the mapping's order
+        pool = by_source[source]
+        count = per_source[source]
+        if count < 0:
+            raise ValueError(f"num_demos_per_source.{source}={count} must be >= 0.")
+        picked += rng.sample(pool, min(count, len(pool)))
+    rng.shuffle(picked)
+    return picked
 
 
 def model_turn_texts(demo: dict) -> list[str]:

@@ -93,7 +93,7 @@ def run_cold_start(config: Any, target: Path) -> None:
     log.info(
         "cold start into %s: %s demonstrations, %d epoch(s), batch %d, lr %g",
         target,
-        sft.num_demos or "all",
+        sft.num_demos_per_source or sft.num_demos or "all",
         sft.num_epochs,
         sft.batch_size,
         sft.lr,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -37,7 +38,19 @@ def process_age_s() -> float:
 def train(config: Any, write_plots: bool = True, started_s: float | None = None) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
     (time.monotonic() at the process start) makes the run log its time to the first step."""
+    from tandemrl.cluster.mps import start_for_run
+
+    mps = start_for_run(config)  # before anything touches CUDA: every CUDA process must find it
+    try:
+        return _train(config, write_plots, started_s)
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def _train(config: Any, write_plots: bool, started_s: float | None) -> Any:
     from tandemrl.cluster.actor_group import ActorGroup
+    from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.config.show import render
@@ -45,6 +58,8 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
     from tandemrl.runner.services import Services, resolve_auto_devices
     from tandemrl.runner.session import run_session
 
+    if not config.cluster.use_ray:
+        os.environ.update(sm_percent_env(config, "actor"))  # the actor trains in this very process
     resolve_auto_devices(config)
     plan = plan_placement(config)
     for line in describe_plan(config, plan):

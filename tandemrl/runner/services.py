@@ -170,6 +170,7 @@ class Services:
 
     def _specs(self) -> tuple[list, list]:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
+        from tandemrl.cluster.mps import sm_percent_env
         from tandemrl.cluster.server_supervisor import ServerSpec
         from tandemrl.engine.http_guard import new_api_key
 
@@ -203,7 +204,13 @@ class Services:
             offset = per_node.get(placement.node, 0)
             per_node[placement.node] = offset + 1
             spec = ServerSpec(
-                kind, index, config, model_path=path, port_offset=offset, api_key=self.engine_api_key
+                kind,
+                index,
+                config,
+                model_path=path,
+                port_offset=offset,
+                api_key=self.engine_api_key,
+                env=sm_percent_env(config, "rollout"),
             )
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote

@@ -46,15 +46,20 @@ def load_sft_samples(config) -> list[TrainSample]:
     from tandemrl.data.home import default_kb_dir
 
     demos = load_demos(
-        sft.demos_path or default_kb_dir() / "demos.jsonl", sft.num_demos, seed=config.data.seed
+        sft.demos_path or default_kb_dir() / "demos.jsonl",
+        sft.num_demos,
+        seed=config.data.seed,
+        per_source=sft.num_demos_per_source,
     )
     rendered = render_demos(config, demos)
     kept = [TrainSample(ids, mask, [0.0] * len(ids)) for ids, mask in rendered if ids]
     log.info(
-        "sft: rendered %d demonstrations, kept %d (dropped %d whose searches missed their fact)",
+        "sft: rendered %d demonstrations, kept %d (dropped %d whose searches missed their fact); kept per "
+        "data_source: %s",
         len(demos),
         len(kept),
         len(demos) - len(kept),
+        kept_per_source(demos, rendered),
     )
     if not kept:
         raise ValueError(
@@ -64,6 +69,17 @@ def load_sft_samples(config) -> list[TrainSample]:
         )
     write_rendered(Path(config.runner.output_dir) / "sft" / "rendered.jsonl", kept)
     return kept
+
+
+def kept_per_source(demos: list[dict], rendered: list[tuple[list[int], list[int]]]) -> str:
+    """`source kept/rendered` per data_source: a 2-hop demo needs both searches to hit, so the mix the
+    cold start trains on can differ from the mix it was asked for."""
+    counts: dict[str, list[int]] = {}
+    for demo, (ids, _) in zip(demos, rendered, strict=True):
+        kept_total = counts.setdefault(demo.get("data_source", "?"), [0, 0])
+        kept_total[0] += bool(ids)
+        kept_total[1] += 1
+    return ", ".join(f"{source} {kept}/{total}" for source, (kept, total) in sorted(counts.items()))
 
 
 def read_rendered(path: str | Path) -> list[TrainSample]:

@@ -159,3 +159,29 @@ def test_load_demos_subset_is_seeded_and_sized(kb):
     assert len(load_demos(kb / "demos.jsonl", num_demos=10**6)) == len(all_demos)
     with pytest.raises(FileNotFoundError, match="tandem prepare kb"):
         load_demos(kb / "missing.jsonl")
+
+
+def test_load_demos_per_source_mix(kb):
+    all_demos = load_demos(kb / "demos.jsonl")
+    sources = sorted({demo["data_source"] for demo in all_demos})
+    assert sources == ["kb_1hop", "kb_2hop"]
+    mix = load_demos(kb / "demos.jsonl", seed=2, per_source={"kb_1hop": 5, "kb_2hop": 30})
+    counts = {s: sum(d["data_source"] == s for d in mix) for s in sources}
+    assert counts == {"kb_1hop": 5, "kb_2hop": 30}
+    assert mix == load_demos(kb / "demos.jsonl", seed=2, per_source={"kb_2hop": 30, "kb_1hop": 5})
+    only = load_demos(kb / "demos.jsonl", per_source={"kb_2hop": 10**6})
+    assert len(only) == sum(d["data_source"] == "kb_2hop" for d in all_demos)
+    with pytest.raises(ValueError, match=r"\['kb_3hop'\].*kb_1hop"):
+        load_demos(kb / "demos.jsonl", per_source={"kb_3hop": 4})
+
+
+def test_sft_config_per_source_mix_errors():
+    from tandemrl.config.errors import ConfigError
+    from tandemrl.config.loader import load_config
+
+    config = load_config(None, ["actor.sft.num_demos_per_source.kb_2hop=40"])
+    assert config.actor.sft.num_demos_per_source == {"kb_2hop": 40}
+    with pytest.raises(ConfigError, match="num_demos_per_source.kb_1hop=-1"):
+        load_config(None, ["actor.sft.num_demos_per_source.kb_1hop=-1"])
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        load_config(None, ["actor.sft.num_demos=10", "actor.sft.num_demos_per_source.kb_1hop=3"])

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
-import os
 import random
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -24,14 +22,22 @@ class GenerationLoad:
     clients live apart from the trainer) keeping `concurrency` /generate requests in flight: random
     prompts, fixed-length answers; it appends "finish-time tokens" lines to a file read here."""
 
-    def __init__(self, url: str, concurrency: int, max_new_tokens: int, vocab: int, prompt_len: int):
+    def __init__(
+        self,
+        url: str,
+        concurrency: int,
+        max_new_tokens: int,
+        vocab: int,
+        prompt_len: int,
+        api_key: str | None = None,
+    ):
         ctx = multiprocessing.get_context("spawn")
         self.path = Path(tempfile.mkdtemp(prefix="tandem-bench-load-")) / "done.txt"
         self.path.touch()
         self._stop = ctx.Event()
         self._proc = ctx.Process(
             target=_load_main,
-            args=(url, concurrency, max_new_tokens, vocab, prompt_len, str(self.path), self._stop),
+            args=(url, concurrency, max_new_tokens, vocab, prompt_len, str(self.path), self._stop, api_key),
             daemon=True,
         )
 
@@ -69,14 +75,14 @@ class GenerationLoad:
         return [err for _, _, err in self.records() if err != "-"]
 
 
-def _load_main(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
-    asyncio.run(_load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop))
+def _load_main(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop, api_key) -> None:
+    asyncio.run(_load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop, api_key))
 
 
-async def _load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop) -> None:
+async def _load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop, api_key) -> None:
     from tandemrl.rollout.client import EngineClient
 
-    client = EngineClient(url)
+    client = EngineClient(url, api_key=api_key)
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
     with open(path, "a", buffering=1) as out:  # line-buffered: the parent reads it while it grows
 
@@ -95,20 +101,3 @@ async def _load(url, concurrency, max_new_tokens, vocab, prompt_len, path, stop)
             await asyncio.gather(*(worker(k) for k in range(concurrency)))
         finally:
             await client.close()
-
-
-def start_mps() -> dict:
-    """A private MPS control daemon (its own pipe/log directories, inherited by the engine process):
-    with it the actor's and the engine's kernels can run concurrently instead of time-sliced."""
-    root = Path(tempfile.mkdtemp(prefix="tandem-bench-mps-"))
-    env = {"CUDA_MPS_PIPE_DIRECTORY": str(root / "pipe"), "CUDA_MPS_LOG_DIRECTORY": str(root / "log")}
-    for path in env.values():
-        Path(path).mkdir()
-    os.environ.update(env)
-    subprocess.run(["nvidia-cuda-mps-control", "-d"], check=True, env={**os.environ})
-    return env
-
-
-def stop_mps(env: dict | None) -> None:
-    if env is not None:
-        subprocess.run(["nvidia-cuda-mps-control"], input=b"quit\n", env={**os.environ}, timeout=30)

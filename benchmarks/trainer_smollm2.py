@@ -41,10 +41,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from engine_load import GenerationLoad, start_mps, stop_mps  # noqa: E402
+from engine_load import GenerationLoad  # noqa: E402
 from model_shapes import SMOLLM2_135M, TINY  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from trainer import write_engine_dir  # noqa: E402
 
+from tandemrl.cluster.mps import MpsDaemon  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.batching import TrainSample  # noqa: E402
 
@@ -76,6 +77,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-new-tokens", type=int, default=None, help="per request (256; tiny 8)")
     p.add_argument("--engine-window-s", type=float, default=None, help="engine-alone window (6; tiny 1)")
     p.add_argument("--mps", action="store_true", help="run actor and engine under a private MPS daemon")
+    p.add_argument(
+        "--engine-sm-percents",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=None,
+        help="with --mps: time 'after' shared once per engine SM cap, e.g. 100,50,25 (cluster.mps_sm_percent)",
+    )
     p.add_argument("--out", default=None, help="results/trainer_smollm2_h200.json (tiny: under /tmp)")
     args = p.parse_args()
     if args.out is None:
@@ -206,7 +213,9 @@ def free_actor(actor, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def start_engine(model_dir: Path, args, device: torch.device):
+def start_engine(model_dir: Path, args, device: torch.device, sm_percent: int | None = None):
+    """The embedded engine as a run starts it; `sm_percent` caps its SMs under MPS (cluster/mps.py)."""
+    from tandemrl.cluster.mps import SM_PERCENT_ENV
     from tandemrl.rollout.engine_process import EngineProcess
 
     rollout = load_config(None, []).rollout
@@ -214,7 +223,10 @@ def start_engine(model_dir: Path, args, device: torch.device):
         rollout.engine.kv_cache_gb = args.kv_cache_gb
     rollout.max_running_requests = max(rollout.max_running_requests, args.engine_concurrency)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
-    return EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
+    engine = EngineProcess.from_rollout(rollout, model_dir, device.type, dtype, seed=0)
+    if sm_percent is not None:
+        engine.env = {**(engine.env or {}), SM_PERCENT_ENV: str(sm_percent)}
+    return engine
 
 
 def profile_step(actor, samples, device: torch.device, top: int = 25) -> dict:
@@ -277,34 +289,74 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
     before = make_actor(model_dir, args, device, *BEFORE)
     variants["before_alone"] = time_variant(before, samples, args, device)
     free_actor(before, device)
-    engine = start_engine(model_dir, args, device)
+    percents = args.engine_sm_percents or [None]
+    engine = start_engine(model_dir, args, device, percents[0])
     started = time.perf_counter()
     with engine:
         engine_startup_s = time.perf_counter() - started
         after = after_variants(args, device, model_dir, samples, variants)
-        vocab = after.hf_model.config.vocab_size
-        prompt_len = min(250, 3 * args.min_len // 8)
-        with GenerationLoad(
-            engine.url, args.engine_concurrency, args.max_new_tokens, vocab, prompt_len
-        ) as load:
-            load.rate_over(args.engine_window_s / 3)  # warm: batches fill, first requests finish
-            engine_alone = load.rate_over(args.engine_window_s)
-            variants["after_shared"] = time_variant(after, samples, args, device, load)
-            if args.shared_before:
-                free_actor(after, device)
-                before = make_actor(model_dir, args, device, *BEFORE)
-                variants["before_shared"] = time_variant(before, samples, args, device, load)
-        errors = load.errors()
-        num_done = len(load.records())
+        shared = {percents[0]: share_gpu(engine, after, samples, args, device, variants)}
+    for percent in percents[1:]:  # the next cap needs a new engine process: MPS reads it at start
+        with start_engine(model_dir, args, device, percent) as engine:
+            shared[percent] = share_gpu(engine, after, samples, args, device)
+    first = shared[percents[0]]
+    variants["after_shared"] = first["variant"]
+    sweep = (
+        [sweep_row(p, shared[p], variants["after_alone"]) for p in percents]
+        if args.engine_sm_percents
+        else []
+    )
     return {
         "variants": variants,
         "engine_startup_s": engine_startup_s,
-        "engine_tokens_per_s_alone": engine_alone,
-        "engine_requests_done": num_done,
-        "engine_errors": errors[:5],
+        "engine_tokens_per_s_alone": first["engine_alone"],
+        "engine_requests_done": first["num_done"],
+        "engine_errors": first["errors"][:5],
         "kv_cache_gb": args.kv_cache_gb,
         "engine_concurrency": args.engine_concurrency,
         "max_new_tokens": args.max_new_tokens,
+        "engine_sm_sweep": sweep,
+        # the cap under which the two together did the most of their alone-rates (share sum)
+        "best_engine_sm_percent": max(sweep, key=lambda r: r["gpu_share_sum"])["engine_sm_percent"]
+        if sweep
+        else None,
+    }
+
+
+def share_gpu(engine, after, samples, args, device: torch.device, variants: dict | None = None) -> dict:
+    """The engine's rate alone, then 'after' while it generates (and 'before', with --shared-before)."""
+    vocab = after.hf_model.config.vocab_size
+    prompt_len = min(250, 3 * args.min_len // 8)
+    load = GenerationLoad(
+        engine.url, args.engine_concurrency, args.max_new_tokens, vocab, prompt_len, engine.api_key
+    )
+    with load:
+        load.rate_over(args.engine_window_s / 3)  # warm: batches fill, first requests finish
+        engine_alone = load.rate_over(args.engine_window_s)
+        variant = time_variant(after, samples, args, device, load)
+        if args.shared_before and variants is not None:
+            before = make_actor(Path(engine.model_path), args, device, *BEFORE)
+            variants["before_shared"] = time_variant(before, samples, args, device, load)
+            free_actor(before, device)
+    return {
+        "engine_alone": engine_alone,
+        "variant": variant,
+        "errors": load.errors(),
+        "num_done": len(load.records()),
+    }
+
+
+def sweep_row(percent: int | None, shared: dict, alone: dict) -> dict:
+    train_share = shared["variant"]["train_tokens_per_s"] / alone["train_tokens_per_s"]
+    engine_share = shared["variant"]["engine_tokens_per_s_during"] / max(shared["engine_alone"], 1e-9)
+    return {
+        "engine_sm_percent": percent or 100,
+        "train_tokens_per_s_shared": shared["variant"]["train_tokens_per_s"],
+        "train_shared_over_alone": train_share,
+        "engine_tokens_per_s_alone": shared["engine_alone"],
+        "engine_tokens_per_s_shared": shared["variant"]["engine_tokens_per_s_during"],
+        "engine_shared_over_alone": engine_share,
+        "gpu_share_sum": train_share + engine_share,
     }
 
 
@@ -329,7 +381,12 @@ def summarise(result: dict) -> dict:
 
 def main() -> int:
     args = parse_args()
-    mps = start_mps() if args.mps and not args.tiny else None  # before this process touches CUDA
+    if args.engine_sm_percents and not args.mps:
+        raise SystemExit("--engine-sm-percents caps the engine's SMs under MPS: add --mps.")
+    mps = None
+    if args.mps and not args.tiny:  # before this process touches CUDA
+        mps = MpsDaemon(Path(tempfile.mkdtemp(prefix="tandem-bench-mps-"))).start()
+        os.environ.update(mps.env)
     use_cuda = not args.tiny and torch.cuda.is_available()
     device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
     if args.tiny:
@@ -343,7 +400,8 @@ def main() -> int:
         try:
             measured = run(args, device, model_dir, samples)
         finally:
-            stop_mps(mps)
+            if mps is not None:
+                mps.stop()
     algorithm = load_config(None, [f"algorithm.n_minibatches={args.n_minibatches}"]).algorithm
     env = " ".join(f"{k}={os.environ[k]}" for k in ("PYTHONPATH", "TANDEM_HOME") if k in os.environ)
     result = {

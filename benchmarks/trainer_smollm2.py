@@ -173,6 +173,12 @@ def time_variant(actor, samples, args, device: torch.device, load=None) -> dict:
         if load is not None:
             rates.append(load.tokens_per_s(start, end))
     tokens = sum(s.num_tokens for s in samples)
+    # progress on stderr as each variant ends, so a run cut short still shows where its time went
+    print(
+        f"[{time.strftime('%T')}] variant done: warm-up {warmup_s:.1f} s, steps {[round(w, 2) for w in wall]} s",
+        file=sys.stderr,
+        flush=True,
+    )
     result = {
         "attn_implementation": actor.hf_model.config._attn_implementation,
         "layout": "padded rows" if actor.is_padded else "packed rows",
@@ -297,6 +303,7 @@ def run(args, device: torch.device, model_dir: Path, samples: list[TrainSample])
         after = after_variants(args, device, model_dir, samples, variants)
         shared = {percents[0]: share_gpu(engine, after, samples, args, device, variants)}
     for percent in percents[1:]:  # the next cap needs a new engine process: MPS reads it at start
+        print(f"[{time.strftime('%T')}] engine with SM cap {percent} %", file=sys.stderr, flush=True)
         with start_engine(model_dir, args, device, percent) as engine:
             shared[percent] = share_gpu(engine, after, samples, args, device)
     first = shared[percents[0]]

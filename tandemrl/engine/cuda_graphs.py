@@ -23,6 +23,7 @@ from tandemrl.engine.model import CausalLM
 from tandemrl.engine.model_runner import ModelRunner, StepResult, flatten_uncached
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
+from tandemrl.metrics.startup import mark
 
 # Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
 
@@ -250,35 +251,26 @@ class FastModelRunner(ModelRunner):
             model, fused, ids, pos, kv_caches, meta, down_split, embeds
         )
         model.rope.keep_table(max_context_len, dtype)  # a step gathers its positions' cos/sin rows
-        from tandemrl.engine.kernel_tuning import tune_decode, tune_down_split, tune_prefill
+        from tandemrl.engine.tuning_cache import choose_kernels
 
-        self.decode_config, self.decode_timings = tune_decode(
+        self.batch_sizes = graph_batch_sizes(max_batch)
+        choices = choose_kernels(
+            model,
             self.kv_caches,
-            model.cfg["num_heads"],
             max_batch,
             min(max_context_len, _TUNE_CONTEXT),
-            block_size,
-        )
-        logger.info("decode attention: %s (timings ms %s)", self.decode_config, self.decode_timings)
-        self.prefill_config, self.prefill_timings = tune_prefill(
-            self.kv_caches[0],
-            model.cfg["num_heads"],
             min(max_prefill_tokens, _TUNE_PREFILL_TOKENS),
-            min(max_context_len, _TUNE_CONTEXT),
             block_size,
+            self.batch_sizes,
+            split_k=os.environ.get("TANDEM_ENGINE_SPLIT_K", "1") != "0",  # "0": cuBLAS alone (A/B timing)
         )
+        self.decode_config, self.decode_timings = choices.decode_config, choices.decode_timings
+        self.prefill_config, self.prefill_timings = choices.prefill_config, choices.prefill_timings
+        self.down_splits, self.down_split_timings = choices.down_splits, choices.down_split_timings
+        cached = f" (from the tuning cache: {', '.join(choices.from_cache)})" if choices.from_cache else ""
+        logger.info("decode attention: %s (timings ms %s)", self.decode_config, self.decode_timings)
         logger.info("prefill attention: %s (timings ms %s)", self.prefill_config, self.prefill_timings)
-        layers = model.model.layers
-        self.batch_sizes = graph_batch_sizes(max_batch)
-        self.down_splits, self.down_split_timings = {}, {}
-        split_k = os.environ.get("TANDEM_ENGINE_SPLIT_K", "1") != "0"  # "0": cuBLAS alone (A/B timing)
-        if split_k and all(layer.mlp.down_proj.bias is None for layer in layers):
-            self.down_splits, self.down_split_timings = tune_down_split(
-                [layer.mlp.down_proj.weight for layer in layers],
-                layers[0].input_layernorm.weight,
-                self.batch_sizes,
-            )
-            logger.info("down projection split-K parts per decode batch size: %s", self.down_splits)
+        logger.info("down projection split-K parts per decode batch size: %s%s", self.down_splits, cached)
         self.seeds = np.random.default_rng(seed)
         # The last launched step's samples, row by row: the next step reads its pending ids from here.
         self.tokens_B = torch.zeros(max_batch, dtype=torch.long, device=device)
@@ -307,6 +299,7 @@ class FastModelRunner(ModelRunner):
             if use_cuda_graphs
             else None
         )
+        mark("engine: CUDA graphs captured" if use_cuda_graphs else "engine: CUDA graphs off")
 
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence]) -> StepResult:

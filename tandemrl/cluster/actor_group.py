@@ -52,6 +52,7 @@ class ActorGroup:
         import ray.util.scheduling_strategies
 
         from tandemrl.cluster.ray_nodes import NodeMap, init_ray
+        from tandemrl.metrics.startup import log_path
 
         init_ray(config)
         nodes = nodes or NodeMap(config, plan)
@@ -78,7 +79,7 @@ class ActorGroup:
             env_vars = {**(env if self.num_ranks > 1 else {}), **sm_percent_env(config, "actor")}
             if env_vars:
                 options["runtime_env"] = {"env_vars": env_vars}
-            self._handles.append(ray.remote(ActorWorker).options(**options).remote(config))
+            self._handles.append(ray.remote(ActorWorker).options(**options).remote(config, log_path()))
             log.info("actor rank %d: node %d (%s)", rank, placement.node, nodes[placement.node].address)
 
     def wait_ready(self) -> ActorGroup:

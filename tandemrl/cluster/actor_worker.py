@@ -16,15 +16,28 @@ log = logging.getLogger(__name__)
 
 
 class ActorWorker:
-    def __init__(self, config: Any):
+    """`startup_log`: the run's start-up timeline file, given to a worker that is a Ray actor (a process of
+    its own, named `actor rank <RANK>` there); an in-process worker marks as its host process."""
+
+    def __init__(self, config: Any, startup_log: str | None = None):
+        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+
+        if startup_log:
+            adopt(startup_log, f"actor rank {os.environ.get('RANK', '0')}")
+            mark_process_started()
+        mark("actor worker init started")
         import torch
 
         from tandemrl.trainer.actor import Actor
 
+        mark("actor: torch and trainer imported")
         if config.actor.device == "cpu" or (config.actor.device == "auto" and not torch.cuda.is_available()):
             # Ray gives a worker OMP_NUM_THREADS=1 (its CPU share); a CPU actor trains on every core
             torch.set_num_threads(os.cpu_count() or 1)
         self.actor = Actor(config)
+        mark("actor built (model loaded, placed, optimizer)")
+        import tandemrl.rollout.weight_sync  # noqa: F401  connect_weight_sync's, here while the servers boot
+
         self._loop = asyncio.new_event_loop()
         self._sender: Any = None
         self._clients: list[Any] = []

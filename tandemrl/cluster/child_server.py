@@ -25,6 +25,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tandemrl.metrics.startup import STARTUP_NAME_ENV, mark
+
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -66,6 +68,7 @@ class ChildServer:
         )
         self.proc: subprocess.Popen | None = None
         self._launched_s = 0.0
+        self.timeline_name: str | None = None  # its name on the start-up timeline (default: `name`)
 
     def server_args(self) -> list[str]:
         raise NotImplementedError
@@ -85,7 +88,9 @@ class ChildServer:
         if self.is_alive():
             return self
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **OFFLINE_ENV, **(self.env or {})}
+        name = self.timeline_name or self.name
+        env = {**os.environ, **OFFLINE_ENV, STARTUP_NAME_ENV: name, **(self.env or {})}
+        mark(f"{name} launch started")
         with open(self.log_path, "ab") as log_file:
             self.proc = subprocess.Popen(
                 self.command(),

@@ -29,6 +29,9 @@ _started_here: list[bool] = []  # whether init_ray connected this process (then 
 
 
 def init_ray(config: Any) -> None:
+    from tandemrl.metrics.startup import mark
+
+    mark("ray import and init started", once=True)
     import ray
 
     if ray.is_initialized():
@@ -48,6 +51,7 @@ def init_ray(config: Any) -> None:
             **local_ray_kwargs(),
         )
         harden_local_ray()  # the token this start may have written
+    mark("ray initialized")
 
 
 def shutdown_ray() -> None:

@@ -27,6 +27,7 @@ class ServerHandle:
         self.is_remote = placement_group is not None
         self.url: str | None = None
         self.node_id: str | None = None  # the Ray node it landed on (remote only), read back from Ray
+        self.pending_launch: Any = None  # a remote launch submitted, its URL not read back yet
 
     def _call(self, method: str, *args: Any) -> Any:
         if not self.is_remote:
@@ -35,11 +36,12 @@ class ServerHandle:
 
         return ray.get(getattr(self.supervisor, method).remote(*args))
 
-    def launch(self) -> Any:
+    def launch(self) -> None:
+        """Spawn the server; a remote one is only submitted (its URL arrives with `ServerGroup.wait`)."""
         if not self.is_remote:
             self.url = self.supervisor.launch()
-            return None
-        return self.supervisor.launch.remote()
+            return
+        self.pending_launch = self.supervisor.launch.remote()
 
     def wait_healthy(self) -> str:
         self.url = self._call("wait_healthy")
@@ -80,7 +82,9 @@ def place_remote(name: str, spec: ServerSpec, node: int, num_gpus: float, nodes:
     group = ray.util.placement_group(bundles, strategy="STRICT_PACK", bundle_label_selector=selectors)
     strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=0)
     remote_cls = ray.remote(**nodes.remote_options(num_gpus))(ServerSupervisor)
-    actor = remote_cls.options(scheduling_strategy=strategy, name=None).remote(spec, nodes.num_nodes > 1)
+    actor = remote_cls.options(scheduling_strategy=strategy, name=None).remote(
+        spec, nodes.num_nodes > 1, True
+    )
     return ServerHandle(name, spec, actor, group)
 
 
@@ -89,28 +93,30 @@ class ServerGroup:
         self.handles = handles
 
     def launch(self) -> None:
-        import_ray = any(h.is_remote for h in self.handles)
-        pending = [h.launch() for h in self.handles]
-        if import_ray:
-            import ray
-
-            urls = ray.get([p for p in pending if p is not None])
-            for handle, url in zip([h for h in self.handles if h.is_remote], urls, strict=True):
-                handle.url = url
+        """Spawn (or, for remote servers, submit) every server; returns at once."""
+        for handle in self.handles:
+            handle.launch()
 
     def wait(self) -> list[str]:
+        """Block until every server answers /health (a remote server's launch errors surface here)."""
+        from tandemrl.metrics.startup import mark
+
         remote = [h for h in self.handles if h.is_remote]
         if remote:
             import ray
 
-            urls = ray.get([h.supervisor.wait_healthy.remote() for h in remote])
-            for handle, url in zip(remote, urls, strict=True):
-                handle.url = url
+            # a Ray actor runs its calls in order: each wait_healthy follows its supervisor's launch
+            healthy = [h.supervisor.wait_healthy.remote() for h in remote]
+            ray.get([h.pending_launch for h in remote if h.pending_launch is not None])
+            for handle, url in zip(remote, ray.get(healthy), strict=True):
+                handle.url, handle.pending_launch = url, None
                 table = ray.util.placement_group_table(handle.placement_group)
                 handle.node_id = table["bundles_to_node_id"][0]
+                mark(f"{handle.name} healthy (seen by the driver)")
         for handle in self.handles:
             if not handle.is_remote:
                 handle.wait_healthy()
+                mark(f"{handle.name} healthy (seen by the driver)")
         return [h.url for h in self.handles]
 
     async def statuses(self) -> list[tuple[bool, int | None]]:

@@ -30,6 +30,11 @@ class ServerSpec:
     port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
     api_key: str | None = None  # the run's key for this server (embedded engine, retrieval)
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
+    startup_log: str | None = None  # the run's start-up timeline file (metrics/startup.py)
+
+    @property
+    def name(self) -> str:
+        return "retrieval server" if self.kind == "retrieval" else f"rollout engine {self.index}"
 
 
 def node_address() -> str:
@@ -72,10 +77,20 @@ def build_server(spec: ServerSpec, host: str) -> Any:
 
 
 class ServerSupervisor:
-    def __init__(self, spec: ServerSpec, multi_node: bool):
+    """`remote`: it runs as a Ray actor (a process of its own), which joins the start-up timeline."""
+
+    def __init__(self, spec: ServerSpec, multi_node: bool, remote: bool = False):
+        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+
         self.spec = spec
+        if remote:
+            adopt(spec.startup_log, f"{spec.name} supervisor")
+            mark_process_started()
         self.server = build_server(spec, node_address() if multi_node else "127.0.0.1")
         self.server.env = {**(self.server.env or {}), **spec.env}
+        self.server.timeline_name = spec.name
+        if remote:
+            mark("supervisor ready")
 
     def launch(self) -> str:
         """Spawn the server; returns its URL (it is not healthy yet)."""

@@ -33,6 +33,7 @@ from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachin
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.stops import StopChecker
+from tandemrl.metrics.startup import mark
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +67,11 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.model, self.hf_config = load_model(config.model_path, self.device, self.dtype)
+        mark("engine: model loaded")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        mark("engine: tokenizer loaded")
         self.stops = StopChecker(self.tokenizer, _eos_ids(config.model_path, self.hf_config, self.tokenizer))
         num_blocks = self._num_blocks()
         if config.enable_prefix_caching:
@@ -95,6 +98,7 @@ class Engine:
         if config.freeze_gc:
             gc.collect()
             gc.freeze()
+        mark("engine ready")
         logger.info(
             "engine ready: %s on %s/%s, %d KV blocks of %d tokens",
             config.model_path,

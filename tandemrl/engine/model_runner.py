@@ -17,6 +17,7 @@ from tandemrl.engine.kv_cache import allocate_kv_caches
 from tandemrl.engine.model import CausalLM
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
+from tandemrl.metrics.startup import mark
 
 
 class StepResult:
@@ -66,6 +67,7 @@ class ModelRunner:
     ):
         self.model, self.block_size, self.device = model, block_size, device
         self.kv_caches = allocate_kv_caches(model.cfg, num_blocks, block_size, dtype, device)
+        mark("engine: KV cache allocated")
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(seed)
         self.last_sampled: dict[str, int] = {}  # the last launch's tokens: the pending ids of the next one

@@ -31,6 +31,7 @@ from tandemrl.engine.http_guard import ENGINE_KEY_ENV, guard_middlewares, key_fr
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
 from tandemrl.engine.sequence import SamplingParams, Sequence
 from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
+from tandemrl.metrics.startup import mark, mark_process_started
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +103,7 @@ class EngineServer:
         app.router.add_get("/metrics", self.server_info)
         app.router.add_get("/get_model_info", self.model_info)
         WeightUpdateRoutes(self.loop, self.weight_update_timeout_s).add_to(app)
+        app.on_startup.append(_mark_starting)
         return app
 
     def _parse_generate(self, body: dict) -> tuple[list[int], SamplingParams]:
@@ -217,6 +219,7 @@ class EngineServer:
                 text=f"engine loop blocked for {busy_s:.0f} s in {self.loop.busy_with} "
                 f"(health_stall_s={self.health_stall_s:g})",
             )
+        mark("first /health answered", once=True)
         return web.Response(text="ok")
 
     async def server_info(self, request: web.Request) -> web.Response:
@@ -246,6 +249,10 @@ class EngineServer:
         )
 
 
+async def _mark_starting(app: web.Application) -> None:
+    mark("HTTP server starting")
+
+
 def _engine_server(args) -> EngineServer:
     """Load the model, start the loop thread, and wrap it in the HTTP server the flags describe."""
     config = EngineConfig(
@@ -272,6 +279,8 @@ def _engine_server(args) -> EngineServer:
 
 def run_serve(args) -> int:
     """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    mark_process_started()
+    mark("modules imported (torch, aiohttp, engine)")
     if not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(
             f"--model {args.model}: no config.json there; pass a Hugging Face model "

@@ -45,6 +45,14 @@ def adopt(path: str | None, name: str | None = None) -> None:
         os.environ[STARTUP_NAME_ENV] = name
 
 
+def begin(path: str | Path, name: str) -> None:
+    """Start a run's timeline in `path` (emptied), this process being `name`; a phase marked `once` in
+    an earlier run of this process counts again."""
+    Path(path).unlink(missing_ok=True)
+    _marked_once.clear()
+    adopt(str(path), name)
+
+
 def process_name() -> str:
     return os.environ.get(STARTUP_NAME_ENV) or f"pid {os.getpid()}"
 

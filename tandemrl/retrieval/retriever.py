@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tandemrl.metrics.startup import mark
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.fusion import FusionParams
 from tandemrl.retrieval.store import MODES, Hit, QdrantStore
@@ -86,16 +87,19 @@ class Retriever:
         self._check_mode(self.mode, need_encoder=False)
         self.fusion = fusion
         self.store = QdrantStore(self.index_dir, qdrant_url or self.meta.qdrant_url, self.meta.collection)
+        mark("retrieval: Qdrant index opened")
         if self.mode != "bm25":
             from tandemrl.retrieval.encoders import Encoder
 
             self.encoder = Encoder.from_name(self.meta.encoder, device=device)
+            mark("retrieval: encoder loaded")
         self.num_passages = self.store.count()
         self.memory = None
         if in_memory if in_memory is not None else self.store.is_local:
             from tandemrl.retrieval.memory import MemoryIndex
 
             self.memory = MemoryIndex.from_store(self.store)
+            mark("retrieval: vectors loaded into memory")
         log.info("retriever on %s: mode %s, %d passages", self.store.location, self.mode, self.num_passages)
 
     def _check_mode(self, mode: str, need_encoder: bool = True) -> None:

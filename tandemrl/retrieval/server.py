@@ -31,6 +31,7 @@ from tandemrl.engine.http_guard import (
     key_from_env,
     too_large_message,
 )
+from tandemrl.metrics.startup import mark, mark_process_started
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.store import Hit
 
@@ -150,6 +151,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI):
         await batcher.start()
+        mark("HTTP server starting")
         try:
             yield
         finally:
@@ -161,6 +163,7 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict:
+        mark("first /health answered", once=True)
         return {
             "status": "ok",
             **info,
@@ -187,6 +190,8 @@ def create_app(
 
 
 def run_serve(args) -> int:
+    mark_process_started()
+    mark("modules imported (fastapi)")
     import uvicorn
 
     from tandemrl.retrieval.fusion import default_fusion
@@ -206,7 +211,9 @@ def run_serve(args) -> int:
     except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
         print(f"tandem serve-retrieval: {error}", file=sys.stderr)
         return 2
+    mark("retriever built (index, encoder)")
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
+    mark("warm-up search done")
     info = {
         "mode": retriever.mode,
         **({"fusion": fusion.method} if retriever.mode == "hybrid" else {}),

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from tandemrl.engine.http_guard import auth_headers
+from tandemrl.metrics.startup import mark
 
 ENGINE_KINDS = ("embedded", "sglang")
 
@@ -183,6 +184,7 @@ class EngineClient(HttpClient):
         }
         if rid is not None:
             body["rid"] = rid
+        mark("first rollout request sent", once=True)
         if self.kind == "embedded":
             body.update(extra or {})
         else:

@@ -40,6 +40,8 @@ class RunContext:
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
     placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on
+    startup_origin: tuple[float, str] | None = None  # (epoch, what it is): the start-up timeline's clock
+    is_first_step_done: bool = False
 
     @property
     def ledger_path(self) -> Path:
@@ -50,6 +52,7 @@ async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple
     """The next hand-off, and how long the actor waited for it (`time/wait_data`)."""
     start_s = time.monotonic()
     handoff = await ctx.driver.next_handoff(ctx.weight_version, pause_admission=pause_admission)
+    mark_first_step(ctx, "generation done (hand-off taken)")
     return handoff, {"time/wait_data": time.monotonic() - start_s}
 
 
@@ -76,6 +79,7 @@ async def train_on(ctx: RunContext, handoff: HandOff) -> dict[str, float]:
     start_s = time.monotonic()
     metrics = dict(await ctx.actor.call("train_step", samples))
     metrics["time/train"] = time.monotonic() - start_s
+    mark_first_step(ctx, "train done")
     return metrics
 
 
@@ -107,6 +111,7 @@ async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]
             await asyncio.gather(*(engine.continue_generation() for engine in ctx.engines))
     ctx.weight_version = weight_version
     ctx.driver.set_weight_version(weight_version)
+    mark_first_step(ctx, "weight sync done")
     if mode == "drain" and not was_paused:
         ctx.driver.resume_admission()
     marks_s.append(time.monotonic())
@@ -227,6 +232,31 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     warn_on_search_errors(ctx, step, metrics)
     ctx.logger.log(step, metrics)
     ctx.last_step_end_s = time.monotonic()
-    if step == ctx.start_step + 1 and ctx.started_s is not None:
+    if step != ctx.start_step + 1:
+        return
+    mark_first_step(ctx, "done")
+    ctx.is_first_step_done = True
+    if ctx.started_s is not None:
         ctx.first_step_s = ctx.last_step_end_s - ctx.started_s
         log.info("time to first step: %.1f s (process start to the end of step %d)", ctx.first_step_s, step)
+    report_startup(ctx)
+
+
+def mark_first_step(ctx: RunContext, phase: str) -> None:
+    """A phase of the run's first step on the start-up timeline (later steps mark nothing)."""
+    if not ctx.is_first_step_done:
+        from tandemrl.metrics.startup import mark
+
+        mark(f"step {ctx.start_step + 1} {phase}")
+
+
+def report_startup(ctx: RunContext) -> None:
+    """Print the start-up timeline and write startup.json (`tandem train` runs; metrics/startup.py)."""
+    from tandemrl.metrics.startup import log_path, report
+
+    path = log_path()
+    if ctx.startup_origin is None or path is None:
+        return
+    origin_epoch, origin = ctx.startup_origin
+    extra = {"time_to_first_step_s": None if ctx.first_step_s != ctx.first_step_s else ctx.first_step_s}
+    report(path, ctx.output_dir, origin_epoch, origin, extra)

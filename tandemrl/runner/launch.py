@@ -2,8 +2,8 @@
 the actor, run, stop all.
 
 Invariant: the order is config and placement plan (errors before anything starts) -> every server
-spawned, then the actor submitted, all booting at once -> wait for all -> runner; teardown is the
-reverse and happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9
+spawned, then the actor submitted, all booting at once -> the driver's own preparation (tokenizer,
+prompts, heavy imports) while they boot -> wait for all -> runner; teardown is the reverse and happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9
 of this process is cleaned up by the run's reaper (cluster/reaper.py). See docs/DESIGN.md.
 """
 
@@ -26,37 +26,57 @@ EXIT_INTERRUPTED = 130
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (the figure `time to first step` counts from)."""
-    try:
-        import psutil
+    """Seconds since this process started (the figure `time to first step` counts from); 0 where the
+    system does not say."""
+    from tandemrl.metrics.startup import process_start_epoch
 
-        return time.time() - psutil.Process().create_time()
-    except ImportError:
-        return time.process_time()
+    started = process_start_epoch()
+    return max(0.0, time.time() - started) if started is not None else 0.0
 
 
 def train(config: Any, write_plots: bool = True, started_s: float | None = None) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
-    (time.monotonic() at the process start) makes the run log its time to the first step."""
+    (time.monotonic() at the process start) makes the run log its time to the first step, and starts
+    the start-up timeline's clock (else it starts at this call)."""
     from tandemrl.cluster.mps import start_for_run
+    from tandemrl.metrics import startup
 
-    mps = start_for_run(config)  # before anything touches CUDA: every CUDA process must find it
+    origin_epoch = time.time() - (time.monotonic() - started_s) if started_s is not None else time.time()
+    output_dir = Path(config.runner.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    saved = {key: os.environ.get(key) for key in (startup.STARTUP_LOG_ENV, startup.STARTUP_NAME_ENV)}
+    startup.begin(output_dir / "startup_marks.jsonl", "driver")
+    if started_s is not None:
+        startup.mark("process started", at=origin_epoch)
+    origin = (origin_epoch, "process start" if started_s is not None else "train() call")
+    mps = None
     try:
-        return _train(config, write_plots, started_s)
+        mps = start_for_run(config)  # before anything touches CUDA: every CUDA process must find it
+        return _train(config, write_plots, started_s, origin)
     finally:
         if mps is not None:
             mps.stop()
+        _restore_env(saved)
 
 
-def _train(config: Any, write_plots: bool, started_s: float | None) -> Any:
+def _restore_env(saved: dict[str, str | None]) -> None:
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _train(config: Any, write_plots: bool, started_s: float | None, origin: tuple[float, str]) -> Any:
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
+    from tandemrl.metrics.startup import mark
     from tandemrl.runner.services import Services, resolve_auto_devices
-    from tandemrl.runner.session import run_session
+    from tandemrl.runner.session import prepare_session, run_session
 
     if not config.cluster.use_ray:
         os.environ.update(sm_percent_env(config, "actor"))  # the actor trains in this very process
@@ -68,22 +88,27 @@ def _train(config: Any, write_plots: bool, started_s: float | None) -> Any:
         "%s runner, output in %s", "async" if config.runner.async_mode else "sync", config.runner.output_dir
     )
     output_dir = Path(config.runner.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "config.yaml").write_text(render(config) + "\n")  # read by `tandem plot`
+    mark("config loaded, placement planned")
     start_s = time.monotonic()
     services, actor = Services(config, plan), None
     try:
         services.launch()
-        actor = ActorGroup(config, plan, services.nodes).wait_ready()
+        actor = ActorGroup(config, plan, services.nodes)
+        mark("actor submitted")
+        prepared = prepare_session(config)  # while the servers and the actor boot
+        actor.wait_ready()
         actor_s = time.monotonic() - start_s
+        mark("actor ready")
         services.wait()
+        mark("all services ready")
         log.info(
             "start-up: actor ready after %.1f s, all services after %.1f s",
             actor_s,
             time.monotonic() - start_s,
         )
         placed = placed_nodes(services, actor)
-        ctx = asyncio.run(run_session(config, services, actor, started_s))
+        ctx = asyncio.run(run_session(config, services, actor, started_s, prepared, origin))
         ctx.placed_nodes = placed
     finally:
         if actor is not None:

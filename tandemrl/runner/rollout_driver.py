@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tandemrl.buffer.rollout_buffer import HandOff, TaskBuffer
+from tandemrl.metrics.startup import mark
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class RolloutDriver:
 
     def _issue(self, prompt: Any) -> None:
         group = self.buffer.issue(prompt, self.weight_version)
+        mark("first group issued", once=True)
         engine_index = min(range(len(self.engines)), key=self._engine_load.__getitem__)
         self._engine_load[engine_index] += 1
         self._tasks[group.issue_id] = asyncio.create_task(
@@ -117,6 +119,7 @@ class RolloutDriver:
             if self._error is not None:
                 return  # the run is failing: leave the group unfinished rather than act on it
             self.buffer.finish(group.issue_id, trajectories, self.weight_version)
+            mark("first group done", once=True)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # re-raised by the runner's next wait

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.schema import ConfigError
+from tandemrl.metrics.startup import log_path as startup_log_path
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +139,8 @@ class Services:
         shutdown_ray()
 
     def launch(self) -> Services:
-        """Spawn every server (local ones first, so they boot while Ray starts); returns at once."""
+        """Spawn every server (local ones first, so they boot while Ray starts; remote ones are submitted
+        to Ray, which starts them while the actor starts); returns at once."""
         from tandemrl.cluster.server_group import ServerGroup
 
         try:
@@ -156,7 +158,7 @@ class Services:
 
     def _launch_remote(self, remote: list) -> None:
         from tandemrl.cluster.ray_nodes import NodeMap, init_ray
-        from tandemrl.cluster.server_group import ServerGroup, place_remote
+        from tandemrl.cluster.server_group import place_remote
 
         init_ray(self.config)
         self.nodes = NodeMap(self.config, self.plan)
@@ -166,7 +168,8 @@ class Services:
             for name, spec, placement in remote
         ]
         self.group.handles += handles
-        ServerGroup(handles).launch()
+        for handle in handles:  # submitted only: the actor is submitted next, and all boot at once
+            handle.launch()
 
     def _specs(self) -> tuple[list, list]:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
@@ -180,7 +183,12 @@ class Services:
         if plan.retrieval is not None:
             self.retrieval_api_key = new_api_key()
             spec = ServerSpec(
-                "retrieval", 0, config, index_dir=index_dir(config), api_key=self.retrieval_api_key
+                "retrieval",
+                0,
+                config,
+                index_dir=index_dir(config),
+                api_key=self.retrieval_api_key,
+                startup_log=startup_log_path(),
             )
             item = ("retrieval server", spec, plan.retrieval)
             (remote if use_ray and plan.retrieval.node != 0 else local).append(item)
@@ -211,6 +219,7 @@ class Services:
                 port_offset=offset,
                 api_key=self.engine_api_key,
                 env=sm_percent_env(config, "rollout"),
+                startup_log=startup_log_path(),
             )
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,45 @@ def train_paths(config: Any, split: str) -> list[str]:
     return split_paths(config, split)
 
 
+@dataclass
+class PreparedSession:
+    """What the driver needs that no service does, built while the services and the actor boot."""
+
+    tokenizer: Any
+    loader: Any  # data.loader.PromptLoader over the train split
+    val_prompts: list[Any]
+
+
+def prepare_session(config: Any) -> PreparedSession:
+    """Load the tokenizer and the prompts, and import what the runner will (TensorBoard's writer, the
+    clients, the agent loop), so none of it stands between the services' readiness and step 1."""
+    from transformers import AutoTokenizer
+
+    from tandemrl.data.loader import PromptLoader, load_prompts
+    from tandemrl.metrics.startup import mark
+
+    mark("driver: transformers imported")
+    tokenizer = AutoTokenizer.from_pretrained(model_path(config))
+    mark("driver: tokenizer loaded")
+    data, runner = config.data, config.runner
+    loader = PromptLoader(train_paths(config, "train"), seed=data.seed, shuffle=data.shuffle)
+    val_prompts = (
+        load_prompts(train_paths(config, "val"), data.val_limit)
+        if runner.val_interval or runner.val_before_train
+        else []
+    )
+    mark("driver: prompts loaded")
+    import torch.utils.tensorboard  # noqa: F401  the metrics logger's writer: seconds to import
+
+    import tandemrl.agent.loop  # noqa: F401
+    import tandemrl.agent.search_tool  # noqa: F401
+    import tandemrl.rollout.client  # noqa: F401
+    import tandemrl.runner.async_runner  # noqa: F401
+
+    mark("driver: runner modules imported")
+    return PreparedSession(tokenizer, loader, val_prompts)
+
+
 def build_driver(
     config: Any,
     engines: list[Any],
@@ -37,11 +77,10 @@ def build_driver(
     tokenizer: Any,
     weight_version: int,
     resume_state: dict | None,
+    loader: Any,
 ) -> RolloutDriver:
-    from tandemrl.data.loader import PromptLoader
     from tandemrl.runner.checkpoint import resume_prompts
 
-    loader = PromptLoader(train_paths(config, "train"), seed=config.data.seed, shuffle=config.data.shuffle)
     feed = PromptFeed(loader, prefetch=config.data.rollout_batch_size)
     if resume_state is not None:
         loader.load_state_dict(resume_state["loader"])
@@ -62,22 +101,28 @@ def build_driver(
 
 
 async def run_session(
-    config: Any, services: Services, actor: Any, started_s: float | None = None
+    config: Any,
+    services: Services,
+    actor: Any,
+    started_s: float | None = None,
+    prepared: PreparedSession | None = None,
+    startup_origin: tuple[float, str] | None = None,
 ) -> RunContext:
     """Run the configured runner to `runner.max_steps`; returns its context (for tests and the demo).
-    `started_s` (time.monotonic() of the process start) makes the first step log the time to reach it."""
-    from transformers import AutoTokenizer
-
+    `started_s` (time.monotonic() of the process start) makes the first step log the time to reach it;
+    `prepared`: `prepare_session`'s result, built while the services booted (else built here);
+    `startup_origin` (epoch, what it is): the start-up timeline is reported after the first step."""
     from tandemrl.agent.search_tool import SearchTool
-    from tandemrl.data.loader import load_prompts
     from tandemrl.metrics.logger import MetricsLogger
+    from tandemrl.metrics.startup import mark
     from tandemrl.rollout.backends import make_client
     from tandemrl.runner.checkpoint import load_resume_state
 
     runner, search_cfg = config.runner, config.tools.search
     output_dir = Path(runner.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = AutoTokenizer.from_pretrained(model_path(config))
+    prepared = prepared or prepare_session(config)
+    tokenizer = prepared.tokenizer
     engines = [
         make_client(config.rollout.backend, url, api_key=services.engine_api_key)
         for url in services.engine_urls
@@ -92,6 +137,7 @@ async def run_session(
         config.rollout.weight_sync_dir or str(output_dir.resolve() / "weight_sync"),
         services.engine_api_key,
     )
+    mark("weight sync connected")
     start_step, resume_state = 0, None
     if runner.resume_from:
         resume_state = load_resume_state(runner.resume_from)
@@ -102,17 +148,15 @@ async def run_session(
         await actor.call("push_weights", weight_version)
     for engine in engines:  # the start of the update timeline that stamps streamed tokens
         engine.mark_weight_version(weight_version)
-    driver = build_driver(config, engines, search, tokenizer, weight_version, resume_state)
-    val_prompts = (
-        load_prompts(train_paths(config, "val"), config.data.val_limit)
-        if runner.val_interval or runner.val_before_train
-        else []
-    )
+    driver = build_driver(config, engines, search, tokenizer, weight_version, resume_state, prepared.loader)
+    val_prompts = prepared.val_prompts
     logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step, is_async=runner.async_mode)
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )
     ctx.started_s = started_s
+    ctx.startup_origin = startup_origin
+    mark("runner starting")
     try:
         await _run_with_watchdog(ctx, services)
     finally:

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tandemrl.config.schema import TandemConfig
+from tandemrl.metrics.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
@@ -101,6 +102,7 @@ class Actor:
         )
         attn = resolve_attn_implementation(config.actor.attn_implementation, self.device, self.compute_dtype)
         hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
+        mark("actor: model weights loaded")
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         self.micro_batch_tokens = resolve_micro_batch_tokens(
             config.actor.micro_batch_tokens, hf_model.config, self.device

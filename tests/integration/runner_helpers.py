@@ -114,3 +114,80 @@ def account(ledger: list[dict], unfinished_issue_ids: set[int]) -> dict[str, set
         "trained_prompts": [by_id[i] for i in trained],
         "issued_prompts": [by_id[i] for i in issued],
     }
+
+
+def check_startup_timeline(output_dir: Path, ray: bool) -> dict[tuple[str, str], float]:
+    """startup.json after a run: the core phases of every process are there, in causal order; returns
+    {(process, phase): seconds}. `ray`: the actor and the engine's supervisor are Ray actors."""
+    report = json.loads((Path(output_dir) / "startup.json").read_text())
+    at = {(row["process"], row["phase"]): row["s"] for row in report["phases"]}
+    seconds = [row["s"] for row in report["phases"]]
+    assert seconds == sorted(seconds), "the timeline is printed in time order"
+    engine, retrieval, driver = "rollout engine 0", "retrieval server", "driver"
+    actor = "actor rank 0" if ray else driver
+    chains = [  # each a sequence of (process, phase) that causality orders
+        [
+            (driver, "config loaded, placement planned"),
+            (driver, f"{engine} launch started") if not ray else (f"{engine} supervisor", "supervisor ready"),
+            (engine, "process started"),
+            (engine, "engine: model loaded"),
+            (engine, "engine: KV cache allocated"),
+            (engine, "engine ready"),
+            (engine, "first /health answered"),
+            (driver, f"{engine} healthy (seen by the driver)"),
+            (driver, "all services ready"),
+        ],
+        [
+            (driver, f"{retrieval} launch started"),
+            (retrieval, "process started"),
+            (retrieval, "retrieval: Qdrant index opened"),
+            (retrieval, "retrieval: encoder loaded"),
+            (retrieval, "warm-up search done"),
+            (retrieval, "first /health answered"),
+            (driver, f"{retrieval} healthy (seen by the driver)"),
+            (driver, "all services ready"),
+        ],
+        [
+            (driver, "actor submitted"),
+            (actor, "actor: model weights loaded"),
+            (actor, "actor built (model loaded, placed, optimizer)"),
+            (driver, "actor ready"),
+            (driver, "all services ready"),
+            (driver, "weight sync connected"),
+            (driver, "runner starting"),
+            (driver, "first rollout request sent"),
+            (driver, "first group done"),
+            (driver, "step 1 generation done (hand-off taken)"),
+            (driver, "step 1 train done"),
+            (driver, "step 1 weight sync done"),
+            (driver, "step 1 done"),
+        ],
+        [
+            (driver, "driver: tokenizer loaded"),
+            (driver, "driver: prompts loaded"),
+            (driver, "runner starting"),
+        ],
+    ]
+    if ray:
+        chains.append(
+            [
+                (driver, "ray import and init started"),
+                (driver, "ray initialized"),
+                (driver, "actor submitted"),
+            ]
+        )
+        chains.append(
+            [
+                (actor, "process started"),
+                (actor, "actor worker init started"),
+                (actor, "actor: model weights loaded"),
+            ]
+        )
+    for chain in chains:
+        missing = [key for key in chain if key not in at]
+        assert not missing, f"phases missing from startup.json: {missing}"
+        times = [at[key] for key in chain]
+        # a process's start is known to a clock tick (10 ms), later than the mark of its launch
+        late = [(chain[i], chain[i + 1]) for i in range(len(chain) - 1) if times[i + 1] < times[i] - 0.02]
+        assert not late, f"phases out of causal order: {late} ({dict(zip(chain, times, strict=True))})"
+    return at

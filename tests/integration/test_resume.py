@@ -14,7 +14,13 @@ from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
 from tandemrl.runner.checkpoint import checkpoint_dir, load_resume_state
 from tandemrl.runner.launch import train
-from tests.integration.runner_helpers import account, read_ledger, small_kb_once, tiny_overrides
+from tests.integration.runner_helpers import (
+    account,
+    check_startup_timeline,
+    read_ledger,
+    small_kb_once,
+    tiny_overrides,
+)
 
 SAVE_LINE = re.compile(
     r"checkpoint step (\d+) saved to .*; (\d+) prompts are open at the save "
@@ -36,6 +42,7 @@ def test_resume_reissues_exactly_the_prompts_open_at_the_save(
     caplog.set_level(logging.INFO, logger="tandemrl")
     first = load_config(None, base + ["runner.max_steps=2", "runner.save_interval=2"])
     ctx1 = train(first, write_plots=False)
+    check_startup_timeline(tmp_path / "run1", ray=True)
 
     saves = [m.groups() for m in map(SAVE_LINE.search, caplog.messages) if m]
     assert len(saves) == 1

@@ -23,6 +23,7 @@ from tests.integration.runner_helpers import (
     DESIGN_METRICS,
     STEP_TIME_METRICS,
     account,
+    check_startup_timeline,
     read_ledger,
     small_kb_once,
     tiny_overrides,
@@ -113,6 +114,7 @@ def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):
         len(sets["issued"]) - len(sets["trained"]) - len(sets["dropped"]),
     )
     assert (tmp_path / "run" / "checkpoints" / "global_step_4" / "data" / "data.pt").is_file()
+    check_startup_timeline(tmp_path / "run", ray=False)
 
 
 @pytest.mark.slow

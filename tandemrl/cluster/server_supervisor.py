@@ -17,6 +17,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandemrl.metrics.startup import log_path as startup_log_path
+
 KINDS = ("embedded", "sglang", "retrieval")
 
 
@@ -30,7 +32,8 @@ class ServerSpec:
     port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
     api_key: str | None = None  # the run's key for this server (embedded engine, retrieval)
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
-    startup_log: str | None = None  # the run's start-up timeline file (metrics/startup.py)
+    # the run's start-up timeline file (metrics/startup.py), which a supervisor in a Ray actor joins
+    startup_log: str | None = field(default_factory=startup_log_path)
 
     @property
     def name(self) -> str:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.schema import ConfigError
-from tandemrl.metrics.startup import log_path as startup_log_path
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +182,7 @@ class Services:
         if plan.retrieval is not None:
             self.retrieval_api_key = new_api_key()
             spec = ServerSpec(
-                "retrieval",
-                0,
-                config,
-                index_dir=index_dir(config),
-                api_key=self.retrieval_api_key,
-                startup_log=startup_log_path(),
+                "retrieval", 0, config, index_dir=index_dir(config), api_key=self.retrieval_api_key
             )
             item = ("retrieval server", spec, plan.retrieval)
             (remote if use_ray and plan.retrieval.node != 0 else local).append(item)
@@ -219,7 +213,6 @@ class Services:
                 port_offset=offset,
                 api_key=self.engine_api_key,
                 env=sm_percent_env(config, "rollout"),
-                startup_log=startup_log_path(),
             )
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote

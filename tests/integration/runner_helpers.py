@@ -123,6 +123,18 @@ def check_startup_timeline(output_dir: Path, ray: bool) -> dict[tuple[str, str],
     at = {(row["process"], row["phase"]): row["s"] for row in report["phases"]}
     seconds = [row["s"] for row in report["phases"]]
     assert seconds == sorted(seconds), "the timeline is printed in time order"
+    for chain in causal_chains(ray):
+        missing = [key for key in chain if key not in at]
+        assert not missing, f"phases missing from startup.json: {missing}"
+        times = [at[key] for key in chain]
+        # a process's start is known to a clock tick (10 ms), later than the mark of its launch
+        late = [(chain[i], chain[i + 1]) for i in range(len(chain) - 1) if times[i + 1] < times[i] - 0.02]
+        assert not late, f"phases out of causal order: {late} ({dict(zip(chain, times, strict=True))})"
+    return at
+
+
+def causal_chains(ray: bool) -> list[list[tuple[str, str]]]:
+    """Sequences of (process, phase) that causality orders, for a run of one engine."""
     engine, retrieval, driver = "rollout engine 0", "retrieval server", "driver"
     actor = "actor rank 0" if ray else driver
     chains = [  # each a sequence of (process, phase) that causality orders
@@ -183,11 +195,4 @@ def check_startup_timeline(output_dir: Path, ray: bool) -> dict[tuple[str, str],
                 (actor, "actor: model weights loaded"),
             ]
         )
-    for chain in chains:
-        missing = [key for key in chain if key not in at]
-        assert not missing, f"phases missing from startup.json: {missing}"
-        times = [at[key] for key in chain]
-        # a process's start is known to a clock tick (10 ms), later than the mark of its launch
-        late = [(chain[i], chain[i + 1]) for i in range(len(chain) - 1) if times[i + 1] < times[i] - 0.02]
-        assert not late, f"phases out of causal order: {late} ({dict(zip(chain, times, strict=True))})"
-    return at
+    return chains

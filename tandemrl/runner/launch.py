@@ -52,6 +52,8 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
     mps = None
     try:
         mps = start_for_run(config)  # before anything touches CUDA: every CUDA process must find it
+        if mps is not None:
+            startup.mark("MPS daemon started")
         return _train(config, write_plots, started_s, origin)
     finally:
         if mps is not None:

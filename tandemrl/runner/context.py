@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -258,5 +259,5 @@ def report_startup(ctx: RunContext) -> None:
     if ctx.startup_origin is None or path is None:
         return
     origin_epoch, origin = ctx.startup_origin
-    extra = {"time_to_first_step_s": None if ctx.first_step_s != ctx.first_step_s else ctx.first_step_s}
+    extra = {"time_to_first_step_s": None if math.isnan(ctx.first_step_s) else ctx.first_step_s}
     report(path, ctx.output_dir, origin_epoch, origin, extra)

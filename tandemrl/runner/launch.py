@@ -3,8 +3,10 @@ the actor, run, stop all.
 
 Invariant: the order is config and placement plan (errors before anything starts) -> every server
 spawned, then the actor submitted, all booting at once -> the driver's own preparation (tokenizer,
-prompts, heavy imports) while they boot -> wait for all -> runner; teardown is the reverse and happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9
-of this process is cleaned up by the run's reaper (cluster/reaper.py). See docs/DESIGN.md.
+prompts, heavy imports) while they boot -> wait for all -> runner; teardown is the reverse and
+happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9 of this
+process is cleaned up by the run's reaper (cluster/reaper.py). Every phase of every process lands on
+the start-up timeline (metrics/startup.py). See docs/DESIGN.md.
 """
 
 from __future__ import annotations

@@ -2,13 +2,15 @@
 # The whole learning experiment on one GPU, as run for benchmarks/results/sync_vs_async_h200.json:
 # prepare the embedded defaults; cold-start candidates side by side, each evaluated, one chosen (it
 # becomes the `coldstart` model); the sync and the async run of the same configuration
-# (benchmarks/sync_vs_async.py); last, the actor's speed alone and next to generation under MPS.
+# (benchmarks/sync_vs_async.py); the time to the first step, a cold and a warm start
+# (benchmarks/time_to_first_step.py); the GPU tests; last, the actor's speed alone and next to
+# generation under MPS. The parts run in that order, the most wanted first.
 #
 #   benchmarks/learning_h200.sh RESULTS_DIR [STEPS] [key=value ...]
 #   CANDIDATES="tag:source=count,source=count ..."  the cold-start mixes (default: the config's mix and
 #                                                   two neighbours, since kb_2hop EM rises steeply with
 #                                                   the number of 2-hop demonstrations)
-#   SKIP="prepare coldstart runs actor"             leaves those parts out (e.g. a second round on a
+#   SKIP="prepare coldstart runs ttfs gputests actor"  leaves those parts out (e.g. a second round on a
 #                                                   machine that already ran some)
 #
 # Cold start: the recipe asks for val EM 0.2-0.45 overall with both question kinds above 0.05, so that
@@ -85,6 +87,19 @@ if [[ $skip != *" runs "* ]]; then
     stamp "sync and async runs, $steps steps each"
     python3 benchmarks/sync_vs_async.py --steps "$steps" --runs-dir "$out/runs" --out "$out/sync_vs_async_h200.json" \
         "$@" > "$out/sync_vs_async.log" 2>&1 || stamp "sync_vs_async failed (see sync_vs_async.log)"
+    pack
+fi
+
+if [[ $skip != *" ttfs "* ]]; then
+    stamp "time to first step, cold and warm"
+    python3 benchmarks/time_to_first_step.py --runs 2 --tag h200 --runs-dir "$out/ttfs" \
+        --out "$out/time_to_first_step_h200.json" > "$out/ttfs.log" 2>&1 || stamp "time_to_first_step failed (see ttfs.log)"
+    pack
+fi
+
+if [[ $skip != *" gputests "* ]]; then
+    stamp "GPU tests"
+    python3 -m pytest -q tests/gpu -m "gpu or not gpu" > "$out/gpu_tests.log" 2>&1 || stamp "GPU tests failed (see gpu_tests.log)"
     pack
 fi
 

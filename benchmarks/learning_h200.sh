@@ -4,13 +4,15 @@
 # becomes the `coldstart` model); the sync and the async run of the same configuration
 # (benchmarks/sync_vs_async.py); the time to the first step, a cold and a warm start
 # (benchmarks/time_to_first_step.py); the GPU tests; last, the actor's speed alone and next to
-# generation under MPS. The parts run in that order, the most wanted first.
+# generation under MPS; and the async run again with `algorithm.off_policy_correction=tis`, compared
+# with the same sync run (sync_vs_async_h200_tis.json). The parts run in that order, the most wanted
+# first.
 #
 #   benchmarks/learning_h200.sh RESULTS_DIR [STEPS] [key=value ...]
 #   CANDIDATES="tag:source=count,source=count ..."  the cold-start mixes (default: the config's mix and
 #                                                   two neighbours, since kb_2hop EM rises steeply with
 #                                                   the number of 2-hop demonstrations)
-#   SKIP="prepare coldstart runs ttfs gputests actor"  leaves those parts out (e.g. a second round on a
+#   SKIP="prepare coldstart runs ttfs gputests actor offpolicy"  leaves those parts out (e.g. a second round on a
 #                                                   machine that already ran some)
 #
 # Cold start: the recipe asks for val EM 0.2-0.45 overall with both question kinds above 0.05, so that
@@ -107,6 +109,13 @@ if [[ $skip != *" actor "* ]]; then
     stamp "actor speed, alone and shared per engine SM cap"
     python3 benchmarks/trainer_smollm2.py --no-ablation --mps --engine-sm-percents 100,50 \
         --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 || stamp "trainer benchmark failed (see trainer.log)"
+fi
+if [[ $skip != *" offpolicy "* ]]; then
+    stamp "async with the tis correction"
+    { python3 benchmarks/sync_vs_async.py --only async --steps "$steps" --runs-dir "$out/runs_tis" \
+          algorithm.off_policy_correction=tis "$@" \
+      && python3 benchmarks/sync_vs_async.py --from-runs "$out/runs/sync" "$out/runs_tis/async" \
+          --out "$out/sync_vs_async_h200_tis.json"; } > "$out/offpolicy.log" 2>&1 || stamp "tis run failed (see offpolicy.log)"
 fi
 stamp "done"
 pack

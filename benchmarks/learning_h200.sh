@@ -96,6 +96,7 @@ if [[ $skip != *" ttfs "* ]]; then
     stamp "time to first step, cold and warm"
     python3 benchmarks/time_to_first_step.py --runs 2 --tag h200 --runs-dir "$out/ttfs" \
         --out "$out/time_to_first_step_h200.json" > "$out/ttfs.log" 2>&1 || stamp "time_to_first_step failed (see ttfs.log)"
+    cp -r "$home/cache/kernel_tuning" "$out/" 2>/dev/null || true  # the choices this GPU's tuning made
     pack
 fi
 

@@ -12,7 +12,10 @@
 #   CANDIDATES="tag:source=count,source=count ..."  the cold-start mixes (default: the config's mix and
 #                                                   two neighbours, since kb_2hop EM rises steeply with
 #                                                   the number of 2-hop demonstrations)
-#   SKIP="prepare coldstart runs ttfs gputests actor offpolicy"  leaves those parts out (e.g. a second round on a
+#   SKIP="prepare coldstart runs ttfs gputests actor offpolicy"  leaves those parts out
+#   SYNC_CFG, ASYNC_CFG, VAL_LIMIT                  the pair's configs (the H200 ones) and the number of
+#                                                   val questions a candidate is judged on (200); with
+#                                                   the CPU configs and tiny sizes the script runs here (e.g. a second round on a
 #                                                   machine that already ran some)
 #
 # Cold start: the recipe asks for val EM 0.2-0.45 overall with both question kinds above 0.05, so that
@@ -26,8 +29,11 @@ set -euo pipefail
 out=${1:?usage: $0 RESULTS_DIR [STEPS] [key=value ...]}
 steps=${2:-60}
 shift $(( $# < 2 ? $# : 2 ))
+overrides=("$@")  # key=value for every sft, eval and train the script runs
 mkdir -p "$out/cs"
-sync_cfg=examples/searchr1/config/smollm2_h200_sync.yaml
+sync_cfg=${SYNC_CFG:-examples/searchr1/config/smollm2_h200_sync.yaml}
+async_cfg=${ASYNC_CFG:-examples/searchr1/config/smollm2_h200_async.yaml}
+pair=(--sync-config "$sync_cfg" --async-config "$async_cfg")
 tandem() { python3 -m tandemrl.cli "$@"; }
 stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
 pack() {
@@ -47,16 +53,19 @@ fi
 candidate() {  # $1 = tag:source=count ...; SFT then greedy val EM, the GPU's memory shared 3 ways
     local tag=${1%%:*} mix=() pair
     for pair in ${1#*:}; do mix+=("actor.sft.num_demos_per_source.${pair%%=*}=${pair#*=}"); done
-    tandem sft "$sync_cfg" "${mix[@]}" actor.micro_batch_tokens=16384 \
-        actor.sft.out_dir="$out/cs/$tag" runner.output_dir="$out/sft_$tag" "${search[@]}" > "$out/sft_$tag.log" 2>&1
+    tandem sft "$sync_cfg" "${mix[@]}" actor.micro_batch_tokens=16384 actor.sft.out_dir="$out/cs/$tag" \
+        runner.output_dir="$out/sft_$tag" "${search[@]}" "${overrides[@]}" > "$out/sft_$tag.log" 2>&1
     tandem eval "$sync_cfg" rollout.model.model_path="$out/cs/$tag" rollout.engine.kv_cache_gb=12 \
-        runner.output_dir="$out/sft_$tag" "${search[@]}" --split val --limit 200 > "$out/eval_$tag.log" 2>&1
+        runner.output_dir="$out/sft_$tag" "${search[@]}" "${overrides[@]}" --split val --limit "${VAL_LIMIT:-200}" \
+        > "$out/eval_$tag.log" 2>&1
 }
 
 cold_start() {
     # one retrieval server for all candidates: Qdrant's local mode lets one process open the index
     local port=18100 retrieval pids=() c
-    tandem serve-retrieval --index "$home/index/kb-seed0-minilm" --port $port > "$out/retrieval.log" 2>&1 &
+    # python itself in the background (not the tandem function's subshell): $! must be the server
+    python3 -m tandemrl.cli serve-retrieval --index "$home/index/kb-seed0-minilm" --port $port \
+        > "$out/retrieval.log" 2>&1 &
     retrieval=$!
     python3 - $port <<'EOF'
 import sys, time, urllib.request
@@ -87,8 +96,8 @@ fi
 
 if [[ $skip != *" runs "* ]]; then
     stamp "sync and async runs, $steps steps each"
-    python3 benchmarks/sync_vs_async.py --steps "$steps" --runs-dir "$out/runs" --out "$out/sync_vs_async_h200.json" \
-        "$@" > "$out/sync_vs_async.log" 2>&1 || stamp "sync_vs_async failed (see sync_vs_async.log)"
+    python3 benchmarks/sync_vs_async.py "${pair[@]}" --steps "$steps" --runs-dir "$out/runs" \
+        --out "$out/sync_vs_async_h200.json" "${overrides[@]}" > "$out/sync_vs_async.log" 2>&1 || stamp "sync_vs_async failed (see sync_vs_async.log)"
     pack
 fi
 
@@ -113,8 +122,8 @@ if [[ $skip != *" actor "* ]]; then
 fi
 if [[ $skip != *" offpolicy "* ]]; then
     stamp "async with the tis correction"
-    { python3 benchmarks/sync_vs_async.py --only async --steps "$steps" --runs-dir "$out/runs_tis" \
-          algorithm.off_policy_correction=tis "$@" \
+    { python3 benchmarks/sync_vs_async.py "${pair[@]}" --only async --steps "$steps" --runs-dir "$out/runs_tis" \
+          "${overrides[@]}" algorithm.off_policy_correction=tis \
       && python3 benchmarks/sync_vs_async.py --from-runs "$out/runs/sync" "$out/runs_tis/async" \
           --out "$out/sync_vs_async_h200_tis.json"; } > "$out/offpolicy.log" 2>&1 || stamp "tis run failed (see offpolicy.log)"
 fi

@@ -36,10 +36,15 @@ async_cfg=${ASYNC_CFG:-examples/searchr1/config/smollm2_h200_async.yaml}
 pair=(--sync-config "$sync_cfg" --async-config "$async_cfg")
 tandem() { python3 -m tandemrl.cli "$@"; }
 stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
-pack() {
-    (cd "$out" && find . -path ./cs -prune -o -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune -o \
-        -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name '*.log' -o -name '*.yaml' \) \
-        -size -2M -print | tar czf small.tgz.tmp -T - && mv small.tgz.tmp small.tgz)
+pack() {  # small.tgz: JSON, metrics, plots, configs and logs; per-trajectory files and weights left out
+    (cd "$out" && find . -path ./cs -prune -o -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune \
+        -o -path '*/trajectories' -prune -o -type f \( -name '*.json' -o -name 'metrics.jsonl' \
+        -o -name 'startup_marks.jsonl' -o -name '*.png' -o -name '*.log' -o -name '*.yaml' \) -size -2M -print \
+        | tar czf small.tgz.tmp -T - && mv small.tgz.tmp small.tgz)
+    if [ "$(stat -c %s "$out/small.tgz")" -gt 15000000 ]; then  # over what a device call returns: JSON only
+        (cd "$out" && find . -path ./cs -prune -o -type f \( -name '*.json' -o -name 'metrics.jsonl' \) -size -2M \
+            -print | tar czf small.tgz -T -)
+    fi
 }
 home=${TANDEM_HOME:-$HOME/.cache/tandemrl}
 skip=" ${SKIP:-} "

@@ -1,30 +1,32 @@
 #!/usr/bin/env bash
-# The whole learning experiment on one GPU, as run for benchmarks/results/sync_vs_async_h200.json:
-# prepare the embedded defaults; cold-start candidates side by side, each evaluated, one chosen (it
-# becomes the `coldstart` model); the sync and the async run of the same configuration
-# (benchmarks/sync_vs_async.py); the time to the first step, a cold and a warm start
-# (benchmarks/time_to_first_step.py); the GPU tests; last, the actor's speed alone and next to
-# generation under MPS; and the async run again with `algorithm.off_policy_correction=tis`, compared
-# with the same sync run (sync_vs_async_h200_tis.json). The parts run in that order, the most wanted
-# first.
+# The whole learning experiment on one GPU, as run for benchmarks/results/sync_vs_async_h200.json. Its
+# parts, in order, the most wanted first:
+#   prepare    the embedded defaults
+#   coldstart  candidates side by side, each evaluated, one chosen; it becomes the `coldstart` model
+#   runs       the sync and the async run of the same configuration (benchmarks/sync_vs_async.py)
+#   ttfs       time to the first step: a fresh machine without and with shipped kernel choices, then a
+#              second start (benchmarks/time_to_first_step.py)
+#   gputests   tests/gpu
+#   actor      the actor's speed alone and next to generation under MPS (benchmarks/trainer_smollm2.py)
+#   offpolicy  the async run again with algorithm.off_policy_correction=tis, against the same sync run
 #
 #   benchmarks/learning_h200.sh RESULTS_DIR [STEPS] [key=value ...]
 #   CANDIDATES="tag:source=count,source=count ..."  the cold-start mixes (default: the config's mix and
-#                                                   two neighbours, since kb_2hop EM rises steeply with
-#                                                   the number of 2-hop demonstrations)
-#   SKIP="prepare coldstart runs ttfs gputests actor offpolicy"  leaves those parts out
-#   SYNC_CFG, ASYNC_CFG, VAL_LIMIT                  the pair's configs (the H200 ones) and the number of
-#                                                   val questions a candidate is judged on (200); with
-#                                                   the CPU configs and tiny sizes the script runs here (e.g. a second round on a
+#                                                   two neighbours: kb_2hop EM rises steeply with the
+#                                                   number of 2-hop demonstrations)
+#   SKIP="prepare coldstart ..."                    leaves those parts out (e.g. a second round on a
 #                                                   machine that already ran some)
+#   SYNC_CFG, ASYNC_CFG, VAL_LIMIT                  the pair's configs (the H200 ones) and how many val
+#                                                   questions a candidate is judged on (200); with the
+#                                                   CPU configs and tiny sizes the script runs on a CPU
 #
 # Cold start: the recipe asks for val EM 0.2-0.45 overall with both question kinds above 0.05, so that
 # both have reward variance within their groups (docs/LEARNING.md). A mix as drawn teaches 1-hop long
 # before the second search of 2-hop, hence 2-hop-heavy mixes (actor.sft.num_demos_per_source);
 # benchmarks/coldstart_choice.py picks the one in the band with the best weakest source.
 # Everything it prints goes to RESULTS_DIR/*.log. RESULTS_DIR/small.tgz, refreshed after every part,
-# holds only the JSON, metrics, plots and logs (no weights, checkpoints or TensorBoard): what to bring
-# back from a machine with a per-file size limit.
+# holds only the JSON, metrics, plots and logs (no weights, checkpoints, TensorBoard or per-trajectory
+# files): what to bring back from a machine that returns small files only.
 set -euo pipefail
 out=${1:?usage: $0 RESULTS_DIR [STEPS] [key=value ...]}
 steps=${2:-60}
@@ -107,10 +109,12 @@ if [[ $skip != *" runs "* ]]; then
 fi
 
 if [[ $skip != *" ttfs "* ]]; then
-    stamp "time to first step, cold and warm"
-    python3 benchmarks/time_to_first_step.py --runs 2 --tag h200 --runs-dir "$out/ttfs" \
-        --out "$out/time_to_first_step_h200.json" > "$out/ttfs.log" 2>&1 || stamp "time_to_first_step failed (see ttfs.log)"
-    cp -r "$home/cache/kernel_tuning" "$out/" 2>/dev/null || true  # the choices this GPU's tuning made
+    stamp "time to first step: a fresh machine without and with shipped kernel choices, then a second start"
+    python3 benchmarks/time_to_first_step.py --config "$async_cfg" --sequence cold,shipped,warm --tag h200 \
+        --runs-dir "$out/ttfs" --out "$out/time_to_first_step_h200.json" "${overrides[@]}" > "$out/ttfs.log" 2>&1 \
+        || stamp "time_to_first_step failed (see ttfs.log)"
+    # the choices this GPU's tuning made, to ship with the package (tandemrl/engine/tuned)
+    python3 -m tandemrl.engine.tuning_cache ship --from "$out/ttfs/run1/tuning" --to "$out/tuned" >> "$out/ttfs.log" 2>&1 || true
     pack
 fi
 

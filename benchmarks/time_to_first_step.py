@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -30,6 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
 DEFAULT_OVERRIDES = ["runner.max_steps=3", "runner.val_interval=0", "runner.val_before_train=false"]
 FIRST_STEP_LINE = re.compile(r"time to first step:? ([0-9.]+) s")
@@ -55,7 +57,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--config", default=str(CONFIG_DIR / "smollm2_h200_async.yaml"))
     parser.add_argument(
-        "--runs", type=int, default=1, help="starts, one after the other (2: cold, then warm)"
+        "--runs", type=int, default=1, help="starts on the machine's own caches, one after the other"
+    )
+    parser.add_argument(
+        "--sequence",
+        default=None,
+        help="instead of --runs, e.g. cold,shipped,warm: cold = empty kernel-tuning and Triton caches and no "
+        "shipped kernel choices (a fresh machine without them); shipped = empty caches with the choices the "
+        "cold run made, shipped (a fresh machine with them); warm = the cold run's caches (a second start)",
     )
     parser.add_argument(
         "--tag", default=None, help="results file suffix (default: h200 or cpu, from the config)"
@@ -69,14 +78,41 @@ def parse_args() -> argparse.Namespace:
     return parser.parse_args()
 
 
-def run_once(config: str, output_dir: Path, overrides: list[str]) -> dict:
+def cache_env(kind: str, output_dir: Path, runs_dir: Path, cold_dir: Path | None) -> dict[str, str]:
+    """The environment a `--sequence` start runs in (see parse_args); {} for the machine's own caches."""
+    from tandemrl.engine import tuning_cache
+
+    if kind == "warm":
+        if cold_dir is None:
+            return {}
+        return {
+            tuning_cache.CACHE_DIR_ENV: str(cold_dir / "tuning"),
+            "TRITON_CACHE_DIR": str(cold_dir / "triton"),
+        }
+    env = {
+        tuning_cache.CACHE_DIR_ENV: str(output_dir / "tuning"),
+        "TRITON_CACHE_DIR": str(output_dir / "triton"),
+    }
+    if kind == "cold":
+        env[tuning_cache.SHIPPED_DIR_ENV] = str(output_dir / "nothing-shipped")
+    elif cold_dir is not None:  # shipped: what the cold run chose, else the package's own choices
+        shipped = runs_dir / "shipped"
+        shutil.rmtree(shipped, ignore_errors=True)
+        tuning_cache.ship(cold_dir / "tuning", shipped)
+        env[tuning_cache.SHIPPED_DIR_ENV] = str(shipped)
+    return env
+
+
+def run_once(config: str, output_dir: Path, overrides: list[str], env: dict[str, str] | None = None) -> dict:
     """One `tandem train` process; returns its wall time, printed time to first step and timeline."""
     shutil.rmtree(output_dir, ignore_errors=True)
     command = [sys.executable, "-m", "tandemrl.cli", "train", config, *DEFAULT_OVERRIDES, *overrides]
     command.append(f"runner.output_dir={output_dir}")
-    print("$", " ".join(command), flush=True)
+    print("$", " ".join(f"{k}={v}" for k, v in (env or {}).items()), " ".join(command), flush=True)
     start_s = time.monotonic()
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
     wall_s = time.monotonic() - start_s
     output = proc.stdout + proc.stderr
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -102,7 +138,9 @@ def milestones(phases: list[dict]) -> dict[str, float]:
 
 
 def print_run(index: int, run: dict) -> None:
-    print(f"\nrun {index}: time to first step {run['time_to_first_step_s']} s (wall {run['wall_s']} s)")
+    print(
+        f"\nrun {index} ({run['start']}): time to first step {run['time_to_first_step_s']} s (wall {run['wall_s']} s)"
+    )
     width = max((len(row["process"]) for row in run["phases"]), default=0)
     for row in run["phases"]:
         print(f"{row['s']:8.2f} s  {row['process']:<{width}}  {row['phase']}")
@@ -118,10 +156,16 @@ def print_run(index: int, run: dict) -> None:
 def main() -> int:
     args = parse_args()
     tag = args.tag or ("h200" if "h200" in Path(args.config).name else "cpu")
-    runs = []
-    for index in range(1, args.runs + 1):
+    runs, cold_dir = [], None
+    kinds = args.sequence.split(",") if args.sequence else ["own caches"] * args.runs
+    for index, kind in enumerate(kinds, start=1):
+        if kind not in ("cold", "shipped", "warm", "own caches"):
+            raise SystemExit(f"--sequence: {kind!r} is not one of cold, shipped, warm")
         output_dir = Path(args.runs_dir) / f"run{index}"
-        runs.append(run_once(args.config, output_dir, args.overrides))
+        env = cache_env(kind, output_dir, Path(args.runs_dir), cold_dir) if args.sequence else {}
+        shutil.rmtree(output_dir, ignore_errors=True)
+        runs.append({"start": kind, **run_once(args.config, output_dir, args.overrides, env)})
+        cold_dir = output_dir if kind == "cold" else cold_dir
         if not args.keep:
             shutil.rmtree(output_dir / "checkpoints", ignore_errors=True)
         print_run(index, runs[-1])

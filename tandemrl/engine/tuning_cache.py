@@ -8,7 +8,13 @@ versions, a hash of the kernels' sources, the tuned shapes and dtype, and the ca
 Invariants: a cache file is written whole or not at all (a temporary file renamed over it); one that
 cannot be read or parsed, whose key is not the one asked for, or whose result is not among today's
 candidates is ignored with a warning and rewritten. `TANDEM_TUNING_CACHE=0` turns the cache off
-(fresh timings every start, as the engine benchmarks want).
+(fresh timings every start, as the engine benchmarks want); `TANDEM_TUNING_CACHE_DIR` moves it.
+
+Shipped choices: a fresh machine has no cache, and its first start pays the timing and the compilation
+of every candidate. `tandemrl/engine/tuned/` holds choices made on known GPUs (`python -m
+tandemrl.engine.tuning_cache ship` writes them from a machine's cache), keyed without the software
+versions and the kernels' hash: any candidate computes the same result, so a choice made by an older
+stack is still correct, only perhaps not the fastest. A local cache entry wins over a shipped one.
 """
 
 from __future__ import annotations
@@ -30,23 +36,35 @@ from tandemrl.metrics.startup import mark
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TANDEM_TUNING_CACHE"
+CACHE_DIR_ENV = "TANDEM_TUNING_CACHE_DIR"
+SHIPPED_DIR_ENV = "TANDEM_TUNED_DIR"
 FORMAT = 1
 KERNEL_SOURCES = ("kernel_tuning.py", "triton_attention.py", "triton_decode.py", "fast_layers.py")
+SOFTWARE_KEYS = ("torch", "cuda", "triton", "kernels_sha256")  # what a shipped choice is not keyed by
 
-stats = {"hits": 0, "misses": 0}  # per process: how many lookups the cache answered / the timing did
+# per process: lookups the local cache answered, the shipped choices answered, and the timing did
+stats = {"hits": 0, "shipped": 0, "misses": 0}
 
 
 def cache_dir() -> Path:
-    return tandem_home() / "cache" / "kernel_tuning"
+    return Path(os.environ.get(CACHE_DIR_ENV) or tandem_home() / "cache" / "kernel_tuning")
+
+
+def shipped_dir() -> Path:
+    return Path(os.environ.get(SHIPPED_DIR_ENV) or Path(__file__).parent / "tuned")
+
+
+def portable(key: dict) -> dict:
+    return {name: value for name, value in key.items() if name not in SOFTWARE_KEYS}
 
 
 def is_enabled() -> bool:
     return os.environ.get(CACHE_ENV, "1") != "0"
 
 
-def cache_path(kind: str, key: dict) -> Path:
+def cache_path(kind: str, key: dict, folder: Path | None = None) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
-    return cache_dir() / f"{kind}-{digest}.json"
+    return (folder or cache_dir()) / f"{kind}-{digest}.json"
 
 
 def _read(path: Path, key: dict, decode: Callable[[Any], Any]) -> tuple[Any, dict] | None:
@@ -90,6 +108,12 @@ def cached(
         found = _read(path, key, decode)
         if found is not None:
             stats["hits"] += 1
+            return found[0], found[1], True
+        general = portable(key)
+        found = _read(cache_path(kind, general, shipped_dir()), general, decode)
+        if found is not None:
+            stats["shipped"] += 1
+            logger.info("kernel tuning: %s choice shipped for this GPU and these shapes (%s)", kind, found[0])
             return found[0], found[1], True
     stats["misses"] += 1
     result, timings = compute()
@@ -198,3 +222,44 @@ def choose_kernels(
     choices.down_splits, choices.down_split_timings = splits, split_timings
     choices.from_cache += ["down_split"] if split_hit else []
     return choices
+
+
+def ship(source: Path, target: Path) -> list[Path]:
+    """Copy every usable cache file of `source` into `target` as a shipped choice (keyed without the
+    software versions, which are kept beside the result as `tuned_with`); returns the files written."""
+    written = []
+    for path in sorted(source.glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            kind, key = path.name.split("-", 1)[0], data["key"]
+            general = portable(key)
+            body = {"format": FORMAT, "key": general, "result": data["result"], "timings": data["timings"]}
+            body["tuned_with"] = {name: key[name] for name in SOFTWARE_KEYS if name in key}
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            logger.warning("not shipping %s: %s", path, error)
+            continue
+        out = cache_path(kind, general, target)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(body, indent=1, sort_keys=True) + "\n")
+        written.append(out)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="ship this machine's kernel choices with the package")
+    parser.add_argument("action", choices=["ship"])
+    parser.add_argument(
+        "--from", dest="source", default=None, help="a cache folder (default: this machine's)"
+    )
+    parser.add_argument("--to", dest="target", default=None, help="default: tandemrl/engine/tuned")
+    args = parser.parse_args(argv)
+    source = Path(args.source) if args.source else cache_dir()
+    written = ship(source, Path(args.target) if args.target else shipped_dir())
+    print(f"shipped {len(written)} kernel choice(s) from {source}: " + ", ".join(p.name for p in written))
+    return 0 if written else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -105,3 +105,52 @@ def test_turned_off_it_times_every_call_and_writes_nothing(home, monkeypatch):
     tuning_cache.cached("decode", KEY, timer)
     tuning_cache.cached("decode", KEY, timer)
     assert timer.calls == 2 and not (home / "cache").exists()
+
+
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    folder = tmp_path / "tuned"
+    monkeypatch.setenv(tuning_cache.SHIPPED_DIR_ENV, str(folder))
+    return folder
+
+
+def test_shipped_choices_answer_a_fresh_machine_with_another_software_stack(home, shipped, tmp_path):
+    timer = Timer(Tile(32, 2))
+    codec = tuning_cache._config_codec((Tile(64, 4), Tile(32, 2)))
+    tuning_cache.cached("decode", KEY, timer, *codec)
+    written = tuning_cache.ship(tuning_cache.cache_dir(), shipped)
+    assert len(written) == 1 and json.loads(written[0].read_text())["tuned_with"] == {"torch": "2.13.0"}
+    fresh = tmp_path / "fresh-cache"  # another machine: an empty cache, a newer torch
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(tuning_cache.CACHE_DIR_ENV, str(fresh))
+        before = dict(tuning_cache.stats)
+        result, _, answered = tuning_cache.cached("decode", {**KEY, "torch": "2.14.0"}, timer, *codec)
+        assert (result, answered, timer.calls) == (Tile(32, 2), True, 1)
+        assert tuning_cache.stats["shipped"] == before["shipped"] + 1
+        # another GPU, or a choice no longer among the candidates: timed on this machine
+        tuning_cache.cached("decode", {**KEY, "gpu": "NVIDIA B200"}, timer, *codec)
+        assert timer.calls == 2
+        narrower = tuning_cache._config_codec((Tile(64, 4),))
+        later = Timer(Tile(64, 4))
+        assert tuning_cache.cached("decode", {**KEY, "torch": "2.15.0"}, later, *narrower)[0] == Tile(64, 4)
+        assert later.calls == 1
+
+
+def test_a_local_cache_entry_wins_over_a_shipped_one(home, shipped):
+    tuning_cache.cached("prefill", KEY, Timer(5))
+    tuning_cache.ship(tuning_cache.cache_dir(), shipped)
+    tuning_cache.cache_path("prefill", KEY).unlink()
+    assert tuning_cache.cached("prefill", KEY, Timer(6))[:3:2] == (5, True)  # the shipped one
+    local = tuning_cache.cache_path("prefill", KEY)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_text(json.dumps({"format": 1, "key": KEY, "result": 9, "timings": {}}))
+    assert tuning_cache.cached("prefill", KEY, Timer(6))[0] == 9
+
+
+def test_ship_command_reports_what_it_wrote(home, shipped, capsys):
+    assert tuning_cache.main(["ship"]) == 1  # nothing cached yet
+    tuning_cache.cached("decode", KEY, Timer(1))
+    (tuning_cache.cache_dir() / "decode-broken.json").write_text("{oops")
+    assert tuning_cache.main(["ship"]) == 0
+    out = capsys.readouterr().out
+    assert "shipped 1 kernel choice(s)" in out and len(list(shipped.glob("decode-*.json"))) == 1

@@ -7,7 +7,8 @@
 #   ttfs       time to the first step: a fresh machine without and with shipped kernel choices, then a
 #              second start (benchmarks/time_to_first_step.py)
 #   gputests   tests/gpu
-#   actor      the actor's speed alone and next to generation under MPS (benchmarks/trainer_smollm2.py)
+#   actor      the actor's speed alone (also compiled, and its top kernels) and next to generation under
+#              MPS per engine SM cap (benchmarks/trainer_smollm2.py)
 #   offpolicy  the async run again with algorithm.off_policy_correction=tis, against the same sync run
 #
 #   benchmarks/learning_h200.sh RESULTS_DIR [STEPS] [key=value ...]
@@ -126,7 +127,7 @@ fi
 
 if [[ $skip != *" actor "* ]]; then
     stamp "actor speed, alone and shared per engine SM cap"
-    python3 benchmarks/trainer_smollm2.py --no-ablation --mps --engine-sm-percents 100,50 \
+    python3 benchmarks/trainer_smollm2.py --no-ablation --profile --compile-variant --mps --engine-sm-percents 100,50 \
         --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 || stamp "trainer benchmark failed (see trainer.log)"
 fi
 if [[ $skip != *" offpolicy "* ]]; then

@@ -25,6 +25,7 @@
 # both have reward variance within their groups (docs/LEARNING.md). A mix as drawn teaches 1-hop long
 # before the second search of 2-hop, hence 2-hop-heavy mixes (actor.sft.num_demos_per_source);
 # benchmarks/coldstart_choice.py picks the one in the band with the best weakest source.
+# Each part after the cold start has a time limit, so that one that hangs does not cost the rest.
 # Everything it prints goes to RESULTS_DIR/*.log. RESULTS_DIR/small.tgz, refreshed after every part,
 # holds only the JSON, metrics, plots and logs (no weights, checkpoints, TensorBoard or per-trajectory
 # files): what to bring back from a machine that returns small files only.
@@ -104,14 +105,14 @@ fi
 
 if [[ $skip != *" runs "* ]]; then
     stamp "sync and async runs, $steps steps each"
-    python3 benchmarks/sync_vs_async.py "${pair[@]}" --steps "$steps" --runs-dir "$out/runs" \
+    timeout 1500 python3 benchmarks/sync_vs_async.py "${pair[@]}" --steps "$steps" --runs-dir "$out/runs" \
         --out "$out/sync_vs_async_h200.json" "${overrides[@]}" > "$out/sync_vs_async.log" 2>&1 || stamp "sync_vs_async failed (see sync_vs_async.log)"
     pack
 fi
 
 if [[ $skip != *" ttfs "* ]]; then
     stamp "time to first step: a fresh machine without and with shipped kernel choices, then a second start"
-    python3 benchmarks/time_to_first_step.py --config "$async_cfg" --sequence cold,shipped,warm --tag h200 \
+    timeout 600 python3 benchmarks/time_to_first_step.py --config "$async_cfg" --sequence cold,shipped,warm --tag h200 \
         --runs-dir "$out/ttfs" --out "$out/time_to_first_step_h200.json" "${overrides[@]}" > "$out/ttfs.log" 2>&1 \
         || stamp "time_to_first_step failed (see ttfs.log)"
     # the choices this GPU's tuning made, to ship with the package (tandemrl/engine/tuned)
@@ -121,18 +122,18 @@ fi
 
 if [[ $skip != *" gputests "* ]]; then
     stamp "GPU tests"
-    python3 -m pytest -q tests/gpu -m "gpu or not gpu" > "$out/gpu_tests.log" 2>&1 || stamp "GPU tests failed (see gpu_tests.log)"
+    timeout 600 python3 -m pytest -q tests/gpu -m "gpu or not gpu" > "$out/gpu_tests.log" 2>&1 || stamp "GPU tests failed (see gpu_tests.log)"
     pack
 fi
 
 if [[ $skip != *" actor "* ]]; then
     stamp "actor speed, alone and shared per engine SM cap"
-    python3 benchmarks/trainer_smollm2.py --no-ablation --profile --compile-variant --mps --engine-sm-percents 100,50 \
+    timeout 480 python3 benchmarks/trainer_smollm2.py --no-ablation --profile --compile-variant --mps --engine-sm-percents 100,50 \
         --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 || stamp "trainer benchmark failed (see trainer.log)"
 fi
 if [[ $skip != *" offpolicy "* ]]; then
     stamp "async with the tis correction"
-    { python3 benchmarks/sync_vs_async.py "${pair[@]}" --only async --steps "$steps" --runs-dir "$out/runs_tis" \
+    { timeout 900 python3 benchmarks/sync_vs_async.py "${pair[@]}" --only async --steps "$steps" --runs-dir "$out/runs_tis" \
           "${overrides[@]}" algorithm.off_policy_correction=tis \
       && python3 benchmarks/sync_vs_async.py --from-runs "$out/runs/sync" "$out/runs_tis/async" \
           --out "$out/sync_vs_async_h200_tis.json"; } > "$out/offpolicy.log" 2>&1 || stamp "tis run failed (see offpolicy.log)"

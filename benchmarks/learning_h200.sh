@@ -50,6 +50,19 @@ pack() {  # small.tgz: JSON, metrics, plots, configs and logs; per-trajectory fi
             -print | tar czf small.tgz -T -)
     fi
 }
+limit() {  # limit SECONDS CMD...: CMD in a process group of its own, stopped whole after SECONDS (a run's
+    # tandem train with it; the run's reaper then stops its Ray, servers and MPS daemon)
+    local seconds=$1 pid watchdog rc
+    shift
+    setsid "$@" &
+    pid=$!
+    ( sleep "$seconds"; kill -TERM -- "-$pid" 2>/dev/null; sleep 20; kill -KILL -- "-$pid" 2>/dev/null ) &
+    watchdog=$!
+    rc=0
+    wait "$pid" || rc=$?
+    kill "$watchdog" 2>/dev/null || true
+    return $rc
+}
 home=${TANDEM_HOME:-$HOME/.cache/tandemrl}
 skip=" ${SKIP:-} "
 candidates=${CANDIDATES:-"m200_1000:kb_1hop=200,kb_2hop=1000 m200_900:kb_1hop=200,kb_2hop=900 m200_1200:kb_1hop=200,kb_2hop=1200"}
@@ -105,14 +118,14 @@ fi
 
 if [[ $skip != *" runs "* ]]; then
     stamp "sync and async runs, $steps steps each"
-    timeout 1500 python3 benchmarks/sync_vs_async.py "${pair[@]}" --steps "$steps" --runs-dir "$out/runs" \
+    limit 1500 python3 benchmarks/sync_vs_async.py "${pair[@]}" --steps "$steps" --runs-dir "$out/runs" \
         --out "$out/sync_vs_async_h200.json" "${overrides[@]}" > "$out/sync_vs_async.log" 2>&1 || stamp "sync_vs_async failed (see sync_vs_async.log)"
     pack
 fi
 
 if [[ $skip != *" ttfs "* ]]; then
     stamp "time to first step: a fresh machine without and with shipped kernel choices, then a second start"
-    timeout 600 python3 benchmarks/time_to_first_step.py --config "$async_cfg" --sequence cold,shipped,warm --tag h200 \
+    limit 600 python3 benchmarks/time_to_first_step.py --config "$async_cfg" --sequence cold,shipped,warm --tag h200 \
         --runs-dir "$out/ttfs" --out "$out/time_to_first_step_h200.json" "${overrides[@]}" > "$out/ttfs.log" 2>&1 \
         || stamp "time_to_first_step failed (see ttfs.log)"
     # the choices this GPU's tuning made, to ship with the package (tandemrl/engine/tuned)
@@ -122,18 +135,18 @@ fi
 
 if [[ $skip != *" gputests "* ]]; then
     stamp "GPU tests"
-    timeout 600 python3 -m pytest -q tests/gpu -m "gpu or not gpu" > "$out/gpu_tests.log" 2>&1 || stamp "GPU tests failed (see gpu_tests.log)"
+    limit 600 python3 -m pytest -q tests/gpu -m "gpu or not gpu" > "$out/gpu_tests.log" 2>&1 || stamp "GPU tests failed (see gpu_tests.log)"
     pack
 fi
 
 if [[ $skip != *" actor "* ]]; then
     stamp "actor speed, alone and shared per engine SM cap"
-    timeout 480 python3 benchmarks/trainer_smollm2.py --no-ablation --profile --compile-variant --mps --engine-sm-percents 100,50 \
+    limit 480 python3 benchmarks/trainer_smollm2.py --no-ablation --profile --compile-variant --mps --engine-sm-percents 100,50 \
         --out "$out/trainer_smollm2_h200.json" > "$out/trainer.log" 2>&1 || stamp "trainer benchmark failed (see trainer.log)"
 fi
 if [[ $skip != *" offpolicy "* ]]; then
     stamp "async with the tis correction"
-    { timeout 900 python3 benchmarks/sync_vs_async.py "${pair[@]}" --only async --steps "$steps" --runs-dir "$out/runs_tis" \
+    { limit 900 python3 benchmarks/sync_vs_async.py "${pair[@]}" --only async --steps "$steps" --runs-dir "$out/runs_tis" \
           "${overrides[@]}" algorithm.off_policy_correction=tis \
       && python3 benchmarks/sync_vs_async.py --from-runs "$out/runs/sync" "$out/runs_tis/async" \
           --out "$out/sync_vs_async_h200_tis.json"; } > "$out/offpolicy.log" 2>&1 || stamp "tis run failed (see offpolicy.log)"

@@ -40,13 +40,15 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
     (time.monotonic() at the process start) makes the run log its time to the first step, and starts
     the start-up timeline's clock (else it starts at this call)."""
-    from tandemrl.cluster.mps import start_for_run
+    from tandemrl.cluster.mps import LOG_ENV, PIPE_ENV, SM_PERCENT_ENV, start_for_run
     from tandemrl.metrics import startup
 
     origin_epoch = time.time() - (time.monotonic() - started_s) if started_s is not None else time.time()
     output_dir = Path(config.runner.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    saved = {key: os.environ.get(key) for key in (startup.STARTUP_LOG_ENV, startup.STARTUP_NAME_ENV)}
+    # what the run puts in this process's environment for its children, given back when it ends
+    run_env = (startup.STARTUP_LOG_ENV, startup.STARTUP_NAME_ENV, PIPE_ENV, LOG_ENV, SM_PERCENT_ENV)
+    saved = {key: os.environ.get(key) for key in run_env}
     startup.begin(output_dir / "startup_marks.jsonl", "driver")
     if started_s is not None:
         startup.mark("process started", at=origin_epoch)

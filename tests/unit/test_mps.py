@@ -141,3 +141,26 @@ def test_engine_server_gets_its_cap(tmp_path):
 def test_mps_keys_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_train_stops_its_daemon_and_gives_the_environment_back_on_error(fake_control, tmp_path, monkeypatch):
+    from tandemrl.runner.launch import train
+
+    for key in (PIPE_ENV, SM_PERCENT_ENV):
+        monkeypatch.delenv(key, raising=False)
+    config = load_config(
+        None,
+        [
+            "runner.async_mode=true",
+            "agentloop.task_name=searchr1",
+            "cluster.use_ray=false",
+            "cluster.mps=true",
+            "cluster.mps_sm_percent.actor=60",
+            f"rollout.model.model_path={tmp_path / 'no-such-model'}",
+            f"runner.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    with pytest.raises(ConfigError, match="no-such-model"):
+        train(config, write_plots=False)
+    assert [line.split()[0] for line in fake_control.read_text().splitlines()] == ["start", "quit"]
+    assert PIPE_ENV not in os.environ and SM_PERCENT_ENV not in os.environ

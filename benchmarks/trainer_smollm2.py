@@ -370,16 +370,15 @@ def sweep_row(percent: int | None, shared: dict, alone: dict) -> dict:
 def summarise(result: dict) -> dict:
     v = result["variants"]
     tps = {name: v[name]["train_tokens_per_s"] for name in v}
-    engine_share = v["after_shared"]["engine_tokens_per_s_during"] / max(
-        result["engine_tokens_per_s_alone"], 1e-9
-    )
+    shared = {"variant": v["after_shared"], "engine_alone": result["engine_tokens_per_s_alone"]}
+    share = sweep_row(None, shared, v["after_alone"])
     summary = {
         "speedup_after_vs_before_alone": tps["after_alone"] / tps["before_alone"],
-        "shared_over_alone_after": tps["after_shared"] / tps["after_alone"],
-        "engine_shared_over_alone": engine_share,
+        "shared_over_alone_after": share["train_shared_over_alone"],
+        "engine_shared_over_alone": share["engine_shared_over_alone"],
         # ~1: the two processes split the GPU's time (time-slicing); < 1: sharing itself costs
         # (context switches, host or memory contention); > 1: their kernels overlap (MPS)
-        "gpu_share_sum_after": tps["after_shared"] / tps["after_alone"] + engine_share,
+        "gpu_share_sum_after": share["gpu_share_sum"],
     }
     if "before_shared" in v:
         summary["shared_over_alone_before"] = tps["before_shared"] / tps["before_alone"]

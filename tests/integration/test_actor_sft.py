@@ -11,6 +11,7 @@ import torch
 import yaml
 
 from tandemrl.trainer.actor import Actor
+from tandemrl.trainer.sft import write_rendered
 from tests.integration.trainer_helpers import actor_config, make_samples
 
 
@@ -47,12 +48,7 @@ def test_tandem_sft_on_rendered_samples_writes_hf_model(tiny_llama_dir, tmp_path
 
     torch.set_num_threads(1)
     rendered = tmp_path / "rendered.jsonl"
-    rendered.write_text(
-        "".join(
-            json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
-            for s in make_samples(seed=5, num_samples=6)
-        )
-    )
+    write_rendered(rendered, make_samples(seed=5, num_samples=6))  # the file `tandem sft` writes
     config = {
         "runner": {"output_dir": str(tmp_path / "run")},
         "actor": {

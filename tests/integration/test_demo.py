@@ -13,6 +13,7 @@ import yaml
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
 from tandemrl.runner.demo import ensure_cold_start, is_model_dir, step_rewards
+from tandemrl.trainer.sft import write_rendered
 from tests.integration.trainer_helpers import make_samples
 
 WEIGHT = "model.layers.0.mlp.up_proj.weight"
@@ -20,12 +21,7 @@ WEIGHT = "model.layers.0.mlp.up_proj.weight"
 
 def _demo_config(tmp_path, tiny_dir, model_path="coldstart"):
     rendered = tmp_path / "rendered.jsonl"
-    rendered.write_text(
-        "".join(
-            json.dumps({"input_ids": s.input_ids, "loss_mask": s.loss_mask}) + "\n"
-            for s in make_samples(seed=7, num_samples=6)
-        )
-    )
+    write_rendered(rendered, make_samples(seed=7, num_samples=6))  # the file `tandem sft` writes
     config = {
         "runner": {"output_dir": str(tmp_path / "run")},
         "rollout": {"model": {"model_path": model_path}, "device": "cpu"},

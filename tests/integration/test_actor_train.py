@@ -65,6 +65,21 @@ def _minibatch_grads(actor: Actor, samples) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in actor.hf_model.named_parameters()}
 
 
+def _assert_same_update(reference: Actor, other: Actor, samples, rel: float, keys: tuple, abs_tol: float):
+    """`other` computes `reference`'s minibatch gradients (within `rel` of their largest entry) and the
+    same step metrics `keys` (within `rel` / `abs_tol`)."""
+    g_reference, g_other = _minibatch_grads(reference, samples), _minibatch_grads(other, samples)
+    scale = max(g.abs().max().item() for g in g_reference.values())
+    assert _max_diff(g_reference, g_other) < rel * scale
+    reference.optimizer.zero_grad(set_to_none=True)
+    other.optimizer.zero_grad(set_to_none=True)
+    m_reference, m_other = reference.train_step(samples), other.train_step(samples)
+    for key in keys:
+        assert m_other[f"train/actor/{key}"] == pytest.approx(
+            m_reference[f"train/actor/{key}"], rel=rel, abs=abs_tol
+        )
+
+
 def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_dir):
     """The packed varlen path (one row per micro-batch, per-sample attention; on CPU its sdpa
     reference) gives the gradient and the step metrics of the padded-rows sdpa path."""
@@ -76,16 +91,7 @@ def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_di
     )
     assert padded.is_padded and not varlen.is_padded
     assert len(varlen._plan(samples)) < len(padded._plan(samples))  # packing: fewer forwards
-    g_padded, g_varlen = _minibatch_grads(padded, samples), _minibatch_grads(varlen, samples)
-    scale = max(g.abs().max().item() for g in g_padded.values())
-    assert _max_diff(g_padded, g_varlen) < 1e-5 * scale
-    padded.optimizer.zero_grad(set_to_none=True)
-    varlen.optimizer.zero_grad(set_to_none=True)
-    m_padded, m_varlen = padded.train_step(samples), varlen.train_step(samples)
-    for key in ("loss", "entropy", "grad_norm", "approx_kl"):
-        assert m_varlen[f"train/actor/{key}"] == pytest.approx(
-            m_padded[f"train/actor/{key}"], rel=1e-5, abs=1e-7
-        )
+    _assert_same_update(padded, varlen, samples, 1e-5, ("loss", "entropy", "grad_norm", "approx_kl"), 1e-7)
 
 
 def test_fused_rms_norm_gives_the_loss_and_grads_of_hf_norms(tiny_llama_dir):
@@ -98,16 +104,7 @@ def test_fused_rms_norm_gives_the_loss_and_grads_of_hf_norms(tiny_llama_dir):
     norms = [m for m in fused.hf_model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 5 and all("forward" in vars(m) for m in norms)  # 2 per layer + the final one
     assert not any("forward" in vars(m) for m in plain.hf_model.modules())
-    g_plain, g_fused = _minibatch_grads(plain, samples), _minibatch_grads(fused, samples)
-    scale = max(g.abs().max().item() for g in g_plain.values())
-    assert _max_diff(g_plain, g_fused) < 1e-6 * scale
-    plain.optimizer.zero_grad(set_to_none=True)
-    fused.optimizer.zero_grad(set_to_none=True)
-    m_plain, m_fused = plain.train_step(samples), fused.train_step(samples)
-    for key in ("loss", "entropy", "grad_norm"):
-        assert m_fused[f"train/actor/{key}"] == pytest.approx(
-            m_plain[f"train/actor/{key}"], rel=1e-6, abs=1e-8
-        )
+    _assert_same_update(plain, fused, samples, 1e-6, ("loss", "entropy", "grad_norm"), 1e-8)
 
 
 @pytest.mark.slow

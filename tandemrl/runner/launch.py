@@ -177,6 +177,11 @@ def interrupted_line(config: Any, signum: int) -> str:
     )
 
 
+def _report_interrupted(config: Any, received: list[int]) -> int:
+    print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
+    return EXIT_INTERRUPTED
+
+
 def run_train(args: Any) -> int:
     from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
     from tandemrl.cluster.reaper import start_reaper
@@ -191,17 +196,25 @@ def run_train(args: Any) -> int:
         received.append(signum)
         signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
     start_reaper()
     try:
         ctx = train(config, started_s=time.monotonic() - process_age_s())
     except KeyboardInterrupt:
-        print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except (ServiceDiedError, DroppedGroupsLimitError) as error:
-        print(f"tandem train: {error}", file=sys.stderr)
-        return 1
+        return _report_interrupted(config, received)
+    except Exception as error:
+        if received:
+            # Ctrl-C reaches the servers too: a request they dropped can fail the run before (or
+            # instead of) the KeyboardInterrupt, which a finalizer running the handler swallows.
+            log.debug("after %s the run ended with %r", signal.Signals(received[0]).name, error)
+            return _report_interrupted(config, received)
+        if isinstance(error, (ServiceDiedError, DroppedGroupsLimitError)):
+            print(f"tandem train: {error}", file=sys.stderr)
+            return 1
+        raise
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     output_dir = Path(config.runner.output_dir)
     print(
         f"tandem train: {config.runner.max_steps} steps done; time to first step {ctx.first_step_s:.1f} s; "

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +39,22 @@ def init_ray(config: Any) -> None:
     if ray.is_initialized():
         return
     _started_here.append(True)
+    # ray.init makes SIGTERM a bare sys.exit in the main thread; give back the handler the caller set
+    # (`tandem train`'s stops the run as Ctrl-C does: exit 130, one line; runner/launch.py)
+    caller_sigterm = (
+        signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    )
+    try:
+        _connect(config)
+    finally:
+        if caller_sigterm is not None:
+            signal.signal(signal.SIGTERM, caller_sigterm)
+    mark("ray initialized")
+
+
+def _connect(config: Any) -> None:
+    import ray
+
     address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
     if address:  # join the cluster started by `ray start` on every node
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
@@ -51,7 +69,6 @@ def init_ray(config: Any) -> None:
             **local_ray_kwargs(),
         )
         harden_local_ray()  # the token this start may have written
-    mark("ray initialized")
 
 
 def shutdown_ray() -> None:

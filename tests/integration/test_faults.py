@@ -1,7 +1,7 @@
 """Faults of a real `tandem train` process (the CLI, run as a subprocess like a user would): kill -9 of
-the main process, of the engine and of the retrieval server, and Ctrl-C. After each, no process of the
-run is left (every process the run starts carries its TANDEM_RUN_ID, which the test sets), and the
-next run on the same index starts."""
+the main process, of the engine and of the retrieval server, Ctrl-C, and SIGTERM. After each, no
+process of the run is left (every process the run starts carries its TANDEM_RUN_ID, which the test
+sets), and the next run on the same index starts."""
 
 from __future__ import annotations
 
@@ -91,6 +91,18 @@ def test_kill_9_of_train_leaves_nothing_then_the_next_run_stops_cleanly_on_ctrl_
     assert any(line.startswith("tandem train: stopped by SIGINT after step ") for line in last), last
     assert "Traceback" not in stderr and "died" not in stderr, stderr[-3000:]
     second.assert_nothing_left()
+
+
+def test_sigterm_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_llama_dir, small_kb):
+    """A scheduler's SIGTERM reaches the main process only (ray.init sets its own handler: ours stays)."""
+    run = Run(tmp_path, tiny_llama_dir, small_kb, "cluster.use_ray=true")
+    run.wait_first_step()
+    os.kill(run.proc.pid, signal.SIGTERM)
+    code, stderr = run.finish()
+    assert code == 130, stderr[-3000:]
+    last = stderr.strip().splitlines()[-2:]
+    assert any(line.startswith("tandem train: stopped by SIGTERM after step ") for line in last), last
+    run.assert_nothing_left()
 
 
 @pytest.mark.parametrize(

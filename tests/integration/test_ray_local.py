@@ -1,10 +1,12 @@
 """A local Ray started by tandem listens on loopback only where Ray lets us choose (its runtime-env
 agent), and its auth token is private to the user (docs/RELIABILITY.md lists what Ray does not let us
-choose). Linux only, as the whole suite: 127.0.0.2 is loopback there without setup."""
+choose). Linux only, as the whole suite: 127.0.0.2 is loopback there without setup. Starting Ray
+leaves the caller's SIGTERM handler in place (ray.init sets its own)."""
 
 from __future__ import annotations
 
 import ipaddress
+import signal
 import stat
 
 import psutil
@@ -21,7 +23,16 @@ def test_local_ray_agent_on_loopback_and_token_private():
     was_running = ray.is_initialized()
     if was_running:  # started by an earlier test of this process without our settings? restart it
         ray.shutdown()
-    init_ray(load_config(None))
+
+    def ours(signum, frame):
+        raise AssertionError("never called")
+
+    previous = signal.signal(signal.SIGTERM, ours)
+    try:
+        init_ray(load_config(None))
+        assert signal.getsignal(signal.SIGTERM) is ours, "ray.init's SIGTERM handler replaced the caller's"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     try:
         agents = [
             p

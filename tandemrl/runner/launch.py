@@ -27,6 +27,41 @@ log = logging.getLogger(__name__)
 EXIT_INTERRUPTED = 130
 
 
+class Interrupt:
+    """SIGINT and SIGTERM for `tandem train`. While the session's event loop runs, the first signal
+    cancels its main task, as asyncio.Runner does for Ctrl-C: a KeyboardInterrupt raised at whatever
+    line runs can be caught by library code and lost (aiohttp turns one raised while it feeds a response
+    body into a ClientPayloadError, which the search tool retries). The cancellation unwinds the
+    session's teardown and `_train` turns it into KeyboardInterrupt. Outside the loop, or at a second
+    signal, the handler raises KeyboardInterrupt at once."""
+
+    def __init__(self) -> None:
+        self.received: list[int] = []
+        self.task: asyncio.Task | None = None
+
+    def handle(self, signum: int, frame: Any) -> None:
+        self.received.append(signum)
+        task = self.task
+        if task is not None and not task.done() and len(self.received) == 1:
+            task.cancel()
+            task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop from its select
+            return
+        signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
+
+    async def run(self, session: Any) -> Any:
+        """Await the session as the task a signal cancels."""
+        self.task = asyncio.current_task()
+        try:
+            return await session
+        finally:
+            self.task = None
+
+
+_interrupt: Interrupt | None = (
+    None  # set by run_train for the run it starts; None when train() is a library call
+)
+
+
 def process_age_s() -> float:
     """Seconds since this process started (the figure `time to first step` counts from); 0 where the
     system does not say."""
@@ -114,7 +149,13 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
             time.monotonic() - start_s,
         )
         placed = placed_nodes(services, actor)
-        ctx = asyncio.run(run_session(config, services, actor, started_s, prepared, origin))
+        session = run_session(config, services, actor, started_s, prepared, origin)
+        try:
+            ctx = asyncio.run(_interrupt.run(session) if _interrupt is not None else session)
+        except asyncio.CancelledError:
+            if _interrupt is not None and _interrupt.received:
+                raise KeyboardInterrupt from None
+            raise
         ctx.placed_nodes = placed
     finally:
         if actor is not None:
@@ -190,13 +231,10 @@ def run_train(args: Any) -> int:
     config = load_config(args.config, args.overrides)
     if getattr(args, "dry_run", False):
         return dry_run(config)
-    received: list[int] = []
-
-    def on_signal(signum: int, frame: Any) -> None:
-        received.append(signum)
-        signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
-
-    previous = {signum: signal.signal(signum, on_signal) for signum in (signal.SIGINT, signal.SIGTERM)}
+    global _interrupt
+    interrupt = _interrupt = Interrupt()
+    received = interrupt.received
+    previous = {signum: signal.signal(signum, interrupt.handle) for signum in (signal.SIGINT, signal.SIGTERM)}
     start_reaper()
     try:
         ctx = train(config, started_s=time.monotonic() - process_age_s())
@@ -204,8 +242,7 @@ def run_train(args: Any) -> int:
         return _report_interrupted(config, received)
     except Exception as error:
         if received:
-            # Ctrl-C reaches the servers too: a request they dropped can fail the run before (or
-            # instead of) the KeyboardInterrupt, which a finalizer running the handler swallows.
+            # a signal outside the loop that library code turned into another error (see Interrupt)
             log.debug("after %s the run ended with %r", signal.Signals(received[0]).name, error)
             return _report_interrupted(config, received)
         if isinstance(error, (ServiceDiedError, DroppedGroupsLimitError)):
@@ -213,6 +250,7 @@ def run_train(args: Any) -> int:
             return 1
         raise
     finally:
+        _interrupt = None
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     output_dir = Path(config.runner.output_dir)

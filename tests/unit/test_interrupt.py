@@ -1,11 +1,14 @@
-"""`tandem train` on Ctrl-C: exit 130 with the one interrupted line, however the run ends after the
-signal (tandemrl/runner/launch.py). The runs themselves are stubbed in-process: the real Ctrl-C of a
-real run is tests/integration/test_faults.py."""
+"""`tandem train` on Ctrl-C: the signal stops the session even where library code swallows a
+KeyboardInterrupt, and the run exits 130 with the one interrupted line however it ends after the signal
+(tandemrl/runner/launch.py). The runs themselves are stubbed in-process: the real Ctrl-C and SIGTERM
+of a real run are tests/integration/test_faults.py."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -62,3 +65,53 @@ def test_an_error_without_a_signal_still_raises(tmp_path, monkeypatch, no_reaper
     monkeypatch.setattr(launch, "train", failing_train)
     with pytest.raises(RuntimeError, match="a real bug"):
         launch.run_train(_args(tmp_path))
+
+
+@pytest.fixture
+def interrupt():
+    handler = launch.Interrupt()
+    previous = signal.signal(signal.SIGINT, handler.handle)
+    yield handler
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_a_signal_swallowed_by_library_code_still_stops_the_session(interrupt):
+    torn_down: list[bool] = []
+
+    async def session() -> str:
+        main_thread = threading.get_ident()
+        threading.Timer(0.25, signal.pthread_kill, (main_thread, signal.SIGINT)).start()  # lands in a sleep
+        try:
+            for _ in range(20):
+                try:
+                    time.sleep(0.1)  # where the handler runs: a KeyboardInterrupt here would be lost
+                except KeyboardInterrupt:
+                    pass
+                await asyncio.sleep(0)
+            return "ran to the end: the signal was lost"
+        finally:
+            torn_down.append(True)
+
+    with pytest.raises(asyncio.CancelledError):
+        asyncio.run(interrupt.run(session()))
+    assert torn_down == [True] and interrupt.received == [signal.SIGINT]
+    assert interrupt.task is None
+
+
+def test_a_second_signal_raises_at_once(interrupt):
+    async def session() -> None:
+        try:
+            await asyncio.sleep(30)
+        finally:  # a teardown that hangs: the second Ctrl-C must still get out
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5.0)
+
+    async def main() -> None:
+        asyncio.get_running_loop().call_later(0.1, os.kill, os.getpid(), signal.SIGINT)
+        await interrupt.run(session())
+
+    started = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        asyncio.run(main())
+    assert time.monotonic() - started < 4.0
+    assert interrupt.received == [signal.SIGINT, signal.SIGINT]

@@ -89,11 +89,14 @@ class AgentLoopConfig:
     task_name: str | None = None
     max_turns: int = 4
     max_actor_accept_staleness: int | None = None  # None: unlimited
-    # model + tool tokens after the prompt; a 2-hop KB question takes ~370 tokens when all goes well
-    # (two model turns, two information blocks, the answer) and needs room for one more search
-    max_response_tokens: int = 1024
+    # model + tool tokens after the prompt. A 2-hop KB question takes ~370 tokens when all goes well
+    # (two model turns, two information blocks, the answer); on real text (Wikipedia summaries) one
+    # block of 3 passages is ~400 tokens, so max_turns searches need ~2k (docs/LEARNING.md, Budgets)
+    max_response_tokens: int = 2048
     max_new_tokens_per_turn: int = 256
-    max_info_tokens: int = 256  # per information block; documents are truncated to fit
+    # per information block; documents are truncated to fit. 512 cut no answer-bearing real-text block
+    # (256 lost 12 % of them); KB blocks are under 160 (benchmarks/results/info_budget.json)
+    max_info_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1

@@ -186,6 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as error:
         print(f"tandem: {error}", file=sys.stderr)
         return 2
+    except (
+        KeyboardInterrupt
+    ):  # `tandem train` reports its own (runner/launch.py); the rest unwound their services
+        print(f"tandem {args.command}: interrupted; what it started is stopped.", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

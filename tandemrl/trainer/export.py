@@ -3,12 +3,14 @@
 Weights are written in float32 (the actor's master precision): a bf16 export would round away updates
 smaller than bf16's resolution, which at RL learning rates are most of them.
 Invariant: the exported directory loads with `AutoModelForCausalLM.from_pretrained` and its weights
-equal the actor's full (unsharded) weights at the checkpoint.
+equal the actor's full (unsharded) weights at the checkpoint. It is written beside its place and moved
+in whole: an export that fails or is interrupted leaves the model that was there before.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -21,11 +23,41 @@ def save_hf_dir(
     state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out_dir: str | Path
 ) -> Path:
     """Build the HF model of `hf_config`, load `state` (HF names), save it with the tokenizer files."""
+    out = Path(out_dir)
+    staging = out.with_name(f".{out.name}.writing-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _write_hf_dir(state, hf_config, tokenizer_dir, staging)
+        _swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Put the finished `staging` directory at `out`, the old `out` kept until the new one is in place."""
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out}: exists and is not a directory; cannot write a model there.")
+    previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
+    if out.exists():
+        os.replace(out, previous)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        if previous.exists() and not out.exists():
+            os.replace(previous, out)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def _write_hf_dir(
+    state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from tandemrl.trainer.checkpoint import TOKENIZER_FILES
 
-    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
@@ -43,7 +75,6 @@ def save_hf_dir(
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, out / name)
-    return out
 
 
 def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], object]:

@@ -115,3 +115,14 @@ def test_a_second_signal_raises_at_once(interrupt):
         asyncio.run(main())
     assert time.monotonic() - started < 4.0
     assert interrupt.received == [signal.SIGINT, signal.SIGINT]
+
+
+def test_other_commands_end_on_ctrl_c_with_one_line(monkeypatch, capsys):
+    from tandemrl import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("tandemrl.agent.evaluate.run_eval", interrupted)
+    assert cli.main(["eval", str(CONFIG), "--limit", "1"]) == 130
+    assert capsys.readouterr().err == "tandem eval: interrupted; what it started is stopped.\n"

@@ -1,0 +1,50 @@
+"""An export (the cold start's model, `tandem export`) replaces a model directory only once the new one is
+whole: a failed or interrupted write leaves the old model as it was (tandemrl/trainer/export.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tandemrl.trainer.export import save_hf_dir
+
+
+def _state_and_config(model_dir):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return {k: v + 1.0 for k, v in model.state_dict().items()}, model.config
+
+
+def _files(path):
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_an_export_replaces_the_old_model_whole(tiny_llama_dir, tmp_path):
+    out = tmp_path / "coldstart"
+    out.mkdir()
+    (out / "stale.txt").write_text("from an older export")
+    state, config = _state_and_config(tiny_llama_dir)
+    save_hf_dir(state, config, tiny_llama_dir, out)
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], state[k]) for k in loaded)
+    assert not (out / "stale.txt").exists() and (out / "tokenizer.json").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coldstart"]  # no staging left behind
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, OSError(28, "No space left on device")])
+def test_an_interrupted_export_leaves_the_old_model(tiny_llama_dir, tmp_path, monkeypatch, error):
+    out = tmp_path / "coldstart"
+    state, config = _state_and_config(tiny_llama_dir)
+    save_hf_dir(state, config, tiny_llama_dir, out)
+    before = _files(out)
+
+    def half_written(self, directory, **kwargs):
+        (directory / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
+        (directory / "model.safetensors").write_bytes(b"truncated")
+        raise error
+
+    monkeypatch.setattr(type(AutoModelForCausalLM.from_config(config)), "save_pretrained", half_written)
+    with pytest.raises(type(error) if isinstance(error, BaseException) else error):
+        save_hf_dir({k: v * 0 for k, v in state.items()}, config, tiny_llama_dir, out)
+    assert _files(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["coldstart"]

@@ -93,15 +93,23 @@ def test_kill_9_of_train_leaves_nothing_then_the_next_run_stops_cleanly_on_ctrl_
     second.assert_nothing_left()
 
 
-def test_sigterm_of_a_ray_run_stops_it_like_ctrl_c(tmp_path, tiny_llama_dir, small_kb):
-    """A scheduler's SIGTERM reaches the main process only (ray.init sets its own handler: ours stays)."""
-    run = Run(tmp_path, tiny_llama_dir, small_kb, "cluster.use_ray=true")
+@pytest.mark.parametrize(
+    ("use_ray", "signum", "to_group"),
+    [
+        ("true", signal.SIGTERM, False),  # a scheduler's SIGTERM: ray.init sets its own handler, ours stays
+        ("false", signal.SIGINT, True),  # Ctrl-C of a run whose actor trains in the driver process
+    ],
+)
+def test_a_signal_stops_the_run_cleanly(tmp_path, tiny_llama_dir, small_kb, use_ray, signum, to_group):
+    run = Run(tmp_path, tiny_llama_dir, small_kb, f"cluster.use_ray={use_ray}")
     run.wait_first_step()
-    os.kill(run.proc.pid, signal.SIGTERM)
+    (os.killpg if to_group else os.kill)(run.proc.pid, signum)
     code, stderr = run.finish()
     assert code == 130, stderr[-3000:]
     last = stderr.strip().splitlines()[-2:]
-    assert any(line.startswith("tandem train: stopped by SIGTERM after step ") for line in last), last
+    name = signal.Signals(signum).name
+    assert any(line.startswith(f"tandem train: stopped by {name} after step ") for line in last), last
+    assert "Traceback" not in stderr, stderr[-3000:]
     run.assert_nothing_left()
 
 

@@ -183,12 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"tandem: configuration error: {error}", file=sys.stderr)
         return 2
-    except FileNotFoundError as error:
+    except (FileNotFoundError, FileExistsError) as error:
         print(f"tandem: {error}", file=sys.stderr)
         return 2
-    except (
-        KeyboardInterrupt
-    ):  # `tandem train` reports its own (runner/launch.py); the rest unwound their services
+    # `tandem train` reports its own (runner/launch.py); the others have unwound their services
+    except KeyboardInterrupt:
         print(f"tandem {args.command}: interrupted; what it started is stopped.", file=sys.stderr)
         return 130
 

@@ -57,9 +57,8 @@ class Interrupt:
             self.task = None
 
 
-_interrupt: Interrupt | None = (
-    None  # set by run_train for the run it starts; None when train() is a library call
-)
+# set by run_train for the run it starts; None when train() is called as a library function
+_interrupt: Interrupt | None = None
 
 
 def process_age_s() -> float:

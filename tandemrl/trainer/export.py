@@ -23,7 +23,7 @@ def save_hf_dir(
     state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out_dir: str | Path
 ) -> Path:
     """Build the HF model of `hf_config`, load `state` (HF names), save it with the tokenizer files."""
-    out = Path(out_dir)
+    out = check_replaceable(Path(out_dir))
     staging = out.with_name(f".{out.name}.writing-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     try:
@@ -34,10 +34,21 @@ def save_hf_dir(
     return out
 
 
+def check_replaceable(out: Path) -> Path:
+    """`out` when an export may replace it: new, empty, or a model directory (a file or a folder of other
+    things is never replaced)."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory; cannot write a model there.")
+    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise FileExistsError(
+            f"{out}: a directory with other files and no model in it; the export replaces its directory "
+            "whole, so give a new or empty directory, or one that holds a model to replace."
+        )
+    return out
+
+
 def _swap_in(staging: Path, out: Path) -> None:
     """Put the finished `staging` directory at `out`, the old `out` kept until the new one is in place."""
-    if out.exists() and not out.is_dir():
-        raise NotADirectoryError(f"{out}: exists and is not a directory; cannot write a model there.")
     previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
     if out.exists():
         os.replace(out, previous)
@@ -101,6 +112,7 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
 
 def run_export(args) -> int:
     ckpt = Path(args.checkpoint)
+    check_replaceable(Path(args.out))  # before the weights are loaded
     weights, hf_config = load_checkpoint_weights(ckpt)
     out = save_hf_dir(weights, hf_config, ckpt / "actor" / "hf", args.out)
     log.info("exported %s -> %s (%d tensors, float32)", ckpt, out, len(weights))

@@ -26,8 +26,10 @@ RENDER_CONCURRENCY = 16
 
 def run_sft(args) -> int:
     from tandemrl.config.loader import load_config
+    from tandemrl.trainer.export import check_replaceable
 
     config = load_config(args.config, args.overrides)
+    check_replaceable(sft_out_dir(config))  # before any work: the model replaces that directory whole
     samples = load_sft_samples(config)
     out_dir, metrics = train_sft(config, samples)
     print(

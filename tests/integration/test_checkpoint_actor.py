@@ -117,3 +117,15 @@ def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
         timeout=240,
     )
     assert bad.returncode == 2 and "not an actor checkpoint" in bad.stderr
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a model")
+    refused = subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", "export", str(ckpt), "--out", str(mine)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert refused.returncode == 2 and "no model in it" in refused.stderr, refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

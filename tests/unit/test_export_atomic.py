@@ -3,6 +3,8 @@ whole: a failed or interrupted write leaves the old model as it was (tandemrl/tr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -21,9 +23,9 @@ def _files(path):
 
 def test_an_export_replaces_the_old_model_whole(tiny_llama_dir, tmp_path):
     out = tmp_path / "coldstart"
-    out.mkdir()
-    (out / "stale.txt").write_text("from an older export")
     state, config = _state_and_config(tiny_llama_dir)
+    save_hf_dir({k: v * 0 for k, v in state.items()}, config, None, out)  # an older export
+    (out / "stale.txt").write_text("from an older export")
     save_hf_dir(state, config, tiny_llama_dir, out)
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[k], state[k]) for k in loaded)
@@ -48,3 +50,25 @@ def test_an_interrupted_export_leaves_the_old_model(tiny_llama_dir, tmp_path, mo
         save_hf_dir({k: v * 0 for k, v in state.items()}, config, tiny_llama_dir, out)
     assert _files(out) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coldstart"]
+
+
+def test_an_export_never_replaces_a_directory_that_holds_no_model(tiny_llama_dir, tmp_path):
+    out = tmp_path / "models"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    state, config = _state_and_config(tiny_llama_dir)
+    with pytest.raises(FileExistsError, match="no model in it"):
+        save_hf_dir(state, config, tiny_llama_dir, out)
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+def test_sft_refuses_a_directory_it_would_wipe_before_any_work(tmp_path, capsys):
+    from tandemrl import cli
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a model")
+    config = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml"
+    assert cli.main(["sft", str(config), f"actor.sft.out_dir={mine}"]) == 2
+    assert "no model in it" in capsys.readouterr().err
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]

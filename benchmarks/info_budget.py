@@ -56,9 +56,11 @@ def has_answer(block: str, answers: list[str]) -> bool:
     return any(normalize_answer(answer) and normalize_answer(answer) in text for answer in answers)
 
 
-def measure(
+def check_rows(
     name: str, corpus: Path, index_dir: Path, rows: list[dict], budgets: list[int], topk: int, tokenizer
-):
+) -> list[dict]:
+    """Search every row once; per row its uncapped block's tokens and, per budget ("none" included),
+    whether an answer is in the block."""
     from tandemrl.retrieval.build import build_index
     from tandemrl.retrieval.retriever import Retriever
 
@@ -73,15 +75,21 @@ def measure(
             hits += retriever.search([row["query"] for row in batch], [topk] * len(batch))
     finally:
         retriever.close()
-    whole_tokens, found = [], dict.fromkeys(["none", *map(str, budgets)], 0)
+    checked = []
     for row, ranked in zip(rows, hits, strict=True):
         docs = [{"document": hit.document, "score": hit.score} for hit in ranked]
         whole = format_information(docs)
-        whole_tokens.append(len(encode_text(tokenizer, whole)))
-        found["none"] += has_answer(whole, row["answers"])
+        found = {"none": has_answer(whole, row["answers"])}
         for budget in budgets:
-            found[str(budget)] += has_answer(format_information(docs, tokenizer, budget), row["answers"])
-    n = len(rows)
+            found[str(budget)] = has_answer(format_information(docs, tokenizer, budget), row["answers"])
+        checked.append({"kind": row["kind"], "tokens": len(encode_text(tokenizer, whole)), "found": found})
+    return checked
+
+
+def summarize(name: str, checked: list[dict], budgets: list[int], topk: int) -> dict:
+    n = len(checked)
+    whole_tokens = [row["tokens"] for row in checked]
+    found = {key: sum(row["found"][key] for row in checked) for key in ["none", *map(str, budgets)]}
     out = {
         "rows": n,
         "topk": topk,
@@ -150,21 +158,19 @@ def main(argv: list[str] | None = None) -> int:
             kb_index = Path(
                 args.kb_index or (default_index_dir() if args.kb == "default" else Path(tmp) / "kb")
             )
-            results["kb"] = measure(
-                "kb", kb_dir / "corpus.jsonl", kb_index, rows, budgets, args.topk, tokenizer
-            )
-            for kind in sorted({row["kind"] for row in rows}):
-                subset = [row for row in rows if row["kind"] == kind]
-                results[f"kb:{kind}"] = measure(
-                    f"kb:{kind}", kb_dir / "corpus.jsonl", kb_index, subset, budgets, args.topk, tokenizer
-                )
+            checked = check_rows("kb", kb_dir / "corpus.jsonl", kb_index, rows, budgets, args.topk, tokenizer)
+            results["kb"] = summarize("kb", checked, budgets, args.topk)
+            for kind in sorted({row["kind"] for row in checked}):
+                subset = [row for row in checked if row["kind"] == kind]
+                results[f"kb:{kind}"] = summarize(f"kb:{kind}", subset, budgets, args.topk)
         if args.realtext:
             data_dir = Path(args.realtext)
             rows = realtext_rows(data_dir, args.max_rows)
             index = Path(args.realtext_index or Path(tmp) / "realtext")
-            results["realtext"] = measure(
+            checked = check_rows(
                 "realtext", data_dir / "corpus.jsonl", index, rows, budgets, args.topk, tokenizer
             )
+            results["realtext"] = summarize("realtext", checked, budgets, args.topk)
             provenance = data_dir / "provenance.json"
             if provenance.exists():
                 results["realtext_provenance"] = json.loads(provenance.read_text())

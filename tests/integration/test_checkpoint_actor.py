@@ -90,6 +90,17 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tiny_llama_dir, tm
     assert not (tmp_path / "checkpoints" / ".tmp-global_step_2").exists()
 
 
+def _export(checkpoint, out) -> subprocess.CompletedProcess:
+    """`tandem export CHECKPOINT --out OUT`, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "tandemrl.cli", "export", str(checkpoint), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+
+
 def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -97,35 +108,17 @@ def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
     actor.train_step(make_samples(seed=0, num_samples=4))
     ckpt = actor.save_checkpoint(checkpoint_dir(tmp_path, 1))
     out = tmp_path / "hf"
-    result = subprocess.run(
-        [sys.executable, "-m", "tandemrl.cli", "export", str(ckpt), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    result = _export(ckpt, out)
     assert result.returncode == 0, result.stderr
     exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     trained = _weights(actor)
     assert all(torch.equal(exported[k], trained[k].float()) for k in trained)
     assert (out / "tokenizer.json").is_file()
-    bad = subprocess.run(
-        [sys.executable, "-m", "tandemrl.cli", "export", str(tmp_path), "--out", str(out)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    bad = _export(tmp_path, out)
     assert bad.returncode == 2 and "not an actor checkpoint" in bad.stderr
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("not a model")
-    refused = subprocess.run(
-        [sys.executable, "-m", "tandemrl.cli", "export", str(ckpt), "--out", str(mine)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    refused = _export(ckpt, mine)
     assert refused.returncode == 2 and "no model in it" in refused.stderr, refused.stderr
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -104,24 +104,28 @@ def test_sm_caps_apply_only_where_the_runner_overlaps_the_two():
     )
 
 
+def _async_mps_config(*overrides: str):
+    """An async run without Ray under the run's MPS daemon, plus `overrides`."""
+    base = [
+        "runner.async_mode=true",
+        "agentloop.task_name=searchr1",
+        "cluster.use_ray=false",
+        "cluster.mps=true",
+    ]
+    return load_config(None, [*base, *overrides])
+
+
 def test_engine_server_gets_its_cap(tmp_path):
     from tandemrl.cluster.placement import plan_placement
     from tandemrl.runner.services import Services
 
     model = tmp_path / "model"
     model.mkdir()
-    config = load_config(
-        None,
-        [
-            "runner.async_mode=true",
-            "agentloop.task_name=searchr1",
-            "cluster.use_ray=false",
-            "cluster.mps=true",
-            "cluster.mps_sm_percent.rollout=35",
-            f"rollout.model.model_path={model}",
-            "retrieval.launch=false",
-            "tools.search.server_addr=127.0.0.1:1",
-        ],
+    config = _async_mps_config(
+        "cluster.mps_sm_percent.rollout=35",
+        f"rollout.model.model_path={model}",
+        "retrieval.launch=false",
+        "tools.search.server_addr=127.0.0.1:1",
     )
     local, _ = Services(config, plan_placement(config))._specs()
     engines = [spec for _, spec, _ in local if spec.kind == "embedded"]
@@ -148,17 +152,10 @@ def test_train_stops_its_daemon_and_gives_the_environment_back_on_error(fake_con
 
     for key in (PIPE_ENV, SM_PERCENT_ENV):
         monkeypatch.delenv(key, raising=False)
-    config = load_config(
-        None,
-        [
-            "runner.async_mode=true",
-            "agentloop.task_name=searchr1",
-            "cluster.use_ray=false",
-            "cluster.mps=true",
-            "cluster.mps_sm_percent.actor=60",
-            f"rollout.model.model_path={tmp_path / 'no-such-model'}",
-            f"runner.output_dir={tmp_path / 'run'}",
-        ],
+    config = _async_mps_config(
+        "cluster.mps_sm_percent.actor=60",
+        f"rollout.model.model_path={tmp_path / 'no-such-model'}",
+        f"runner.output_dir={tmp_path / 'run'}",
     )
     with pytest.raises(ConfigError, match="no-such-model"):
         train(config, write_plots=False)

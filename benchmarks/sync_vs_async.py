@@ -3,6 +3,12 @@
     python benchmarks/sync_vs_async.py --steps 60 [--out benchmarks/results/sync_vs_async_h200.json]
         [--sync-config C] [--async-config C] [--runs-dir runs/sync_vs_async] [key=value ...]
     python benchmarks/sync_vs_async.py --from-runs SYNC_RUN_DIR ASYNC_RUN_DIR --out ...
+    python benchmarks/sync_vs_async.py --colocated --steps 60 --monitor \
+        --out benchmarks/results/colocated_h200.json      # sync, async per cluster.colocated_policy, best + tis
+
+`--colocated` (one GPU shared by the actor and the engine): sync, then async under each
+`cluster.colocated_policy` (time_share, concurrent), then the faster policy again with
+`algorithm.off_policy_correction=tis`; see benchmarks/colocated.py for what it reads off each run.
 
 Each run is a separate `tandem train` process (its own services, a cold GPU for neither), so the two
 see the same start-up. The table is read from each run's `metrics.jsonl`:
@@ -44,18 +50,32 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--from-runs", nargs=2, metavar=("SYNC_RUN", "ASYNC_RUN"), default=None)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "sync_vs_async.json"))
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument(
+        "--colocated", action="store_true", help="sync + async per colocated policy + best tis"
+    )
+    parser.add_argument("--runs", default=None, help="--colocated: comma-separated subset of runs to run")
+    parser.add_argument("--summarize-only", action="store_true", help="--colocated: read the runs, run none")
+    parser.add_argument("--monitor", action="store_true", help="sample CPU per role and nvidia-smi per run")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
     return parser.parse_args()
 
 
-def run_train(config: str, output_dir: Path, steps: int | None, overrides: list[str]) -> float:
-    """One `tandem train` in its own process; returns its wall time."""
+def run_train(
+    config: str, output_dir: Path, steps: int | None, overrides: list[str], monitor: bool = False
+) -> float:
+    """One `tandem train` in its own process; returns its wall time. `monitor`: CPU per role and the
+    GPU's utilization sampled into the run's directory meanwhile (benchmarks/run_monitor.py)."""
+    from contextlib import nullcontext
+
+    from benchmarks.run_monitor import RunMonitor
+
     command = [sys.executable, "-m", "tandemrl.cli", "train", config, f"runner.output_dir={output_dir}"]
     command += [f"runner.max_steps={steps}"] if steps else []
     command += overrides
     print("$", " ".join(command), flush=True)
     start_s = time.monotonic()
-    subprocess.run(command, check=True, cwd=ROOT)
+    with RunMonitor(output_dir) if monitor else nullcontext():
+        subprocess.run(command, check=True, cwd=ROOT)
     return time.monotonic() - start_s
 
 
@@ -161,6 +181,10 @@ def print_table(result: dict) -> None:
 
 def main() -> int:
     args = parse_args()
+    if args.colocated:
+        from benchmarks.colocated import run_colocated
+
+        return run_colocated(args)
     runs = Path(args.runs_dir)
     sync_dir, async_dir = (
         (Path(p) for p in args.from_runs) if args.from_runs else (runs / "sync", runs / "async")
@@ -192,15 +216,15 @@ def main() -> int:
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
     if not args.no_plots:
-        write_plots(sync_dir, async_dir, out.parent / f"{out.stem}_plots")
+        write_plots([(sync_dir, "sync"), (async_dir, "async")], out.parent / f"{out.stem}_plots")
     return 0
 
 
-def write_plots(sync_dir: Path, async_dir: Path, plot_dir: Path) -> None:
-    """The overlays of `tandem plot`, the two runs labelled sync and async."""
+def write_plots(runs: list[tuple[Path, str]], plot_dir: Path) -> None:
+    """The overlays of `tandem plot` of (run directory, label) pairs."""
     from tandemrl.metrics.plots import load_run, overlay_runs
 
-    overlay_runs([load_run(sync_dir, "sync"), load_run(async_dir, "async")], plot_dir)
+    overlay_runs([load_run(run_dir, label) for run_dir, label in runs], plot_dir)
     print(f"plots in {plot_dir}: " + ", ".join(sorted(p.name for p in plot_dir.glob("*.png"))))
 
 

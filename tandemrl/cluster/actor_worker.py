@@ -45,8 +45,14 @@ class ActorWorker:
     def get_weight_version(self) -> int:
         return int(self.actor.weight_version)
 
-    def train_step(self, samples: list[Any]) -> dict[str, float]:
-        return self.actor.train_step(samples)
+    def train_step(self, samples: list[Any], profile_path: str | None = None) -> dict[str, float]:
+        """`profile_path`: record the step with torch.profiler (runner.profile_steps)."""
+        if profile_path is None:
+            return self.actor.train_step(samples)
+        from tandemrl.trainer.profile import profiled
+
+        with profiled(profile_path, self.actor.device):
+            return self.actor.train_step(samples)
 
     def connect_weight_sync(
         self,

@@ -41,6 +41,7 @@ class PlacementPlan:
     retrieval: ProcessPlacement | None  # None: an external retrieval server (retrieval.launch=false)
     weight_sync: str
     shares_gpu: bool  # the actor and an engine share a GPU
+    colocated_policy: str = "concurrent"  # time_share | concurrent, resolved from cluster.colocated_policy
 
     @property
     def uses_gpus(self) -> bool:
@@ -147,6 +148,24 @@ def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[
     return "nccl"
 
 
+def resolve_colocated_policy(config: Any, shares_gpu: bool) -> tuple[str, str]:
+    """(policy, why) for `cluster.colocated_policy`: auto is time_share exactly when the async runner has
+    the actor and an engine on one GPU and nothing asks for overlap (drain, SM caps); the sync runner and
+    separate GPUs keep running both sides as they always did (docs/DESIGN.md, Sharing a GPU)."""
+    cluster = config.cluster
+    if cluster.colocated_policy != "auto":
+        return cluster.colocated_policy, "set"
+    if not config.runner.async_mode:
+        return "concurrent", "auto: the sync runner never overlaps training with generation"
+    if not shares_gpu:
+        return "concurrent", "auto: the actor and the engines do not share a GPU"
+    if config.rollout.pause_mode == "drain":
+        return "concurrent", "auto: rollout.pause_mode=drain keeps nothing across a stand-down"
+    if cluster.mps_sm_percent:
+        return "concurrent", "auto: cluster.mps_sm_percent splits the SMs for sides running at once"
+    return "time_share", "auto: the actor and an engine share a GPU; the engines stand down while it trains"
+
+
 def plan_placement(config: Any) -> PlacementPlan:
     """The plan of a derived config; raises `ConfigError` when the placement does not fit."""
     cluster = config.cluster
@@ -175,6 +194,7 @@ def plan_placement(config: Any) -> PlacementPlan:
         retrieval,
         weight_sync_route(config, actor, engines),
         shares_gpu,
+        resolve_colocated_policy(config, shares_gpu)[0],
     )
 
 
@@ -206,6 +226,8 @@ def describe_plan(config: Any, plan: PlacementPlan) -> list[str]:
     ]
     lines += [f"  {key} derived: {how}" for key, how in config.derived.items()]
     lines.append(f"weight sync: {describe_route(plan)}")
+    policy, why = resolve_colocated_policy(config, plan.shares_gpu)
+    lines.append(f"cluster.colocated_policy = {policy} ({why})")
     return lines
 
 

@@ -185,11 +185,35 @@ def _validate_cross_section(config: TandemConfig) -> None:
             "buffer's per-task state by it and stamps it on every rollout request. Set "
             "agentloop.task_name, e.g. agentloop.task_name=searchr1."
         )
+    _validate_colocated_policy(config)
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
             "async mode pauses the engines and syncs weights through the server protocol, which only the "
             "server backend has. Set rollout.sglang.backend_type=server, or runner.async_mode=false."
+        )
+
+
+def _validate_colocated_policy(config: TandemConfig) -> None:
+    """time_share stands the engines down with a pause that keeps what they generated, and gives each side
+    the whole GPU in turn: drain (nothing kept, in-flight groups finished first) and SM caps (for sides
+    running at once) contradict it."""
+    cluster, pause_mode = config.cluster, config.rollout.pause_mode
+    if cluster.colocated_policy != "time_share":
+        return
+    if pause_mode == "drain":
+        raise ConfigError(
+            "cluster.colocated_policy=time_share with rollout.pause_mode=drain: time-sharing stands the engines "
+            "down while the actor trains and keeps what they generated, and drain instead finishes every "
+            "in-flight group before each weight push. Set rollout.pause_mode=retract or in_place, or "
+            "cluster.colocated_policy=concurrent."
+        )
+    if cluster.mps_sm_percent:
+        raise ConfigError(
+            f"cluster.mps_sm_percent={cluster.mps_sm_percent!r} with cluster.colocated_policy=time_share: the "
+            "caps split the SMs between an actor and engines that run at once, and time-sharing runs them in "
+            "turn, each on the whole GPU. Remove cluster.mps_sm_percent, or set "
+            "cluster.colocated_policy=concurrent."
         )
 
 

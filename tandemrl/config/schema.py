@@ -20,6 +20,7 @@ PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+COLOCATED_POLICIES = ("auto", "time_share", "concurrent")
 
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
@@ -64,9 +65,20 @@ class RunnerConfig:
     reissue_on_resume: bool = True
     seed: int = 1
     engine_health_interval_s: float = 1.0
+    # steps whose actor train step is recorded by torch.profiler into <output_dir>/profiles/ (a Chrome
+    # trace and the top kernels), e.g. [4, 5]: what a slow step spent its time on
+    profile_steps: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         _check_positive("runner.max_steps", self.max_steps)
+        for step in self.profile_steps:
+            _check(
+                isinstance(step, int) and not isinstance(step, bool) and step >= 1,
+                "runner.profile_steps",
+                self.profile_steps,
+                "must list step numbers >= 1",
+                "Use e.g. runner.profile_steps=[4,5].",
+            )
         _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
         _check(
             self.save_interval >= 0,
@@ -509,9 +521,15 @@ class ClusterConfig:
     # under mps, the share of the SMs (1-100) each side may use while the async runner overlaps them,
     # e.g. {actor: 70, rollout: 30}; the sync runner never overlaps them and leaves each the whole GPU
     mps_sm_percent: dict[str, int] = field(default_factory=dict)
+    # how the async runner uses a GPU the actor and an engine share (docs/DESIGN.md, Sharing a GPU):
+    # time_share: the engines stand down (rollout.pause_mode, keeping what they generated) while the actor
+    # trains, and continue after the weight push; concurrent: both run at once (under MPS and its SM caps
+    # when cluster.mps is true); auto: time_share on a shared GPU, concurrent otherwise (cluster/placement.py)
+    colocated_policy: str = "auto"
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
+        _check_choice("cluster.colocated_policy", self.colocated_policy, COLOCATED_POLICIES)
         _check(
             self.num_gpus_per_node >= 0,
             "cluster.num_gpus_per_node",

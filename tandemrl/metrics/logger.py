@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 CONSOLE_FIELDS = (  # (metric, label, format)
@@ -64,8 +65,8 @@ class MetricsLogger:
         for key, value in sorted(clean.items()):
             self._writer.add_scalar(key, value, global_step=step)
         self._writer.flush()
-        with self.jsonl_path.open("a") as f:
-            f.write(json.dumps({"step": step, **clean}) + "\n")
+        with self.jsonl_path.open("a") as f:  # wall_time (epoch s), as TensorBoard stamps its events
+            f.write(json.dumps({"step": step, "wall_time": time.time(), **clean}) + "\n")
         self._bar.write(console_line(step, self._bar.total, clean, self.is_async))
         if advance:
             self._bar.update(1)

@@ -12,6 +12,12 @@
 A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
 version, docs/DESIGN.md, Rollout buffer); how far behind it may be is bounded by max_buffered_groups and
 agentloop.max_actor_accept_staleness.
+
+On a GPU the actor and an engine share, `cluster.colocated_policy=time_share` (the default there) turns
+the overlap into turns on the GPU, and keeps the overlap of everything else:
+
+    hand-off ─► engines stand down (pause, keeping what they generated) ─► actor.train_step, GPU alone
+        ─► push v+1 ─► continue          (agent loops, searches and admission never stop meanwhile)
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from tandemrl.runner.context import (
     RunContext,
     end_of_step,
     engine_busy_fraction,
+    stand_down,
     sync_weights,
     train_on,
     validate_before_training,
@@ -36,9 +43,14 @@ async def run_async(ctx: RunContext) -> None:
     driver.quota = None  # only the buffer's limits bound admission
     await validate_before_training(ctx)
     await engine_busy_fraction(ctx)  # the first step's busy window starts here
+    is_time_share = ctx.colocated_policy == "time_share"
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         handoff, wait_metrics = await wait_for_data(ctx)
-        train_metrics = await train_on(ctx, handoff)  # the engines keep generating meanwhile
-        sync_metrics = await sync_weights(ctx, ctx.weight_version + 1)
+        if is_time_share:
+            wait_metrics.update(await stand_down(ctx))
+        train_metrics = await train_on(
+            ctx, handoff, step
+        )  # concurrent: the engines keep generating meanwhile
+        sync_metrics = await sync_weights(ctx, ctx.weight_version + 1, is_stood_down=is_time_share)
         await end_of_step(ctx, step, handoff, {**wait_metrics, **train_metrics, **sync_metrics})

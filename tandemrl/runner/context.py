@@ -43,6 +43,7 @@ class RunContext:
     placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on
     startup_origin: tuple[float, str] | None = None  # (epoch, what it is): the start-up timeline's clock
     is_first_step_done: bool = False
+    colocated_policy: str = "concurrent"  # the plan's: time_share stands the engines down while training
 
     @property
     def ledger_path(self) -> Path:
@@ -71,20 +72,54 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
     return {"rollout/engine_busy_fraction": min(1.0, fraction)}
 
 
-async def train_on(ctx: RunContext, handoff: HandOff) -> dict[str, float]:
+async def engine_counters(ctx: RunContext) -> dict[str, float] | None:
+    """The embedded engines' cumulative step and token counters, summed (None for other backends, which
+    report none): read around a train step, they say what the engines ran while the actor trained."""
+    if ctx.config.rollout.backend != "embedded" or not ctx.engines:
+        return None
+    infos = await asyncio.gather(*(engine.server_info() for engine in ctx.engines))
+    keys = ("num_steps", "num_prefill_tokens", "num_decode_tokens")
+    return {key: float(sum(info.get(key, 0) for info in infos)) for key in keys}
+
+
+async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, float]:
+    """One actor train step on the hand-off; also `rollout/engine_steps_during_train` (and the tokens
+    those steps prefilled and decoded) for embedded engines: 0 under time-sharing, by construction.
+    A step in `runner.profile_steps` is recorded into <output_dir>/profiles/train_step_<step>.*."""
     from tandemrl.trainer.advantages import samples_from_trajectories
 
     samples = samples_from_trajectories(
         [g.trajectories for g in handoff.groups], norm_by_std=ctx.config.algorithm.norm_adv_by_std
     )
+    args: list[Any] = [samples]
+    if step in ctx.config.runner.profile_steps:
+        args.append(str((ctx.output_dir / "profiles" / f"train_step_{step}").resolve()))
+    before = await engine_counters(ctx)
     start_s = time.monotonic()
-    metrics = dict(await ctx.actor.call("train_step", samples))
+    metrics = dict(await ctx.actor.call("train_step", *args))
     metrics["time/train"] = time.monotonic() - start_s
+    after = await engine_counters(ctx)
+    if before is not None and after is not None:
+        metrics["rollout/engine_steps_during_train"] = after["num_steps"] - before["num_steps"]
+        for key in ("prefill", "decode"):
+            counter = f"num_{key}_tokens"
+            metrics[f"rollout/engine_{key}_tokens_during_train"] = after[counter] - before[counter]
     mark_first_step(ctx, "train done")
     return metrics
 
 
-async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]:
+async def stand_down(ctx: RunContext) -> dict[str, float]:
+    """Time-sharing a GPU (`cluster.colocated_policy=time_share`): pause every engine with
+    `rollout.pause_mode` (retract or in_place: what was generated is kept) before the actor trains, so
+    the actor has the GPU to itself; `sync_weights(..., is_stood_down=True)` pushes and continues them.
+    Agent loops keep running meanwhile: searches finish and their next turns queue in the paused engines."""
+    start_s = time.monotonic()
+    mode = ctx.config.rollout.pause_mode
+    await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+    return {"time/stand_down": time.monotonic() - start_s}
+
+
+async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool = False) -> dict[str, float]:
     """Push the actor's weights to every engine as `weight_version`; returns time/sync_weights, its
     pause, push and continue parts, and bytes.
 
@@ -92,11 +127,14 @@ async def sync_weights(ctx: RunContext, weight_version: int) -> dict[str, float]
     their KV cache in place), take the weights, and continue. drain: admission stops and every
     in-flight group finishes first (SGLang has no such mode, so the client realises it). Marking the
     version on the clients before `continue_generation` is what stamps streamed tokens (docs/BACKENDS.md).
+    `is_stood_down`: `stand_down` already paused them (its time is `time/stand_down`, not the pause's).
     """
     mode = ctx.config.rollout.pause_mode
     marks_s = [time.monotonic()]  # start, paused, pushed, continued
     was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
-    if mode == "drain":
+    if is_stood_down:
+        assert mode != "drain", "time-sharing never stands down with drain (config/derive.py refuses it)"
+    elif mode == "drain":
         ctx.driver.pause_admission()
         await ctx.driver.wait_idle()
     else:

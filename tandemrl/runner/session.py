@@ -156,6 +156,7 @@ async def run_session(
     )
     ctx.started_s = started_s
     ctx.startup_origin = startup_origin
+    ctx.colocated_policy = services.plan.colocated_policy
     mark("runner starting")
     try:
         await _run_with_watchdog(ctx, services)

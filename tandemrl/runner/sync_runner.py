@@ -35,6 +35,6 @@ async def run_sync(ctx: RunContext) -> None:
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         driver.resume_admission()
         handoff, wait_metrics = await wait_for_data(ctx, pause_admission=True)
-        train_metrics = await train_on(ctx, handoff)
+        train_metrics = await train_on(ctx, handoff, step)
         sync_metrics = await sync_weights(ctx, ctx.weight_version + 1)
         await end_of_step(ctx, step, handoff, {**wait_metrics, **train_metrics, **sync_metrics})

@@ -41,6 +41,7 @@ from tandemrl.trainer.policy import (
     shard_policy,
     uses_packed_rows,
 )
+from tandemrl.trainer.step_probe import StepProbe
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class Actor:
         self.weight_version = 0
         self.num_updates = 0
         self.num_skipped_updates = 0
+        self._probe = StepProbe(torch.device(self.device))  # what the current train step waited on
 
     def _place(self, policy: PolicyModel) -> PolicyModel:
         shard_policy(policy, self.device, self.compute_dtype)
@@ -159,7 +161,8 @@ class Actor:
             micro = micro.to(self.device)
             logprobs_K, _, select_K, mask_K = self._forward(self.policy, micro)
             full_N = torch.zeros_like(micro.mask_N).index_put_((select_K,), logprobs_K.float() * mask_K)
-            mine.update(zip(micro.sample_indices, micro.split_per_sample(full_N), strict=True))
+            with self._probe.waiting():  # split_per_sample copies to the host
+                mine.update(zip(micro.sample_indices, micro.split_per_sample(full_N), strict=True))
         if self.world_size > 1:
             gathered: list[dict] = [{} for _ in range(self.world_size)]
             dist.all_gather_object(gathered, mine)
@@ -184,6 +187,7 @@ class Actor:
         if not samples:
             raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
         start = time.perf_counter()
+        self._probe = StepProbe(torch.device(self.device)).start()
         sums: dict[str, float] = defaultdict(float)
         algorithm = self.config.algorithm
         recompute = bool(algorithm.recompute_logprobs) or algorithm.off_policy_correction != "none"
@@ -246,7 +250,8 @@ class Actor:
         norm = torch.nn.utils.clip_grad_norm_(
             self.policy.parameters(), max_norm if max_norm > 0 else math.inf
         )
-        norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        with self._probe.waiting():  # the update's one host sync
+            norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.last_lr = self.optimizer.param_groups[0]["lr"]
         if math.isfinite(norm):
             self.optimizer.step()
@@ -265,7 +270,9 @@ class Actor:
         )
         if self.world_size > 1:
             dist.all_reduce(values)
-        return dict(zip(keys, values.cpu().tolist(), strict=True))
+        with self._probe.waiting():
+            host_values = values.cpu().tolist()
+        return dict(zip(keys, host_values, strict=True))
 
     def _ppo_metrics(
         self, sums: dict[str, float], grad_norms: list[float], elapsed_s: float
@@ -289,6 +296,7 @@ class Actor:
                 "train/actor/num_tokens": total["tokens"] / max(1, len(grad_norms)),
                 "train/actor/num_updates": float(self.num_updates),
                 "time/train_step": elapsed_s,
+                **self._probe.metrics(),
             }
         )
         return metrics

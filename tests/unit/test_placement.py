@@ -138,3 +138,68 @@ def test_no_placement_on_one_gpu_machine_shares_gpu_0():
     assert [(a.node, a.gpus) for a in p.actor] == [(0, [0])] and [(e.node, e.gpus) for e in p.engines] == [
         (0, [0])
     ]
+
+
+SHARED_GPU = (
+    "actor.device=cuda",
+    "rollout.device=cuda",
+    "cluster.component_placement={'actor,rollout': '0'}",
+)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "policy", "why"),
+    [
+        (("runner.async_mode=true", "agentloop.task_name=t", *SHARED_GPU), "time_share", "share a GPU"),
+        (("runner.async_mode=false", *SHARED_GPU), "concurrent", "sync runner never overlaps"),
+        (
+            (
+                "runner.async_mode=true",
+                "agentloop.task_name=t",
+                "actor.device=cuda",
+                "rollout.device=cuda",
+                "cluster.component_placement={actor: '0', rollout: '1'}",
+            ),
+            "concurrent",
+            "do not share a GPU",
+        ),
+        (
+            ("runner.async_mode=true", "agentloop.task_name=t", "rollout.pause_mode=drain", *SHARED_GPU),
+            "concurrent",
+            "drain",
+        ),
+        (
+            (
+                "runner.async_mode=true",
+                "agentloop.task_name=t",
+                "cluster.mps=true",
+                "cluster.mps_sm_percent={rollout: 30}",
+                *SHARED_GPU,
+            ),
+            "concurrent",
+            "mps_sm_percent",
+        ),
+        (
+            (
+                "runner.async_mode=true",
+                "agentloop.task_name=t",
+                "cluster.colocated_policy=concurrent",
+                *SHARED_GPU,
+            ),
+            "concurrent",
+            "set",
+        ),
+        (
+            ("runner.async_mode=true", "agentloop.task_name=t", "cluster.colocated_policy=time_share"),
+            "time_share",
+            "set",
+        ),
+    ],
+)
+def test_colocated_policy_auto_time_shares_exactly_a_shared_gpu_in_async_mode(overrides, policy, why):
+    from tandemrl.cluster.placement import describe_plan
+
+    config, p = plan(*overrides)
+    assert p.colocated_policy == policy
+    line = next(line for line in describe_plan(config, p) if line.startswith("cluster.colocated_policy"))
+    assert line.startswith(f"cluster.colocated_policy = {policy} (") and why in line, line

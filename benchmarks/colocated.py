@@ -1,0 +1,224 @@
+"""`benchmarks/sync_vs_async.py --colocated`: sync against async on one GPU that the actor and the
+engine share, under each `cluster.colocated_policy`, then the faster policy with the `tis` correction.
+
+Runs (each its own `tandem train`, in this order, under `--runs-dir`): `sync`, `async_time_share`,
+`async_concurrent`, then `async_<best>_tis`. Read off each run's metrics.jsonl after `--warmup` steps:
+`mean_step_time_s`, `throughput_tok_s`, `mean_staleness`, `train_step_p50_s` / `train_step_p90_s`
+(`time/train`: the actor's train step as the runner waits for it), `val_em_start` / `val_em_end`, the
+time to the first step (startup.json), and the stall analysis: the actor's per-step probe
+(`perf/actor/*`, tandemrl/trainer/step_probe.py), what the engines ran meanwhile, and, with `--monitor`,
+the CPU each role of the run used during the train step, for the slow steps (train above twice the
+sync run's median) against the others. Top level: `gpu`, `steps`, `best_async`, `best_async_over_sync`
+and the issue's three checks.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from benchmarks.sync_vs_async import gpu_name, read_rows, run_train, summarize_run, write_plots
+
+POLICIES = ("time_share", "concurrent")
+PERF_KEYS = (
+    "perf/actor/wait_gpu_s",
+    "perf/actor/host_s",
+    "perf/actor/cpu_s",
+    "perf/actor/involuntary_switches",
+    "perf/actor/gc_s",
+    "perf/actor/alloc_retries",
+    "perf/actor/device_allocs",
+    "rollout/engine_steps_during_train",
+    "rollout/engine_prefill_tokens_during_train",
+    "rollout/engine_decode_tokens_during_train",
+)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Linear interpolation between order statistics (numpy's default), q in [0, 1]."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = q * (len(ordered) - 1)
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def time_to_first_step(run_dir: Path) -> float | None:
+    path = run_dir / "startup.json"
+    return json.loads(path.read_text()).get("time_to_first_step_s") if path.is_file() else None
+
+
+def train_windows(rows: list[dict]) -> dict[int, tuple[float, float]]:
+    """step -> (start, end) epoch seconds of its train step: the row is written after the weight sync and
+    the bookkeeping, so the train step ended about time/sync_weights before it (validation rows left out)."""
+    windows = {}
+    for row in rows:
+        if "wall_time" in row and "time/train" in row and "val/em/all" not in row:
+            end = row["wall_time"] - row.get("time/sync_weights", 0.0)
+            windows[row["step"]] = (end - row["time/train"], end)
+    return windows
+
+
+def cpu_during(run_dir: Path, window: tuple[float, float]) -> dict[str, float]:
+    """Mean cores per role over the monitor's samples inside `window`."""
+    path = run_dir / "cpu_by_role.jsonl"
+    if not path.is_file():
+        return {}
+    samples = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    inside = [s for s in samples if window[0] <= s["wall_time"] <= window[1]]
+    roles = sorted({k for s in inside for k in s if k != "wall_time"})  # load1 too: the machine's load
+    return {role: sum(s.get(role, 0.0) for s in inside) / len(inside) for role in roles} if inside else {}
+
+
+def stall_analysis(rows: list[dict], run_dir: Path, slow_above_s: float) -> dict:
+    """The probe's means for slow train steps (time/train > slow_above_s) against the others."""
+    windows = train_windows(rows)
+    classes: dict[str, list[dict]] = {"slow": [], "fast": []}
+    for row in rows:
+        if "time/train" in row:
+            classes["slow" if row["time/train"] > slow_above_s else "fast"].append(row)
+    result: dict = {"slow_above_s": slow_above_s}
+    for name, members in classes.items():
+        summary = {"num_steps": len(members), "mean_train_s": _mean([r["time/train"] for r in members])}
+        for key in PERF_KEYS:
+            summary[key] = _mean([r[key] for r in members if key in r])
+        cpu = [cpu_during(run_dir, windows[r["step"]]) for r in members if r["step"] in windows]
+        cpu = [c for c in cpu if c]
+        roles = sorted({role for c in cpu for role in c})
+        summary["cpu_cores_during_train"] = {role: _mean([c.get(role, 0.0) for c in cpu]) for role in roles}
+        result[name] = summary
+    return result
+
+
+def profiled_steps(run_dir: Path) -> set[int]:
+    """runner.profile_steps of the run (its config.yaml): left out of the means, the profiler slows them."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    config = yaml.safe_load(path.read_text()) if path.is_file() else None
+    return set(((config or {}).get("runner") or {}).get("profile_steps") or [])
+
+
+def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: float | None) -> dict:
+    profiled = profiled_steps(run_dir)
+    rows = [row for row in read_rows(run_dir) if row["step"] not in profiled]
+    summary = summarize_run(rows, warmup)
+    summary["profiled_steps_left_out"] = sorted(profiled)
+    trained = [row for row in rows if "time/train" in row]
+    timed = [row for row in trained if row["step"] > warmup] or trained  # as summarize_run does
+    train = [row["time/train"] for row in timed]
+    actor = [row["time/train_step"] for row in timed if "time/train_step" in row]
+    summary.update(
+        {
+            "train_step_p50_s": percentile(train, 0.5),
+            "train_step_p90_s": percentile(train, 0.9),
+            "actor_train_step_p50_s": percentile(actor, 0.5),
+            "actor_train_step_p90_s": percentile(actor, 0.9),
+            "time_to_first_step_s": time_to_first_step(run_dir),
+            "run_dir": str(run_dir),
+            "wall_s": wall_s,
+        }
+    )
+    if slow_above_s is not None:
+        summary["stall_analysis"] = stall_analysis(timed, run_dir, slow_above_s)
+    return summary
+
+
+def checks(sync: dict, best: dict) -> dict:
+    ratio = best["mean_step_time_s"] / sync["mean_step_time_s"]
+    p90_ratio = best["train_step_p90_s"] / sync["train_step_p90_s"]
+    em_gap = None
+    if best["val_em_end"] is not None and sync["val_em_end"] is not None:
+        em_gap = best["val_em_end"] - sync["val_em_end"]
+    return {
+        "best_async_over_sync": ratio,
+        "train_step_p90_over_sync": p90_ratio,
+        "val_em_end_minus_sync": em_gap,
+        "step_time_at_most_0.7_sync": ratio <= 0.7,
+        "train_p90_at_most_1.5_sync": p90_ratio <= 1.5,
+        "val_em_end_at_least_sync_minus_0.05": em_gap is not None and em_gap >= -0.05,
+    }
+
+
+def run_colocated(args) -> int:
+    runs_dir = Path(args.runs_dir)
+    wanted = set(args.runs.split(",")) if args.runs else None
+    plan = [("sync", args.sync_config, [])] + [
+        (f"async_{policy}", args.async_config, [f"cluster.colocated_policy={policy}"]) for policy in POLICIES
+    ]
+    walls: dict[str, float] = {}
+    for name, config, extra in plan:
+        if not args.summarize_only and (wanted is None or name in wanted):
+            walls[name] = run_train(config, runs_dir / name, args.steps, args.overrides + extra, args.monitor)
+    sync = summarize(runs_dir / "sync", args.warmup, walls.get("sync"), None)
+    slow_above_s = 2.0 * sync["train_step_p50_s"]
+    runs = {"sync": sync}
+    for policy in POLICIES:
+        name = f"async_{policy}"
+        if (runs_dir / name / "metrics.jsonl").is_file():
+            runs[name] = summarize(runs_dir / name, args.warmup, walls.get(name), slow_above_s)
+    async_runs = [name for name in runs if name != "sync"]
+    best = min(async_runs, key=lambda name: runs[name]["mean_step_time_s"])
+    tis = f"{best}_tis"
+    if not args.summarize_only and (wanted is None or tis in wanted):
+        extra = [
+            f"cluster.colocated_policy={best.removeprefix('async_')}",
+            "algorithm.off_policy_correction=tis",
+        ]
+        walls[tis] = run_train(
+            args.async_config, runs_dir / tis, args.steps, args.overrides + extra, args.monitor
+        )
+    if (runs_dir / tis / "metrics.jsonl").is_file():
+        runs[tis] = summarize(runs_dir / tis, args.warmup, walls.get(tis), slow_above_s)
+    result = {
+        "gpu": gpu_name(),
+        "steps": min(run["steps"] for run in runs.values()),
+        "warmup_steps": args.warmup,
+        "best_async": best,
+        **checks(sync, runs[best]),
+        "runs": runs,
+        "command": " ".join(sys.argv),
+    }
+    print_table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if not args.no_plots:
+        write_plots([(runs_dir / name, name) for name in runs], out.parent / f"{out.stem}_plots")
+    return 0
+
+
+def print_table(result: dict) -> None:
+    keys = (
+        "mean_step_time_s",
+        "throughput_tok_s",
+        "mean_staleness",
+        "train_step_p50_s",
+        "train_step_p90_s",
+        "val_em_start",
+        "val_em_end",
+        "time_to_first_step_s",
+    )
+    names = list(result["runs"])
+    print("\n" + f"{'':24}" + "".join(f"{name:>22}" for name in names))
+    for key in keys:
+        cells = "".join(f"{_fmt(result['runs'][name].get(key)):>22}" for name in names)
+        print(f"{key:24}{cells}")
+    print(
+        f"\n{result['steps']} steps on {result['gpu']}: best async {result['best_async']}, "
+        f"step time {_fmt(result['best_async_over_sync'])} x sync, train p90 "
+        f"{_fmt(result['train_step_p90_over_sync'])} x sync, val EM end {_fmt(result['val_em_end_minus_sync'])} "
+        "against sync"
+    )
+
+
+def _fmt(value) -> str:
+    return "-" if value is None else f"{value:.3f}" if isinstance(value, float) else str(value)

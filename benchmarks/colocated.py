@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.sync_vs_async import gpu_name, read_rows, run_train, summarize_run, write_plots
+from benchmarks.sync_vs_async import gpu_name, read_rows, run_train, summarize_run, write_result
 
 POLICIES = ("time_share", "concurrent")
 PERF_KEYS = (
@@ -187,12 +187,7 @@ def run_colocated(args) -> int:
         "command": " ".join(sys.argv),
     }
     print_table(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
-    if not args.no_plots:
-        write_plots([(runs_dir / name, name) for name in runs], out.parent / f"{out.stem}_plots")
+    write_result(result, Path(args.out), [(runs_dir / name, name) for name in runs], args.no_plots)
     return 0
 
 

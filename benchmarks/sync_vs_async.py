@@ -211,13 +211,17 @@ def main() -> int:
         "command": " ".join(sys.argv),
     }
     print_table(result)
-    out = Path(args.out)
+    write_result(result, Path(args.out), [(sync_dir, "sync"), (async_dir, "async")], args.no_plots)
+    return 0
+
+
+def write_result(result: dict, out: Path, runs: list[tuple[Path, str]], no_plots: bool) -> None:
+    """The JSON at `out`, and (unless `no_plots`) the runs' overlays beside it in `<stem>_plots/`."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
-    if not args.no_plots:
-        write_plots([(sync_dir, "sync"), (async_dir, "async")], out.parent / f"{out.stem}_plots")
-    return 0
+    if not no_plots:
+        write_plots(runs, out.parent / f"{out.stem}_plots")
 
 
 def write_plots(runs: list[tuple[Path, str]], plot_dir: Path) -> None:

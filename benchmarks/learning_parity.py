@@ -8,8 +8,9 @@
 A seed sets `data.seed` (the prompt order) and `runner.seed` (the engines' sampling seed: engine i
 draws with runner.seed + i); the cold start is the same for all. Each run is its own `tandem train`
 process with its own output directory (`RUNS_DIR/<variant>/seed<N>`, whose metrics.jsonl is kept),
-engine port and Ray. They share one retrieval server that this script starts: Qdrant's local mode lets
-one process open an index, so runs that each launched their own would fail on its lock. With
+engine port and Ray. They share one retrieval server that this script starts, over its own copy of the
+index: Qdrant's local mode lets one process open an index, so runs that each launched their own would
+fail on its lock (as would this server, on an index another process holds). With
 `--concurrency` above 1 on a GPU the runs also get `SHARED_GPU_OVERRIDES` (a fixed KV cache and
 micro-batch, since each would size its own from the free memory at its start, and no per-run MPS
 daemon). Timings of concurrent runs are not comparable: this measures learning only.
@@ -19,9 +20,16 @@ sync schedule) for `--check-steps`, seeded as the first seed; its mean reward an
 trajectory over those steps must lie inside the range of the sync seeds' means over the same steps.
 
 A run whose metrics.jsonl reaches its last step is not run again, so the same command can be repeated
-until every run is done (`--deadline-s` stops it in time: runs not finished by then are stopped and
-started afresh next time). The JSON is written at the end of every invocation, from the runs done so
-far (`complete` says whether all are); the plots and a digest of trajectories next to it.
+until every run is done: `--deadline-s` stops the runs still going in time, and the next invocation
+resumes each from its newest checkpoint (`--save-every` steps; only the newest is kept, and none once
+the run is done). A resumed run continues its metrics.jsonl; its sampling stream restarts, which
+perturbs a seed no more than a different engine batch would.
+
+Every invocation ends by writing, from the runs done so far (`complete` says whether all are): the
+JSON; next to it `<stem>_plots/` (every seed and the band), `<stem>_samples.json` (a digest of trained
+trajectories: searches and rewards per source, a few transcripts) and `<stem>_runs.tgz` (each run's
+metrics.jsonl, config, log tail, and the plots): the three files to bring back from a GPU machine.
+Exit status 0 when every run is done, 3 when some are left for the next invocation.
 """
 
 from __future__ import annotations
@@ -48,7 +56,10 @@ VARIANTS = {  # name -> (which config, extra overrides)
     "sync": ("sync", []),
     "async": ("async", []),
     "async_tis": ("async", ["algorithm.off_policy_correction=tis"]),
+    # the ablation of the hand-off order: sync as before issue 27 (minibatches sorted by length)
+    "sync_finish_order": ("sync", ["rollout_buffer.handoff_order=finish"]),
 }
+DEFAULT_VARIANTS = ["sync", "async", "async_tis"]
 CHECK = "staleness0"
 CHECK_OVERRIDES = ["rollout_buffer.max_head_offpolicyness=0"]
 SHARED_GPU_OVERRIDES = [
@@ -57,6 +68,8 @@ SHARED_GPU_OVERRIDES = [
     "cluster.mps=false",
 ]
 STOP_GRACE_S = 30.0
+LOG_TAIL_LINES = 300
+INDEX_COPY_MAX_BYTES = 4 * 2**30  # the KB's index is ~90 MB; a wiki-18 one is served in place
 
 
 @dataclass
@@ -79,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--async-config", default=str(CONFIG_DIR / "smollm2_h200_async.yaml"))
     parser.add_argument("--steps", type=int, default=60, help="runner.max_steps of every run")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--check-steps", type=int, default=10, help="steps of the staleness-0 check run")
     parser.add_argument("--no-check", action="store_true", help="leave the staleness-0 check out")
     parser.add_argument("--concurrency", type=int, default=3, help="runs at a time")
@@ -95,6 +108,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="stop starting runs, and stop those still going, after this many seconds",
     )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=10,
+        help="runner.save_interval of the runs, so that one stopped at the deadline resumes",
+    )
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep a finished run's last one")
     parser.add_argument(
         "--prepare",
         action="store_true",
@@ -178,16 +198,35 @@ def prepare(args: argparse.Namespace) -> None:
         subprocess.run([*tandem, "sft", args.sync_config, *args.overrides], check=True, cwd=ROOT)
 
 
-def start_retrieval(config_path: str, overrides: list[str], log_path: Path):
-    """One retrieval server over the configs' index for every run (`retrieval.launch=false` in them)."""
+def private_index(index_dir: Path, runs_dir: Path) -> Path:
+    """A copy of a small local index under the runs directory, served by this script alone: Qdrant's
+    local mode lets one process open an index, and another run or server may hold the original."""
+    if (index_dir / "index.json").is_file() and not (index_dir / "qdrant").is_dir():
+        return index_dir  # a Qdrant server's collection, no local files to lock
+    size = sum(f.stat().st_size for f in index_dir.rglob("*") if f.is_file())
+    if size > INDEX_COPY_MAX_BYTES:
+        print(
+            f"index {index_dir} ({size / 2**30:.1f} GiB) served in place: nothing else may open it",
+            flush=True,
+        )
+        return index_dir
+    copy = runs_dir / "index"
+    if not (copy / "index.json").is_file():
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(index_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    return copy
+
+
+def start_retrieval(config_path: str, overrides: list[str], runs_dir: Path):
+    """One retrieval server over (a copy of) the configs' index for every run (`retrieval.launch=false`)."""
     from tandemrl.config.loader import load_config
     from tandemrl.data.home import default_index_dir
     from tandemrl.retrieval.server_process import RetrievalServerProcess
 
     retrieval = load_config(config_path, overrides).retrieval
-    server = RetrievalServerProcess(
-        retrieval.index_dir or default_index_dir(), mode=retrieval.mode, log_path=log_path
-    )
+    index_dir = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
+    log_path = runs_dir / "retrieval.log"
+    server = RetrievalServerProcess(index_dir, mode=retrieval.mode, log_path=log_path)
     server.launch()
     server.wait_healthy()
     print(f"retrieval server for all runs at {server.addr} (log {log_path})", flush=True)
@@ -206,46 +245,91 @@ def stop_run(proc: subprocess.Popen) -> None:
         pass
 
 
+def start_run(spec: RunSpec, runs_dir: Path, shared: list[str], save_every: int) -> subprocess.Popen:
+    """`tandem train` for `spec` in its own process group: resumed from its newest checkpoint when an
+    earlier invocation stopped it, else afresh."""
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    run_dir = spec.run_dir(runs_dir)
+    checkpoint = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    extra = [f"runner.save_interval={save_every}"] if save_every else []
+    if checkpoint is not None:  # its validation at the start step is in the metrics already
+        extra += [f"runner.resume_from={checkpoint}", "runner.val_before_train=false"]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = train_command(spec, run_dir, [*shared, *extra])
+    print("$", " ".join(command), flush=True)
+    log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def prune_checkpoints(run_dir: Path, keep_latest: bool) -> None:
+    """Only the newest checkpoint is needed (to resume); a finished run needs none."""
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir) if keep_latest else None
+    for path in (run_dir / "checkpoints").glob("global_step_*"):
+        if path != latest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run_all(specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shared: list[str]) -> list[str]:
-    """Run what is not complete, `args.concurrency` at a time; returns the names left undone."""
+    """Run what is not complete, `args.concurrency` at a time, until done or `args.deadline_s`; returns
+    the runs left undone."""
     pending = [s for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
-    for spec in specs:
-        if spec not in pending:
-            print(f"{spec.variant}/seed{spec.seed}: complete, not run again", flush=True)
-    running: dict[int, tuple[RunSpec, subprocess.Popen, float]] = {}
+    for spec in (s for s in specs if s not in pending):
+        print(f"{spec.variant}/seed{spec.seed}: complete, not run again", flush=True)
+    running: list[tuple[RunSpec, subprocess.Popen, float]] = []
     start_s = time.monotonic()
     while pending or running:
-        for key, (spec, proc, began_s) in list(running.items()):
-            if proc.poll() is not None:
-                wall_s = time.monotonic() - began_s
-                run_dir = spec.run_dir(runs_dir)
-                (run_dir / "run.json").write_text(
-                    json.dumps({"rc": proc.returncode, "wall_s": wall_s}) + "\n"
-                )
+        for entry in list(running):
+            spec, proc, began_s = entry
+            run_dir = spec.run_dir(runs_dir)
+            if proc.poll() is None:
+                prune_checkpoints(run_dir, keep_latest=True)
+                continue
+            running.remove(entry)
+            record = {"rc": proc.returncode, "wall_s": time.monotonic() - began_s}
+            (run_dir / "run.json").write_text(json.dumps(record) + "\n")
+            print(f"{spec.variant}/seed{spec.seed}: exit {proc.returncode} after {record['wall_s']:.0f} s")
+            is_done = is_complete(run_dir, spec.steps)
+            prune_checkpoints(run_dir, keep_latest=not is_done or args.keep_checkpoints)
+        if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
+            for spec, proc, _ in running:
                 print(
-                    f"{spec.variant}/seed{spec.seed}: exit {proc.returncode} after {wall_s:.0f} s", flush=True
+                    f"{spec.variant}/seed{spec.seed}: stopped at the deadline; resumed next time", flush=True
                 )
-                del running[key]
-        elapsed_s = time.monotonic() - start_s
-        if args.deadline_s is not None and elapsed_s >= args.deadline_s:
-            for spec, proc, _ in running.values():
-                print(f"{spec.variant}/seed{spec.seed}: stopped at the deadline", flush=True)
                 stop_run(proc)
             break
         while pending and len(running) < args.concurrency:
             spec = pending.pop(0)
-            run_dir = spec.run_dir(runs_dir)
-            shutil.rmtree(run_dir, ignore_errors=True)  # a run stopped earlier starts afresh
-            run_dir.parent.mkdir(parents=True, exist_ok=True)
-            command = train_command(spec, run_dir, shared)
-            print("$", " ".join(command), flush=True)
-            log = (run_dir.parent / f"seed{spec.seed}.log").open("w")
-            proc = subprocess.Popen(
-                command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-            running[proc.pid] = (spec, proc, time.monotonic())
-        time.sleep(1.0)
+            running.append((spec, start_run(spec, runs_dir, shared, args.save_every), time.monotonic()))
+        time.sleep(2.0)
     return [f"{s.variant}/seed{s.seed}" for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
+
+
+def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
+    """What to bring back from the GPU machine besides the JSON: each run's metrics.jsonl, config.yaml,
+    run.json and startup.json, the last lines of its log, and `extra_files` (the plots)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for spec in specs:
+            run_dir, name = spec.run_dir(runs_dir), f"{spec.variant}/seed{spec.seed}"
+            for file in ("metrics.jsonl", "config.yaml", "run.json", "startup.json"):
+                if (run_dir / file).is_file():
+                    tar.add(run_dir / file, arcname=f"{name}/{file}")
+            log = run_dir.parent / f"seed{spec.seed}.log"
+            if log.is_file():
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]).encode()
+                info = tarfile.TarInfo(f"{name}/train.log.tail")
+                info.size = len(tail)
+                tar.addfile(info, io.BytesIO(tail))
+        for file in extra_files:
+            tar.add(file, arcname=f"plots/{file.name}")
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.summarize:
         if args.prepare:
             prepare(args)
-        server = start_retrieval(args.sync_config, args.overrides, runs_dir / "retrieval.log")
+        server = start_retrieval(args.sync_config, args.overrides, runs_dir)
         try:
             search = ["retrieval.launch=false", f"tools.search.server_addr={server.addr}"]
             left = run_all(specs, args, runs_dir, [*search, *shared])
@@ -288,8 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(result, indent=1) + "\n")
     plots = write_plots(result, out.parent / f"{out.stem}_plots")
     samples = write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
+    runs = bundle(specs, runs_dir, plots, out.parent / f"{out.stem}_runs.tgz")
     print(json.dumps({"acceptance": result["acceptance"], "complete": result["complete"]}, indent=1))
-    print(f"wrote {out}, {samples} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")
+    print(f"wrote {out}, {samples}, {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")
     if left:
         print(f"not done yet: {', '.join(left)}; run the same command again", flush=True)
         return 3

@@ -168,7 +168,12 @@ def summarize(specs: list, runs_dir: Path, setup: dict[str, Any]) -> dict[str, A
 
 
 # ------------------------------------------------------------------------------------------------ plots
-COLOURS = {"sync": "tab:blue", "async": "tab:orange", "async_tis": "tab:green"}
+COLOURS = {
+    "sync": "tab:blue",
+    "async": "tab:orange",
+    "async_tis": "tab:green",
+    "sync_finish_order": "tab:purple",
+}
 
 
 def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:

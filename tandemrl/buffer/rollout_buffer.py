@@ -45,6 +45,7 @@ class BufferLimits:
     max_staleness: int | None = None  # agentloop.max_actor_accept_staleness; None: unlimited
     reject_equal_reward: bool = False
     max_head_offpolicyness: int | None = None  # rollout_buffer.max_head_offpolicyness; None: unlimited
+    handoff_order: str = "issue"  # rollout_buffer.handoff_order: issue | finish
 
     def __post_init__(self):
         assert self.max_buffered_groups >= self.rollout_batch_size, "validated by config.derive"
@@ -61,6 +62,7 @@ class BufferLimits:
             max_staleness=config.agentloop.max_actor_accept_staleness,
             reject_equal_reward=config.down_sampling.down_sampling_config.reject_equal_reward,
             max_head_offpolicyness=buffer.max_head_offpolicyness,
+            handoff_order=buffer.handoff_order,
         )
 
 
@@ -215,14 +217,16 @@ class TaskBuffer:
 
     def take(self, actor_weight_version: int) -> HandOff | None:
         """Hand off the oldest `rollout_batch_size` finished groups (after staleness drops), listed in
-        issue order, or None when not enough are buffered. Closes the step window and returns its
-        metrics."""
+        issue order (`handoff_order=finish`: in finishing order, as before issue 27), or None when not
+        enough are buffered. Closes the step window and returns its metrics."""
         self.drop_stale(actor_weight_version)
         if not self.is_ready():
             return None
         self._tick()
         num_buffered_before = self.num_buffered
-        groups = sorted(self.buffered[: self.limits.rollout_batch_size], key=lambda g: g.issue_id)
+        groups = self.buffered[: self.limits.rollout_batch_size]
+        if self.limits.handoff_order == "issue":
+            groups = sorted(groups, key=lambda g: g.issue_id)
         del self.buffered[: self.limits.rollout_batch_size]
         for group in groups:
             self._record("trained", group)

@@ -81,8 +81,11 @@ def test_derived_limits_from_config():
     limits = BufferLimits.from_config(explicit)
     assert (limits.max_inflight_groups, limits.max_buffered_groups) == (5, 9)
     assert limits.max_head_offpolicyness is None  # the default: admission is not bounded by versions
-    head = load_config(None, ["rollout_buffer.max_head_offpolicyness=0"])
+    head = load_config(
+        None, ["rollout_buffer.max_head_offpolicyness=0", "rollout_buffer.handoff_order=finish"]
+    )
     assert BufferLimits.from_config(head).max_head_offpolicyness == 0
+    assert BufferLimits.from_config(head).handoff_order == "finish" and limits.handoff_order == "issue"
 
 
 def test_inflight_limit_blocks_until_a_group_returns():
@@ -378,6 +381,12 @@ def test_hand_off_lists_groups_in_issue_order_not_finishing_order():
     trained = [e["prompt_id"] for e in buf.events() if e["event"] == "trained"]
     assert trained == ["p1", "p2", "p3"]
     assert [g.prompt_id for g in buf.buffered] == ["p0"]
+    # handoff_order=finish (the ablation of the behaviour before): finishing order
+    old = make(rollout_batch_size=3, max_buffered_groups=6, handoff_order="finish")
+    groups = [old.issue(Prompt(f"p{i}"), 0) for i in range(4)]
+    for g in reversed(groups):
+        old.finish(g.issue_id, group_of([[0], [0]]), 0)
+    assert [g.prompt_id for g in old.take(0).groups] == ["p3", "p2", "p1"]
 
 
 def test_hand_off_mix_against_the_mix_issued_in_the_step_window():

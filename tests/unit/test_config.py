@@ -165,6 +165,7 @@ def test_async_requires_server_backend():
         ("actor.optim.lr_schedule=linear", "actor.optim.lr_schedule"),
         ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
         ("rollout_buffer.max_head_offpolicyness=-1", "rollout_buffer.max_head_offpolicyness"),
+        ("rollout_buffer.handoff_order=random", "rollout_buffer.handoff_order"),
         ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
     ],
 )

@@ -91,6 +91,7 @@ class TaskBuffer:
         self.buffered: list[Group] = []  # finished, in finishing order
         self._dropped_in_window: list[tuple[Group, str]] = []
         self._issued_sources_in_window: list[str] = []
+        self._sources_seen: set[str] = set()  # every data source issued so far: each gets a mix every step
         self._events: list[dict] = []
         self._is_admission_open = True
         self._last_tick_s = clock()
@@ -161,6 +162,7 @@ class TaskBuffer:
         self._next_issue_id += 1
         self.inflight[group.issue_id] = group
         self._issued_sources_in_window.append(group.data_source)
+        self._sources_seen.add(group.data_source)
         self._record("issued", group)
         return group
 
@@ -232,7 +234,7 @@ class TaskBuffer:
             self._record("trained", group)
         dropped, self._dropped_in_window = self._dropped_in_window, []
         metrics = self._window_metrics(groups, actor_weight_version, num_buffered_before, len(dropped))
-        metrics.update(source_mix(groups, self._issued_sources_in_window))
+        metrics.update(source_mix(groups, self._issued_sources_in_window, self._sources_seen))
         self._issued_sources_in_window = []
         self._window_start_s = self._last_tick_s
         self._wait_s = {INFLIGHT_LIMIT: 0.0, BUFFER_FULL: 0.0, STALENESS_LIMIT: 0.0}
@@ -291,13 +293,13 @@ def _fraction(part_s: float, window_s: float) -> float:
     return min(1.0, part_s / window_s) if window_s > 0 else 0.0
 
 
-def source_mix(groups: list[Group], issued_sources: list[str]) -> dict[str, float]:
+def source_mix(groups: list[Group], issued_sources: list[str], known_sources: set[str]) -> dict[str, float]:
     """`rollout/handoff_mix/<data_source>` (fraction of the hand-off's groups) against
-    `rollout/issued_mix/<data_source>` (fraction of the groups issued in the step window); every source
-    seen in either gets both. A hand-off that favours fast (short) questions shows as a gap."""
+    `rollout/issued_mix/<data_source>` (fraction of the groups issued in the step window), for every
+    source issued so far (0 where absent). A hand-off that favours fast (short) questions shows as a gap."""
     handed = [g.data_source for g in groups]
     metrics = {}
-    for source in sorted(set(handed) | set(issued_sources)):
+    for source in sorted(known_sources | set(handed)):
         metrics[f"rollout/handoff_mix/{source}"] = handed.count(source) / len(handed) if handed else 0.0
         metrics[f"rollout/issued_mix/{source}"] = (
             issued_sources.count(source) / len(issued_sources) if issued_sources else 0.0

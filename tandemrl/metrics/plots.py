@@ -49,6 +49,7 @@ PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
             ("rollout/buffer/dropped_groups", "dropped groups"),
             ("rollout/buffer/admission_wait_inflight_limit", "wait: in-flight limit (frac)"),
             ("rollout/buffer/admission_wait_buffer_full", "wait: buffer full (frac)"),
+            ("rollout/buffer/admission_wait_staleness", "wait: staleness limit (frac)"),
         ],
     ),
 }

@@ -14,7 +14,9 @@ Each run is a separate `tandem train` process (its own services, a cold GPU for 
 see the same start-up. The table is read from each run's `metrics.jsonl`:
 - mean step time, throughput (tokens/s) and mean staleness after `--warmup` steps;
 - reward and ratio_abs ranges (min, max) after warm-up;
-- val EM at the start (`runner.val_before_train`) and at the end (the last validation);
+- val EM at the start (`runner.val_before_train`) and at the end (the last validation), overall and per
+  data source (with each source's curve), and searches per trajectory per source: in validation (first
+  and last) and in the trained rollouts (means over the first and last `--warmup` steps);
 - the sync run's generation time G (the actor waiting for data: `time/wait_data`, else the step minus
   training and weight sync) and its training-plus-sync time T;
 - overlap efficiency = max(G, T) / async mean step time: 1.0 means async hides the shorter side
@@ -126,10 +128,29 @@ def summarize_run(rows: list[dict], warmup: int) -> dict:
             [row.get("time/train", 0.0) + row.get("time/sync_weights", 0.0) for row in timed]
         ),
     }
-    for source in sorted({k.removeprefix("val/em/") for row in rows for k in row if k.startswith("val/em/")}):
+    for source in _sources(rows, "val/em/"):
         curve = [row[f"val/em/{source}"] for row in rows if f"val/em/{source}" in row]
         summary[f"val_em_{source}_start_end"] = [curve[0], curve[-1]]
+    summary["val_em_curve_by_source"] = {
+        source: [(row["step"], row[f"val/em/{source}"]) for row in rows if f"val/em/{source}" in row]
+        for source in _sources(rows, "val/em/")
+    }
+    summary["val_num_searches_start_end"] = {  # per source and overall (all): first and last validation
+        source: [values[0], values[-1]]
+        for source in _sources(rows, "val/num_searches/")
+        if (values := _values(rows, f"val/num_searches/{source}"))
+    }
+    window = max(1, warmup)  # train searches per source and overall (mean): first and last steps' mean
+    summary["num_searches_start_end"] = {
+        source: [_mean(values[:window]), _mean(values[-window:])]
+        for source in _sources(steps, "rollout/num_searches/")
+        if (values := _values(steps, f"rollout/num_searches/{source}"))
+    }
     return summary
+
+
+def _sources(rows: list[dict], prefix: str) -> list[str]:
+    return sorted({k.removeprefix(prefix) for row in rows for k in row if k.startswith(prefix)})
 
 
 def gpu_name() -> str:

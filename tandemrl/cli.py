@@ -128,7 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     export.set_defaults(handler="tandemrl.trainer.export:run_export")
 
     plot = sub.add_parser(
-        "plot", help="overlay runs' logs as PNGs (step time, reward, ratio, staleness, val EM)"
+        "plot",
+        help="overlay runs' logs as PNGs (step time, reward, ratio, staleness, val EM, searches; per source)",
     )
     plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="runner.output_dir of each run")
     plot.add_argument("--out", default="tandem_plots", help="folder for the PNGs (default: ./tandem_plots)")

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+UNKNOWN_SOURCE = "unknown"  # the metric name of a prompt or trajectory without a data_source
+
 
 class HasVersions(Protocol):
     """What the buffer needs from a trajectory (the agent's `Trajectory` satisfies it)."""
@@ -46,7 +48,7 @@ class Group:
     again each epoch, so `prompt_id` alone is not)."""
 
     issue_id: int
-    prompt: Any  # tandemrl.data.loader.Prompt (needs .prompt_id)
+    prompt: Any  # tandemrl.data.loader.Prompt (needs .prompt_id and .data_source)
     task_name: str
     issued_weight_version: int
     issued_at_s: float
@@ -59,6 +61,10 @@ class Group:
     @property
     def prompt_id(self) -> str:
         return self.prompt.prompt_id
+
+    @property
+    def data_source(self) -> str:
+        return self.prompt.data_source or UNKNOWN_SOURCE
 
     def finish(self, trajectories: list[Any], weight_version: int, now_s: float) -> None:
         assert self.finished_at_s is None, f"group {self.issue_id} finished twice"

@@ -2,11 +2,15 @@
 
 Invariants (docs/DESIGN.md, Rollout buffer):
 - a group is issued only while in-flight < max_inflight_groups and in-flight + buffered <
-  max_buffered_groups;
+  max_buffered_groups, and, with max_head_offpolicyness h, while the groups issued and not dropped
+  stay within (weight versions since the start + 1 + h) x rollout_batch_size (AReaL's staleness
+  control): at h = 0 exactly the sync runner's schedule, one batch per weight version;
 - every issued group ends in exactly one of: handed off (trained), dropped (stale or equal rewards),
   or still in flight / buffered; `events()` records each transition so a run can account for it;
 - the time admission wanted to issue but a limit said no is charged to that limit, and reported as a
-  fraction of the step window (the time between two hand-offs).
+  fraction of the step window (the time between two hand-offs);
+- a hand-off lists its groups in issue order (the loader's), whatever order they finished in: the
+  trainer cuts minibatches as contiguous slices, and finishing order would sort them by length.
 
 Pure Python with an injected clock, so every rule is unit-tested with a simulated clock. Per-task
 state (one `TaskBuffer` per `agentloop.task_name`) lives in `RolloutBuffer`.
@@ -23,6 +27,7 @@ from tandemrl.buffer.group import Group, has_equal_rewards
 
 INFLIGHT_LIMIT = "inflight_limit"
 BUFFER_FULL = "buffer_full"
+STALENESS_LIMIT = "staleness"  # rollout_buffer.max_head_offpolicyness
 DROP_STALENESS = "staleness"
 DROP_EQUAL_REWARD = "equal_reward"
 
@@ -39,6 +44,8 @@ class BufferLimits:
     max_dropped_groups_per_step: int
     max_staleness: int | None = None  # agentloop.max_actor_accept_staleness; None: unlimited
     reject_equal_reward: bool = False
+    max_head_offpolicyness: int | None = None  # rollout_buffer.max_head_offpolicyness; None: unlimited
+    handoff_order: str = "issue"  # rollout_buffer.handoff_order: issue | finish
 
     def __post_init__(self):
         assert self.max_buffered_groups >= self.rollout_batch_size, "validated by config.derive"
@@ -54,6 +61,8 @@ class BufferLimits:
             max_dropped_groups_per_step=buffer.max_dropped_groups_per_step,
             max_staleness=config.agentloop.max_actor_accept_staleness,
             reject_equal_reward=config.down_sampling.down_sampling_config.reject_equal_reward,
+            max_head_offpolicyness=buffer.max_head_offpolicyness,
+            handoff_order=buffer.handoff_order,
         )
 
 
@@ -75,14 +84,19 @@ class TaskBuffer:
         self.limits = limits
         self._clock = clock
         self._next_issue_id = 0
+        self._num_dropped = 0  # since the start: dropped groups give their admission slot back
+        self._weight_version: int | None = None  # the engines' version (`set_weight_version`)
+        self._first_weight_version: int | None = None
         self.inflight: dict[int, Group] = {}
         self.buffered: list[Group] = []  # finished, in finishing order
         self._dropped_in_window: list[tuple[Group, str]] = []
+        self._issued_sources_in_window: list[str] = []
+        self._sources_seen: set[str] = set()  # every data source issued so far: each gets a mix every step
         self._events: list[dict] = []
         self._is_admission_open = True
         self._last_tick_s = clock()
         self._window_start_s = self._last_tick_s
-        self._wait_s = {INFLIGHT_LIMIT: 0.0, BUFFER_FULL: 0.0}
+        self._wait_s = {INFLIGHT_LIMIT: 0.0, BUFFER_FULL: 0.0, STALENESS_LIMIT: 0.0}
 
     # ---- admission -------------------------------------------------------------------------------
     @property
@@ -93,9 +107,39 @@ class TaskBuffer:
     def num_buffered(self) -> int:
         return len(self.buffered)
 
+    def set_weight_version(self, weight_version: int) -> None:
+        """The version the engines hold now: the driver calls this when it starts and after every weight
+        sync. The staleness limit of admission counts the versions since the first call."""
+        if self._first_weight_version is None:
+            self._first_weight_version = weight_version
+        else:
+            self._tick()  # the time until now is charged under the old version's limits
+        self._weight_version = weight_version
+
+    def staleness_capacity(self) -> int | None:
+        """Groups `max_head_offpolicyness` still lets issue now (None: no such limit).
+
+        AReaL's rule: (weight versions since the start + 1 + h) x rollout_batch_size groups may be issued
+        and not dropped. A group issued under it is among the first (v + 1 + h) batches, so it is trained
+        by version v + h: the head of the stream is at most h versions stale (a slow group can still
+        fall behind; `agentloop.max_actor_accept_staleness` drops those). Dropped groups give their slot
+        back, as the sync runner replaces a dropped group within its step.
+        """
+        head = self.limits.max_head_offpolicyness
+        if head is None:
+            return None
+        assert self._weight_version is not None, "set_weight_version before admission"
+        num_versions = self._weight_version - self._first_weight_version
+        allowed = (num_versions + 1 + head) * self.limits.rollout_batch_size
+        return allowed - (self._next_issue_id - self._num_dropped)
+
     def blocking_limit(self) -> str | None:
-        """The limit that forbids issuing now, or None. When both bind, the buffer-full limit is named:
-        only a hand-off (the trainer) can clear it, while finishing groups cannot."""
+        """The limit that forbids issuing now, or None. When several bind, the one that takes longest to
+        clear is named: the staleness limit (only a weight sync clears it), then buffer full (only a
+        hand-off clears it, finishing groups cannot), then the in-flight limit."""
+        capacity = self.staleness_capacity()
+        if capacity is not None and capacity <= 0:
+            return STALENESS_LIMIT
         if self.num_inflight + self.num_buffered >= self.limits.max_buffered_groups:
             return BUFFER_FULL
         if self.num_inflight >= self.limits.max_inflight_groups:
@@ -117,6 +161,8 @@ class TaskBuffer:
         group = Group(self._next_issue_id, prompt, self.task_name, weight_version, self._last_tick_s)
         self._next_issue_id += 1
         self.inflight[group.issue_id] = group
+        self._issued_sources_in_window.append(group.data_source)
+        self._sources_seen.add(group.data_source)
         self._record("issued", group)
         return group
 
@@ -147,6 +193,7 @@ class TaskBuffer:
         return len(stale)
 
     def _drop(self, group: Group, reason: str) -> None:
+        self._num_dropped += 1
         self._dropped_in_window.append((group, reason))
         self._record("dropped", group, reason=reason)
         limit = self.limits.max_dropped_groups_per_step
@@ -171,21 +218,26 @@ class TaskBuffer:
         return self.num_buffered >= self.limits.rollout_batch_size
 
     def take(self, actor_weight_version: int) -> HandOff | None:
-        """Hand off the oldest `rollout_batch_size` finished groups (after staleness drops), or None
-        when not enough are buffered. Closes the step window and returns its metrics."""
+        """Hand off the oldest `rollout_batch_size` finished groups (after staleness drops), listed in
+        issue order (`handoff_order=finish`: in finishing order, as before issue 27), or None when not
+        enough are buffered. Closes the step window and returns its metrics."""
         self.drop_stale(actor_weight_version)
         if not self.is_ready():
             return None
         self._tick()
         num_buffered_before = self.num_buffered
         groups = self.buffered[: self.limits.rollout_batch_size]
+        if self.limits.handoff_order == "issue":
+            groups = sorted(groups, key=lambda g: g.issue_id)
         del self.buffered[: self.limits.rollout_batch_size]
         for group in groups:
             self._record("trained", group)
         dropped, self._dropped_in_window = self._dropped_in_window, []
         metrics = self._window_metrics(groups, actor_weight_version, num_buffered_before, len(dropped))
+        metrics.update(source_mix(groups, self._issued_sources_in_window, self._sources_seen))
+        self._issued_sources_in_window = []
         self._window_start_s = self._last_tick_s
-        self._wait_s = {INFLIGHT_LIMIT: 0.0, BUFFER_FULL: 0.0}
+        self._wait_s = {INFLIGHT_LIMIT: 0.0, BUFFER_FULL: 0.0, STALENESS_LIMIT: 0.0}
         return HandOff(actor_weight_version, groups, dropped, metrics)
 
     def _window_metrics(
@@ -199,6 +251,7 @@ class TaskBuffer:
             "rollout/buffer/size": float(num_buffered),
             "rollout/buffer/admission_wait_inflight_limit": _fraction(self._wait_s[INFLIGHT_LIMIT], window_s),
             "rollout/buffer/admission_wait_buffer_full": _fraction(self._wait_s[BUFFER_FULL], window_s),
+            "rollout/buffer/admission_wait_staleness": _fraction(self._wait_s[STALENESS_LIMIT], window_s),
             "rollout/buffer/dropped_groups": float(num_dropped),
             "rollout/data_staleness/mean": sum(g.staleness(version) for g in groups) / num,
             "rollout/data_staleness/max": float(max(g.staleness(version) for g in groups)),
@@ -238,6 +291,20 @@ class TaskBuffer:
 
 def _fraction(part_s: float, window_s: float) -> float:
     return min(1.0, part_s / window_s) if window_s > 0 else 0.0
+
+
+def source_mix(groups: list[Group], issued_sources: list[str], known_sources: set[str]) -> dict[str, float]:
+    """`rollout/handoff_mix/<data_source>` (fraction of the hand-off's groups) against
+    `rollout/issued_mix/<data_source>` (fraction of the groups issued in the step window), for every
+    source issued so far (0 where absent). A hand-off that favours fast (short) questions shows as a gap."""
+    handed = [g.data_source for g in groups]
+    metrics = {}
+    for source in sorted(known_sources | set(handed)):
+        metrics[f"rollout/handoff_mix/{source}"] = handed.count(source) / len(handed) if handed else 0.0
+        metrics[f"rollout/issued_mix/{source}"] = (
+            issued_sources.count(source) / len(issued_sources) if issued_sources else 0.0
+        )
+    return metrics
 
 
 class RolloutBuffer:

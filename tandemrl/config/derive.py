@@ -300,12 +300,14 @@ def _warnings(config: TandemConfig) -> list[str]:
     staleness = config.agentloop.max_actor_accept_staleness
     buffered, batch = config.rollout_buffer.max_buffered_groups, config.data.rollout_batch_size
     natural = math.ceil(buffered / batch)
-    if staleness is not None and staleness < natural:
+    head = config.rollout_buffer.max_head_offpolicyness
+    if staleness is not None and staleness < natural and (head is None or staleness < head):
         warnings.append(
             f"agentloop.max_actor_accept_staleness={staleness} is below ceil(max_buffered_groups {buffered} / "
             f"rollout_batch_size {batch}) = {natural}: groups that wait their turn in a full buffer will "
-            "routinely be dropped as stale, wasting rollouts. Raise the staleness limit or lower "
-            "rollout_buffer.max_buffered_groups."
+            "routinely be dropped as stale, wasting rollouts. Raise the staleness limit, lower "
+            "rollout_buffer.max_buffered_groups, or bound admission with "
+            f"rollout_buffer.max_head_offpolicyness <= {staleness}."
         )
     for warning in warnings:
         log.warning(warning)

@@ -21,6 +21,7 @@ ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 COLOCATED_POLICIES = ("auto", "time_share", "concurrent")
+HANDOFF_ORDERS = ("issue", "finish")
 
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
@@ -244,10 +245,27 @@ class RolloutBufferConfig:
     max_inflight_groups: int | None = None  # derived when unset
     max_buffered_groups: int | None = None  # derived: 2 x rollout_batch_size
     max_dropped_groups_per_step: int | None = None  # derived: 10 x rollout_batch_size
+    # AReaL's staleness control at admission: groups are issued only while those issued and not dropped
+    # stay within (weight versions so far + 1 + this) x rollout_batch_size. 0: no overlap, the sync
+    # runner's schedule in the async runner; None: unlimited (only the limits above bound admission)
+    max_head_offpolicyness: int | None = None
+    # the order of a hand-off's groups, which the trainer cuts into contiguous minibatches. issue: the
+    # loader's; finish: the order they finished in, which sorts a sync step by trajectory length (the
+    # behaviour before issue 27, kept for the ablation)
+    handoff_order: str = "issue"
 
     def __post_init__(self):
         for key in ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step"):
             _check_positive(f"rollout_buffer.{key}", getattr(self, key), allow_none=True)
+        _check_choice("rollout_buffer.handoff_order", self.handoff_order, HANDOFF_ORDERS)
+        if self.max_head_offpolicyness is not None:
+            _check(
+                self.max_head_offpolicyness >= 0,
+                "rollout_buffer.max_head_offpolicyness",
+                self.max_head_offpolicyness,
+                "must be >= 0 (weight versions a group may be issued ahead of training)",
+                "Use 0 for the sync schedule in the async runner, or null for no limit.",
+            )
 
 
 @dataclass

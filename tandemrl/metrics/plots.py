@@ -49,6 +49,7 @@ PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
             ("rollout/buffer/dropped_groups", "dropped groups"),
             ("rollout/buffer/admission_wait_inflight_limit", "wait: in-flight limit (frac)"),
             ("rollout/buffer/admission_wait_buffer_full", "wait: buffer full (frac)"),
+            ("rollout/buffer/admission_wait_staleness", "wait: staleness limit (frac)"),
         ],
     ),
 }
@@ -110,7 +111,22 @@ OVERLAYS = {  # file stem -> (title, y label, metric, x axis: step | wall_clock_
     "ratio_abs": ("|ratio - 1|", "train/actor/ratio_abs", "train/actor/ratio_abs", "updates"),
     "staleness": ("Data staleness", "weight versions", "rollout/data_staleness/mean", "updates"),
     "val_em": ("Validation EM", "EM (all sources)", "val/em/all", "updates"),
+    "num_searches": (
+        "Searches per trajectory",
+        "searches (train rollouts)",
+        "rollout/num_searches/mean",
+        "updates",
+    ),
 }
+# per data source s, one overlay each: (stem prefix, metric prefix, title, y label); the sources are those
+# the runs logged (`rollout/num_searches/<s>`, `val/em/<s>`)
+SOURCE_OVERLAYS = [
+    ("val_em", "val/em/", "Validation EM", "EM"),
+    ("val_num_searches", "val/num_searches/", "Validation searches per trajectory", "searches (greedy)"),
+    ("num_searches", "rollout/num_searches/", "Searches per trajectory", "searches (train rollouts)"),
+    ("reward", "rollout/reward/", "Train reward", "mean reward"),
+]
+SOURCE_EXCLUDED = {"all", "mean"}  # the overall series of those prefixes, plotted in OVERLAYS
 X_LABELS = {
     "step": "rollout step",
     "wall_clock_s": "wall-clock seconds (sum of time/step)",
@@ -189,13 +205,32 @@ def run_labels(run_dirs: list[Path]) -> list[str]:
     return [str(d) for d in run_dirs]
 
 
+def source_overlays(runs: list[RunLog]) -> dict[str, tuple[str, str, str, str]]:
+    """OVERLAYS-shaped entries for every data source the runs logged, per SOURCE_OVERLAYS family, e.g.
+    `val_em_kb_2hop` for `val/em/kb_2hop`."""
+    entries = {}
+    for stem_prefix, metric_prefix, title, ylabel in SOURCE_OVERLAYS:
+        sources = {
+            key.removeprefix(metric_prefix)
+            for run in runs
+            for row in run.rows
+            for key in row
+            if key.startswith(metric_prefix)
+        }
+        for source in sorted(sources - SOURCE_EXCLUDED):
+            stem = f"{stem_prefix}_{source}".replace("/", "_")
+            entries[stem] = (f"{title}: {source}", ylabel, metric_prefix + source, "updates")
+    return entries
+
+
 def overlay_runs(runs: list[RunLog], out_dir: str | Path) -> dict[str, dict[str, tuple[list, list]]]:
-    """One PNG per OVERLAYS entry with a line per run; returns stem -> run label -> (xs, ys) plotted."""
+    """One PNG per OVERLAYS entry, and per data source of SOURCE_OVERLAYS, with a line per run; returns
+    stem -> run label -> (xs, ys) plotted."""
     plt = _pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plotted: dict[str, dict[str, tuple[list, list]]] = {}
-    for stem, (title, ylabel, metric, x_name) in OVERLAYS.items():
+    for stem, (title, ylabel, metric, x_name) in {**OVERLAYS, **source_overlays(runs)}.items():
         fig, ax = plt.subplots(figsize=(6, 4))
         plotted[stem] = {}
         for run in runs:
@@ -225,9 +260,9 @@ def run_plot(args: argparse.Namespace) -> int:
     run_dirs = [Path(d) for d in args.run_dirs]
     runs = [load_run(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
     try:
-        overlay_runs(runs, args.out)
+        plotted = overlay_runs(runs, args.out)
     except ValueError as error:
         print(f"tandem plot: {error}", file=sys.stderr)
         return 2
-    print(f"tandem plot: {len(OVERLAYS)} plots of {len(runs)} run(s) in {args.out}: " + ", ".join(OVERLAYS))
+    print(f"tandem plot: {len(plotted)} plots of {len(runs)} run(s) in {args.out}: " + ", ".join(plotted))
     return 0

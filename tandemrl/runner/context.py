@@ -163,7 +163,9 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     }
 
 
-def rollout_metrics(handoff: HandOff, step_s: float) -> dict[str, float]:
+def rollout_metrics(handoff: HandOff, step_s: float, norm_adv_by_std: bool = True) -> dict[str, float]:
+    """The step's rollout metrics: the buffer's window figures, the trained trajectories' overall means
+    and their means per data source (`per_source_metrics`)."""
     trajectories = [t for g in handoff.groups for t in g.trajectories]
     num = len(trajectories)
     response_length = sum(len(t.response_ids) for t in trajectories) / num
@@ -179,6 +181,36 @@ def rollout_metrics(handoff: HandOff, step_s: float) -> dict[str, float]:
             "throughput": num * response_length / step_s if step_s > 0 else 0.0,
         }
     )
+    metrics.update(per_source_metrics(handoff, norm_adv_by_std))
+    return metrics
+
+
+def per_source_metrics(handoff: HandOff, norm_adv_by_std: bool) -> dict[str, float]:
+    """Per data source s of the trained groups (a group's trajectories share its prompt's source):
+    - `rollout/reward/<s>`, `rollout/num_searches/<s>`: means over its trajectories;
+    - `rollout/equal_reward_groups/<s>`: the fraction of its groups whose rewards are all equal, so
+      their GRPO advantage is 0 and they teach nothing;
+    - `rollout/search_advantage/<s>`: mean of advantage x searches over its trajectories, with the
+      trainer's advantages. They sum to 0 within a group, so this is the within-group covariance of
+      advantage and searches: > 0 pushes the policy toward more searches on s, < 0 toward fewer.
+    """
+    from tandemrl.buffer.group import has_equal_rewards
+    from tandemrl.trainer.advantages import compute_grpo_advantages
+
+    advantages = compute_grpo_advantages([g.rewards() for g in handoff.groups], norm_adv_by_std)
+    by_source: dict[str, list[tuple[Any, list[float]]]] = {}
+    for group, group_advantages in zip(handoff.groups, advantages, strict=True):
+        by_source.setdefault(group.data_source, []).append((group, group_advantages))
+    metrics = {}
+    for source, entries in sorted(by_source.items()):
+        pairs = [(t, a) for g, adv in entries for t, a in zip(g.trajectories, adv, strict=True)]
+        num = len(pairs)
+        metrics[f"rollout/reward/{source}"] = sum(float(t.reward) for t, _ in pairs) / num
+        metrics[f"rollout/num_searches/{source}"] = sum(len(t.searches) for t, _ in pairs) / num
+        metrics[f"rollout/equal_reward_groups/{source}"] = sum(
+            has_equal_rewards(g.trajectories) for g, _ in entries
+        ) / len(entries)
+        metrics[f"rollout/search_advantage/{source}"] = sum(a * len(t.searches) for t, a in pairs) / num
     return metrics
 
 
@@ -208,7 +240,8 @@ def write_trajectories(ctx: RunContext, step: int, handoff: HandOff) -> None:
 
 
 async def validate(ctx: RunContext) -> dict[str, float]:
-    """Greedy EM on the validation prompts, per data source and overall (`val/em/<source>`, `val/em/all`)."""
+    """Greedy EM and searches per trajectory on the validation prompts, per data source and overall
+    (`val/em/<source>`, `val/em/all`, `val/num_searches/<source>`, `val/num_searches/all`)."""
     from tandemrl.agent.evaluate import OVERALL, evaluate_prompts, summarize
 
     if not ctx.val_prompts:
@@ -223,7 +256,12 @@ async def validate(ctx: RunContext) -> dict[str, float]:
         )
     )
     summary = summarize([traj for shard in results for traj in shard])
-    return {f"val/em/{'all' if source == OVERALL else source}": row["em"] for source, row in summary.items()}
+    metrics = {}
+    for source, row in summary.items():
+        name = "all" if source == OVERALL else source
+        metrics[f"val/em/{name}"] = row["em"]
+        metrics[f"val/num_searches/{name}"] = row["searches"]
+    return metrics
 
 
 async def validate_before_training(ctx: RunContext) -> None:
@@ -259,7 +297,10 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
 
     runner = ctx.config.runner
     now_s = time.monotonic()
-    metrics = {**rollout_metrics(handoff, now_s - ctx.last_step_end_s), **metrics}
+    metrics = {
+        **rollout_metrics(handoff, now_s - ctx.last_step_end_s, ctx.config.algorithm.norm_adv_by_std),
+        **metrics,
+    }
     metrics.update(await engine_busy_fraction(ctx))
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     if runner.val_interval and step % runner.val_interval == 0:

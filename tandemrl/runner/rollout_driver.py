@@ -4,7 +4,8 @@
          ▲ admission loop wakes on every change            (least-loaded engine per group)
          └──────────── next_handoff(actor weight_version) ◄─ buffer.take
 
-Invariants: admission is decided only by the buffer's limits and by the runner's wish to issue
+Invariants: admission is decided only by the buffer's limits (the staleness limit among them, which
+counts the weight versions the driver reports to the buffer) and by the runner's wish to issue
 (`pause_admission` for sync training and drains; a `quota` on in-flight + buffered groups in sync
 mode); a failing group or a broken buffer limit is re-raised to the runner at its next wait, so no
 error is swallowed. `weight_version` is the version in the engines; the runner moves it after a sync.
@@ -45,6 +46,7 @@ class RolloutDriver:
         self.search, self.tokenizer, self.agent_cfg = search, tokenizer, agent_cfg
         self.group_size = group_size
         self.weight_version = weight_version
+        buffer.set_weight_version(weight_version)
         self.quota = quota  # sync mode: at most this many groups in flight + buffered
         self._run_group = run_group_fn
         self._engine_load = [0] * len(engines)
@@ -170,5 +172,6 @@ class RolloutDriver:
     def set_weight_version(self, weight_version: int) -> None:
         """The engines now hold `weight_version`; groups that can no longer be trained are dropped."""
         self.weight_version = weight_version
+        self.buffer.set_weight_version(weight_version)  # may open admission (its staleness limit)
         self.buffer.drop_stale(weight_version)
         self._notify()

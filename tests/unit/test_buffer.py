@@ -11,6 +11,7 @@ from tandemrl.buffer.group import Group, version_range
 from tandemrl.buffer.rollout_buffer import (
     BUFFER_FULL,
     INFLIGHT_LIMIT,
+    STALENESS_LIMIT,
     BufferLimits,
     DroppedGroupsLimitError,
     RolloutBuffer,
@@ -32,6 +33,7 @@ class SimClock:
 @dataclass
 class Prompt:
     prompt_id: str
+    data_source: str = "kb_1hop"
 
 
 @dataclass
@@ -41,12 +43,14 @@ class Traj:
     extra: dict = field(default_factory=dict)
 
 
-def make(clock=None, **kw) -> TaskBuffer:
+def make(clock=None, weight_version=0, **kw) -> TaskBuffer:
     args = dict(
         rollout_batch_size=2, max_inflight_groups=10, max_buffered_groups=4, max_dropped_groups_per_step=20
     )
     args.update(kw)
-    return TaskBuffer("searchr1", BufferLimits(**args), clock or SimClock())
+    buf = TaskBuffer("searchr1", BufferLimits(**args), clock or SimClock())
+    buf.set_weight_version(weight_version)  # as the driver does when it starts
+    return buf
 
 
 def group_of(versions_per_traj, rewards=None):
@@ -76,6 +80,12 @@ def test_derived_limits_from_config():
     )
     limits = BufferLimits.from_config(explicit)
     assert (limits.max_inflight_groups, limits.max_buffered_groups) == (5, 9)
+    assert limits.max_head_offpolicyness is None  # the default: admission is not bounded by versions
+    head = load_config(
+        None, ["rollout_buffer.max_head_offpolicyness=0", "rollout_buffer.handoff_order=finish"]
+    )
+    assert BufferLimits.from_config(head).max_head_offpolicyness == 0
+    assert BufferLimits.from_config(head).handoff_order == "finish" and limits.handoff_order == "issue"
 
 
 def test_inflight_limit_blocks_until_a_group_returns():
@@ -294,3 +304,105 @@ def test_per_task_state_is_keyed_by_task_name():
     assert a.events()[0]["task_name"] == "searchr1"
     with pytest.raises(ValueError, match="agentloop.task_name"):
         buffer.task("")
+
+
+def finish_all(buf: TaskBuffer, version: int, rewards=(0.0, 1.0)) -> None:
+    for g in list(buf.inflight.values()):
+        buf.finish(g.issue_id, group_of([[version], [version]], list(rewards)), version)
+
+
+def test_head_offpolicyness_zero_is_the_sync_schedule():
+    """h = 0: one batch per weight version, however roomy the other limits, and a hand-off alone
+    (training) does not reopen admission; the weight sync does."""
+    buf = make(max_head_offpolicyness=0, max_buffered_groups=8, weight_version=3)
+    issued = [buf.issue(Prompt(str(i)), 3) for i in range(2)]
+    assert buf.blocking_limit() == STALENESS_LIMIT and buf.staleness_capacity() == 0
+    finish_all(buf, 3)
+    handoff = buf.take(3)
+    assert [g.issue_id for g in handoff.groups] == [g.issue_id for g in issued]
+    assert not buf.can_admit() and buf.blocking_limit() == STALENESS_LIMIT  # training: nothing issued
+    buf.set_weight_version(4)  # the sync: the next batch, at the new version
+    assert buf.staleness_capacity() == 2
+    buf.issue(Prompt("2"), 4)
+    buf.issue(Prompt("3"), 4)
+    assert buf.blocking_limit() == STALENESS_LIMIT
+
+
+def test_head_offpolicyness_counts_versions_from_the_start_and_lets_dropped_groups_be_replaced():
+    buf = make(max_head_offpolicyness=1, max_buffered_groups=8, reject_equal_reward=True, weight_version=5)
+    for i in range(4):  # (0 versions + 1 + 1) x 2: two batches ahead of training
+        buf.issue(Prompt(str(i)), 5)
+    assert buf.blocking_limit() == STALENESS_LIMIT
+    first = next(iter(buf.inflight.values()))
+    buf.finish(first.issue_id, group_of([[5], [5]], [1.0, 1.0]), 5)  # equal rewards: dropped
+    assert buf.staleness_capacity() == 1 and buf.can_admit()  # its slot is given back
+    buf.issue(Prompt("replacement"), 5)
+    assert buf.blocking_limit() == STALENESS_LIMIT
+    buf.set_weight_version(6)
+    assert buf.staleness_capacity() == 2
+
+
+def test_unlimited_head_offpolicyness_never_blocks():
+    buf = make(max_buffered_groups=100, max_inflight_groups=100)
+    for i in range(50):
+        buf.issue(Prompt(str(i)), 0)
+    assert buf.staleness_capacity() is None and buf.can_admit()
+
+
+def test_time_blocked_by_the_staleness_limit_is_its_own_wait_fraction():
+    clock = SimClock()
+    buf = make(clock, max_head_offpolicyness=0, max_buffered_groups=8)
+    buf.issue(Prompt("a"), 0)
+    buf.issue(Prompt("b"), 0)  # t=0: the staleness limit binds
+    clock.now_s = 4.0
+    finish_all(buf, 0)
+    handoff = buf.take(0)
+    assert handoff.metrics["rollout/buffer/admission_wait_staleness"] == pytest.approx(1.0)
+    assert handoff.metrics["rollout/buffer/admission_wait_buffer_full"] == 0.0
+    clock.now_s = 6.0  # training, 2 s blocked
+    buf.set_weight_version(1)
+    buf.issue(Prompt("c"), 1)
+    buf.issue(Prompt("d"), 1)
+    clock.now_s = 8.0  # generation, 2 s blocked
+    finish_all(buf, 1)
+    assert buf.take(1).metrics["rollout/buffer/admission_wait_staleness"] == pytest.approx(1.0)
+
+
+def test_hand_off_lists_groups_in_issue_order_not_finishing_order():
+    """Groups of one sync step finish shortest first; handed off in that order, the trainer's contiguous
+    minibatches would each hold one length class."""
+    buf = make(rollout_batch_size=3, max_buffered_groups=6)
+    groups = [buf.issue(Prompt(f"p{i}"), 0) for i in range(4)]
+    for g in reversed(groups):  # p3 finishes first, p0 last
+        buf.finish(g.issue_id, group_of([[0], [0]]), 0)
+    handoff = buf.take(0)
+    # the oldest finished three are handed off (p3, p2, p1), listed in issue order
+    assert [g.prompt_id for g in handoff.groups] == ["p1", "p2", "p3"]
+    trained = [e["prompt_id"] for e in buf.events() if e["event"] == "trained"]
+    assert trained == ["p1", "p2", "p3"]
+    assert [g.prompt_id for g in buf.buffered] == ["p0"]
+    # handoff_order=finish (the ablation of the behaviour before): finishing order
+    old = make(rollout_batch_size=3, max_buffered_groups=6, handoff_order="finish")
+    groups = [old.issue(Prompt(f"p{i}"), 0) for i in range(4)]
+    for g in reversed(groups):
+        old.finish(g.issue_id, group_of([[0], [0]]), 0)
+    assert [g.prompt_id for g in old.take(0).groups] == ["p3", "p2", "p1"]
+
+
+def test_hand_off_mix_against_the_mix_issued_in_the_step_window():
+    buf = make(rollout_batch_size=2, max_buffered_groups=8)
+    one = [buf.issue(Prompt(f"a{i}", "kb_1hop"), 0) for i in range(2)]
+    two = [buf.issue(Prompt(f"b{i}", "kb_2hop"), 0) for i in range(2)]
+    for g in one:  # the 1-hop groups come back first and fill the hand-off
+        buf.finish(g.issue_id, group_of([[0], [0]]), 0)
+    m = buf.take(0).metrics
+    assert m["rollout/handoff_mix/kb_1hop"] == 1.0 and m["rollout/handoff_mix/kb_2hop"] == 0.0
+    assert m["rollout/issued_mix/kb_1hop"] == 0.5 and m["rollout/issued_mix/kb_2hop"] == 0.5
+    buf.issue(Prompt("c0", "nq"), 0)  # the next window: one issued, two 2-hop handed off
+    for g in two:
+        buf.finish(g.issue_id, group_of([[0], [0]]), 0)
+    m = buf.take(0).metrics
+    assert m["rollout/handoff_mix/kb_2hop"] == 1.0 and m["rollout/handoff_mix/nq"] == 0.0
+    assert m["rollout/issued_mix/nq"] == 1.0 and m["rollout/issued_mix/kb_2hop"] == 0.0
+    # a source issued earlier but neither issued nor handed off in this window: 0, not missing
+    assert m["rollout/handoff_mix/kb_1hop"] == 0.0 and m["rollout/issued_mix/kb_1hop"] == 0.0

@@ -177,3 +177,53 @@ def test_dropped_prompt_comes_again_in_the_next_epoch(tmp_path):
         assert trained.count("train:0") >= 2  # the next epoch brought the prompts again
 
     asyncio.run(main())
+
+
+async def settle() -> None:
+    """Let every ready task run (the admission loop reacts to a change within a few loop turns)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
+def test_async_admission_at_head_offpolicyness_zero_is_the_sync_schedule(tmp_path):
+    """The async runner's driver (no quota, admission never paused) under max_head_offpolicyness 0
+    issues what the sync runner's issues: the same prompts, one batch per weight version, and nothing
+    while the actor trains on a hand-off."""
+
+    async def steps(driver, is_sync: bool):
+        scripted = driver._run_group
+        scripted.release()
+        driver.start()
+        schedule = []
+        for version in range(3):
+            if is_sync:
+                driver.resume_admission()
+            handoff = await asyncio.wait_for(driver.next_handoff(version, pause_admission=is_sync), 5)
+            await settle()  # "training": admission gets every chance to issue
+            issued_while_training = driver.buffer.num_inflight + driver.buffer.num_buffered
+            driver.set_weight_version(version + 1)
+            await settle()
+            schedule.append(
+                ([g.prompt_id for g in handoff.groups], {g.issued_weight_version for g in handoff.groups})
+            )
+            assert issued_while_training == 0
+            assert handoff.metrics["rollout/data_staleness/mean"] == 0.0
+        await driver.stop()
+        return schedule
+
+    async def main():
+        sync = await steps(make_driver(tmp_path / "s", ScriptedGroups(), quota=2), is_sync=True)
+        asyn = await steps(
+            make_driver(tmp_path / "a", ScriptedGroups(), max_head_offpolicyness=0, max_buffered_groups=8),
+            is_sync=False,
+        )
+        assert asyn == sync
+        assert sync == [
+            (["train:0", "train:1"], {0}),
+            (["train:2", "train:3"], {1}),
+            (["train:4", "train:5"], {2}),
+        ]
+
+    (tmp_path / "s").mkdir()
+    (tmp_path / "a").mkdir()
+    asyncio.run(main())

@@ -164,6 +164,8 @@ def test_async_requires_server_backend():
         ("algorithm.dual_clip_c=0.5", "algorithm.dual_clip_c"),
         ("actor.optim.lr_schedule=linear", "actor.optim.lr_schedule"),
         ("rollout_buffer.max_inflight_groups=0", "rollout_buffer.max_inflight_groups"),
+        ("rollout_buffer.max_head_offpolicyness=-1", "rollout_buffer.max_head_offpolicyness"),
+        ("rollout_buffer.handoff_order=random", "rollout_buffer.handoff_order"),
         ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
     ],
 )
@@ -182,6 +184,13 @@ def test_staleness_warning(caplog):
     assert "max_actor_accept_staleness=2" in caplog.text
     config.agentloop.max_actor_accept_staleness = 3
     assert derive_and_validate(config) == []
+    # admission bounded at or below the accept limit: groups no longer wait long enough to be dropped
+    config.agentloop.max_actor_accept_staleness = 1
+    config.rollout_buffer.max_head_offpolicyness = 1
+    assert derive_and_validate(config) == []
+    config.rollout_buffer.max_head_offpolicyness = 2
+    (warning,) = derive_and_validate(config)
+    assert "rollout_buffer.max_head_offpolicyness <= 1" in warning
 
 
 def test_overrides_parse_yaml_values():

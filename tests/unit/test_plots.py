@@ -24,11 +24,16 @@ def _rows(step_s: float, num_updates_per_step: int | None) -> list[dict]:
             "rollout/reward/mean": 0.1 * step,
             "train/actor/ratio_abs": 0.01 * step,
             "rollout/data_staleness/mean": 1.0,
+            "rollout/num_searches/mean": 1.5,
+            "rollout/num_searches/kb_1hop": 1.0,
+            "rollout/num_searches/kb_2hop": 2.0 - 0.1 * step,
         }
         if num_updates_per_step is not None:
             row["train/actor/num_updates"] = float(num_updates_per_step * step)
         if step % 2 == 0:
             row["val/em/all"] = 0.2 + 0.1 * step
+            row["val/em/kb_2hop"] = 0.1 * step
+            row["val/num_searches/kb_2hop"] = 2.0
         rows.append(row)
     return rows
 
@@ -69,6 +74,19 @@ def test_two_runs_are_overlaid_on_each_axis(tmp_path):
     assert plotted["ratio_abs"][sync][1] == pytest.approx([0.01, 0.02, 0.03, 0.04])
     assert plotted["staleness"][asyn][1] == [1.0] * 4
     assert plotted["val_em"][sync] == ([8.0, 16.0], pytest.approx([0.4, 0.6]))  # only steps with val EM
+    # per data source: one overlay per source the runs logged, the overall series left to the above
+    per_source = {
+        "val_em_kb_2hop",
+        "val_num_searches_kb_2hop",
+        "num_searches_kb_1hop",
+        "num_searches_kb_2hop",
+    }
+    assert set(plotted) == set(OVERLAYS) | per_source
+    assert plotted["val_em_kb_2hop"][asyn] == ([4, 8], pytest.approx([0.2, 0.4]))
+    assert plotted["num_searches_kb_2hop"][sync][1] == pytest.approx([1.9, 1.8, 1.7, 1.6])
+    assert plotted["num_searches"][sync][1] == [1.5] * 4
+    for stem in per_source:
+        assert (tmp_path / "out" / f"{stem}.png").is_file()
 
 
 def test_a_metric_no_run_logged_gives_an_empty_plot(tmp_path):
@@ -90,8 +108,14 @@ def test_same_named_runs_are_told_apart_by_their_parent():
 def test_cli_writes_the_pngs_to_out(tmp_path, capsys):
     out = tmp_path / "plots"
     assert main(["plot", str(_jsonl_run(tmp_path)), str(_tensorboard_run(tmp_path)), "--out", str(out)]) == 0
-    assert sorted(p.name for p in out.iterdir()) == sorted(f"{stem}.png" for stem in OVERLAYS)
-    assert f"6 plots of 2 run(s) in {out}" in capsys.readouterr().out
+    per_source = [
+        "val_em_kb_2hop",
+        "val_num_searches_kb_2hop",
+        "num_searches_kb_1hop",
+        "num_searches_kb_2hop",
+    ]
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{stem}.png" for stem in [*OVERLAYS, *per_source])
+    assert f"{len(OVERLAYS) + 4} plots of 2 run(s) in {out}" in capsys.readouterr().out
 
 
 def test_cli_errors_name_the_run(tmp_path, capsys):

@@ -1,0 +1,110 @@
+"""benchmarks/learning_parity.py's results: the run plan (seeds, variants, the staleness-0 check), and the
+summary read from each run's metrics.jsonl (curves, mean and sd over seeds, the check against the sync
+seeds' range, acceptance, plots). The runs are fabricated metric logs: this checks the reading and the
+arithmetic, whose only input is those files; the runs themselves are real `tandem train` processes."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from benchmarks.learning_parity import CHECK, parse_args, run_specs, train_command
+from benchmarks.learning_parity_summary import summarize, write_plots, write_samples
+
+STEPS, CHECK_STEPS = 4, 2
+
+
+def fake_run(
+    run_dir: Path, em: tuple[float, float], two_hop: tuple[float, float], reward: float, steps=STEPS
+):
+    """A run's metrics.jsonl: val EM at steps 0 and STEPS, a constant train reward and 1.5 searches."""
+    run_dir.mkdir(parents=True)
+    rows = [{"step": 0, "val/em/all": em[0], "val/em/kb_2hop": two_hop[0], "val/em/kb_1hop": 0.5}]
+    for step in range(1, steps + 1):
+        row = {
+            "step": step,
+            "time/step": 1.0,
+            "train/actor/num_updates": 4.0 * step,
+            "rollout/reward/mean": reward,
+            "rollout/num_searches/mean": 1.5,
+            "rollout/num_searches/kb_2hop": 2.0 - 0.1 * step,
+            "rollout/data_staleness/mean": 0.0,
+            "rollout/search_advantage/kb_2hop": 0.1,
+        }
+        if step == STEPS:
+            row.update({"val/em/all": em[1], "val/em/kb_2hop": two_hop[1], "val/em/kb_1hop": 0.9})
+        rows.append(row)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    trajectories = run_dir / "trajectories"
+    trajectories.mkdir()
+    traj = {"data_source": "kb_2hop", "searches": ["a", "b"], "reward": 1.0, "finish_reason": "answer",
+            "question": "q?", "golden_answers": ["x"], "answer": "x", "response_text": "<search>a</search>",
+            "sample_index": 0}  # fmt: skip
+    (trajectories / "step_1.jsonl").write_text(json.dumps(traj) + "\n")
+
+
+def test_plan_seeds_variants_and_the_check():
+    args = parse_args(["--seeds", "1", "2", "--steps", "60", "--check-steps", "10", "x.y=1"])
+    specs = run_specs(args)
+    assert [(s.variant, s.seed, s.steps) for s in specs] == [
+        ("sync", 1, 60), ("sync", 2, 60), ("async", 1, 60), ("async", 2, 60),
+        ("async_tis", 1, 60), ("async_tis", 2, 60), (CHECK, 1, 10),
+    ]  # fmt: skip
+    command = train_command(specs[-1], Path("/r/staleness0/seed1"), ["x.y=1"])
+    assert "data.seed=1" in command and "runner.seed=1" in command and "runner.max_steps=10" in command
+    assert "rollout_buffer.max_head_offpolicyness=0" in command and command[-1] == "x.y=1"
+    assert "algorithm.off_policy_correction=tis" in train_command(specs[4], Path("/r"), [])
+    assert [s.variant for s in run_specs(parse_args(["--no-check", "--variants", "sync"]))] == ["sync"] * 3
+
+
+def test_summary_means_sds_check_and_acceptance(tmp_path):
+    args = parse_args(["--seeds", "1", "2", "--steps", str(STEPS), "--check-steps", str(CHECK_STEPS)])
+    specs = run_specs(args)
+    fake_run(tmp_path / "sync/seed1", (0.40, 0.55), (0.30, 0.10), reward=0.2)
+    fake_run(tmp_path / "sync/seed2", (0.44, 0.65), (0.34, 0.20), reward=0.4)
+    fake_run(tmp_path / "async/seed1", (0.42, 0.70), (0.30, 0.50), reward=0.3)
+    fake_run(tmp_path / "async/seed2", (0.42, 0.62), (0.30, 0.40), reward=0.3)
+    fake_run(tmp_path / "async_tis/seed1", (0.42, 0.7), (0.3, 0.6), reward=0.3, steps=STEPS - 1)  # cut short
+    fake_run(tmp_path / "staleness0/seed1", (0.42, 0.42), (0.3, 0.3), reward=0.3, steps=CHECK_STEPS)
+    result = summarize(specs, tmp_path, {"steps": STEPS})
+    sync = result["sync"]
+    assert sync["num_seeds"] == 2
+    assert sync["mean"]["val_em_start"] == pytest.approx(0.42) and sync["mean"][
+        "val_em_end"
+    ] == pytest.approx(0.6)
+    assert sync["sd"]["val_em_end"] == pytest.approx(statistics.stdev([0.55, 0.65]))
+    assert sync["mean"]["kb_2hop_end"] == pytest.approx(0.15)
+    assert sync["seeds"]["1"]["val_em"]["kb_2hop"] == [[0, 0.30], [STEPS, 0.10]]
+    assert sync["seeds"]["2"]["num_searches"]["kb_2hop"][0] == [1, 1.9]
+    assert sync["seeds"]["1"]["diagnostics"]["search_advantage"]["kb_2hop"][-1] == [STEPS, 0.1]
+    # the incomplete tis run is listed but counts in no mean
+    assert result["async_tis"]["num_seeds"] == 0 and result["async_tis"]["mean"]["val_em_end"] is None
+    assert result["async_tis"]["seeds"]["1"]["complete"] is False and result["complete"] is False
+    check = result["staleness0_check"]
+    assert check["first_steps_reward"] == {"check": 0.3, "sync_seeds_range": [0.2, 0.4]}
+    assert check["passes"] is True
+    acc = result["acceptance"]
+    assert acc["sync_val_em_rise"]["value"] == pytest.approx(0.18) and acc["sync_val_em_rise"]["passes"]
+    assert acc["sync_kb_2hop_end_ge_start"] is False and acc["async_kb_2hop_end_ge_start"] is True
+    assert (
+        acc["final_val_em_gap"]["value"] == pytest.approx(0.06) and acc["final_val_em_gap"]["passes"] is False
+    )
+    plots = write_plots(result, tmp_path / "plots")
+    names = sorted(p.name for p in plots)
+    assert names == ["num_searches_kb_2hop.png", "num_searches_mean.png", "val_em_all.png",
+                     "val_em_kb_1hop.png", "val_em_kb_2hop.png"]  # fmt: skip
+    samples = json.loads(write_samples(specs, tmp_path, tmp_path / "samples.json").read_text())
+    assert samples["sync/seed1"]["1"]["kb_2hop"]["searches_histogram"] == {"2": 1}
+
+
+def test_a_check_outside_the_sync_range_fails(tmp_path):
+    specs = run_specs(parse_args(["--seeds", "1", "2", "--steps", str(STEPS), "--check-steps", str(CHECK_STEPS),
+                                  "--variants", "sync"]))  # fmt: skip
+    fake_run(tmp_path / "sync/seed1", (0.4, 0.5), (0.3, 0.3), reward=0.2)
+    fake_run(tmp_path / "sync/seed2", (0.4, 0.5), (0.3, 0.3), reward=0.25)
+    fake_run(tmp_path / "staleness0/seed1", (0.4, 0.4), (0.3, 0.3), reward=0.5, steps=CHECK_STEPS)
+    check = summarize(specs, tmp_path, {})["staleness0_check"]
+    assert check["passes"] is False and check["first_steps_reward"]["sync_seeds_range"] == [0.2, 0.25]

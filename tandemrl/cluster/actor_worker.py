@@ -56,10 +56,13 @@ class ActorWorker:
         engine_backend: str = "embedded",
         sync_dir: str | None = None,
         api_key: str | None = None,
+        tp_size: int = 1,
+        pause_mode: str = "retract",
     ) -> None:
         """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU), or
         prepare the directory the engines reload safetensors from (disk); `api_key` is the engines' key
-        (None for engines that need none)."""
+        (None for engines that need none); `tp_size` the TP size of an engine that does not report it;
+        `pause_mode` says whether the engines are idle during a push (their cache is flushed then)."""
         from urllib.parse import urlparse
 
         from tandemrl.cluster.server_supervisor import node_address
@@ -77,8 +80,10 @@ class ActorWorker:
                 bucket_mb,
                 sync_dir,
                 str(self.actor.model_path),
+                tp_size=tp_size,
                 master_address=master_address,
                 api_key=api_key,
+                pause_mode=pause_mode,
             )
             self._clients = list(self._sender.clients)
             await self._sender.connect()

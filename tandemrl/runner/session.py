@@ -136,6 +136,8 @@ async def run_session(
         config.rollout.backend,
         config.rollout.weight_sync_dir or str(output_dir.resolve() / "weight_sync"),
         services.engine_api_key,
+        config.rollout.tensor_parallel_size,
+        config.rollout.pause_mode,
     )
     mark("weight sync connected")
     start_step, resume_state = 0, None

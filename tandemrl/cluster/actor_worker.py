@@ -97,6 +97,31 @@ class ActorWorker:
         assert weight_version == self.actor.weight_version, (weight_version, self.actor.weight_version)
         return self._loop.run_until_complete(self.actor.sync_weights(self._sender))
 
+    def greedy(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """Greedy continuations (argmax of the raw logits, EOS included) under exactly the weights a push
+        sends (`iter_full_weights`, in the compute dtype), so an engine that took them answers the same
+        (runner/weights_check.py). Every rank gathers the weights; rank 0 decodes."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        state = dict(self.actor.iter_full_weights())
+        if self.actor.rank != 0:
+            return []
+        config = self.actor.policy.hf.config
+        with torch.device(self.actor.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.actor.compute_dtype).eval()
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+        outputs = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = list(prompt)
+                for _ in range(num_tokens):
+                    logits = model(torch.tensor([ids], device=self.actor.device)).logits[0, -1]
+                    ids.append(int(logits.float().argmax()))
+                outputs.append(ids[len(prompt) :])
+        return outputs
+
     def save_checkpoint(self, directory: str, extra: dict[str, object] | None = None) -> None:
         """The actor's checkpoint with `extra` (relative path -> object, e.g. data/data.pt) inside it,
         written by the actor's atomic save so a crash mid-save leaves the previous checkpoint whole."""

@@ -64,9 +64,19 @@ class RunnerConfig:
     reissue_on_resume: bool = True
     seed: int = 1
     engine_health_interval_s: float = 1.0
+    # > 0: after the last weight sync, every engine's greedy output (this many tokens) on probe prompts
+    # must equal the actor's (runner/weights_check.py); the run fails otherwise
+    weights_check_tokens: int = 0
 
     def __post_init__(self):
         _check_positive("runner.max_steps", self.max_steps)
+        _check(
+            self.weights_check_tokens >= 0,
+            "runner.weights_check_tokens",
+            self.weights_check_tokens,
+            "must be >= 0",
+            "Use 0 for no check, or e.g. 16.",
+        )
         _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
         _check(
             self.save_interval >= 0,

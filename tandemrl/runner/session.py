@@ -159,15 +159,23 @@ async def run_session(
     ctx.started_s = started_s
     ctx.startup_origin = startup_origin
     mark("runner starting")
+    is_done = False
     try:
         await _run_with_watchdog(ctx, services)
+        is_done = True
     finally:
         await driver.stop()
-        write_ledger(ctx, runner.max_steps)
-        logger.close()
-        await search.close()
-        for engine in engines:
-            await engine.close()
+        try:
+            if is_done and runner.weights_check_tokens:
+                from tandemrl.runner.weights_check import check_weights
+
+                await check_weights(ctx)
+        finally:
+            write_ledger(ctx, runner.max_steps)
+            logger.close()
+            await search.close()
+            for engine in engines:
+                await engine.close()
     return ctx
 
 

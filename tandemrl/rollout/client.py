@@ -210,7 +210,10 @@ class EngineClient(HttpClient):
                     raise
                 continue
             is_abort = (meta.get("finish_reason") or {}).get("type") == "abort"
-            if not (is_abort and gate.is_retracted(marked, rid)) or len(ids) >= limit:
+            if not (is_abort and gate.is_retracted(marked, rid)):
+                break
+            if len(ids) >= limit:  # retracted after its last token: it is complete
+                meta = {**meta, "finish_reason": {"type": "length", "length": limit}}
                 break
         reported = meta.get("output_token_weight_versions")  # an engine that knows them (ours) wins
         if reported is not None and len(reported) == len(ids):

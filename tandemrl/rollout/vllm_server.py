@@ -60,7 +60,7 @@ class VllmServer(ChildServer):
         host: str = "127.0.0.1",
         max_model_len: int = 2048,
         max_num_seqs: int = 16,
-        kv_cache_gb: float = 1,
+        kv_cache_gb: int = 1,
         startup_timeout_s: float = 900.0,
         log_path: str | Path | None = None,
         device: str = "cpu",
@@ -75,7 +75,7 @@ class VllmServer(ChildServer):
     ):
         env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
         if device == "cpu":
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gb)
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gb))  # vLLM parses whole GiB
         # "" clears a key the parent's environment may hold for external servers
         env["VLLM_API_KEY"] = api_key or ""
         super().__init__(port, host, startup_timeout_s, log_path, env={**env, **engine_env(pythonpath or [])})

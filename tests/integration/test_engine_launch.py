@@ -114,7 +114,7 @@ def test_vllm_command_lines_on_cpu_and_gpu(tmp_path):
     assert flags["--dtype"] == "float32" and "--enforce-eager" in command
     assert flags["--worker-extension-cls"] == "tandemrl.rollout.vllm_worker.WeightLoader"
     assert server.env["VLLM_API_KEY"] == services.engine_api_key and services.engine_api_key not in command
-    assert server.env["VLLM_SERVER_DEV_MODE"] == "1" and server.env["VLLM_CPU_KVCACHE_SPACE"] == "1.0"
+    assert server.env["VLLM_SERVER_DEV_MODE"] == "1" and server.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     gpu = engine_config(
         tmp_path,
         "vllm",

@@ -119,7 +119,9 @@ def start_server(backend: str, model_dir: Path, overrides: list[str], max_runnin
             f"rollout.model.model_path={model_dir}",
             f"rollout.max_running_requests={max_running}",
             f"rollout.max_context_len={context}",
-            "agentloop.max_response_tokens=64",
+            "agentloop.max_response_tokens=64",  # the agent's budgets are no part of this workload
+            "agentloop.max_new_tokens_per_turn=64",
+            "agentloop.max_info_tokens=32",
             "rollout.startup_timeout_s=1200",
         ],
     )

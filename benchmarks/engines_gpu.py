@@ -43,7 +43,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
-from model_shapes import QWEN25_15B, TINY  # noqa: E402
+from model_shapes import QWEN25_15B  # noqa: E402
 
 BACKENDS = ("embedded", "vllm", "sglang")
 PROBES = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,", "Water boils at"]
@@ -230,19 +230,19 @@ async def measure(backend: str, args, device: str, fixed_dir: Path, smollm2: Pat
     result: dict = {}
     context = args.prompt_len + args.new_tokens + 64
     server, key, result["startup_s"] = start_server(backend, fixed_dir, overrides, args.num_requests, context)
+    client = make_client(backend, server.url, api_key=key)
     try:
-        client = make_client(backend, server.url, api_key=key)
         result["fixed_batch"] = await fixed_batch(client, args, vocab)
         result["fixed_batch_tok_s"] = result["fixed_batch"]["tok_s"]
-        await client.close()
     finally:
+        await client.close()
         server.stop()
     server, key, _ = start_server(backend, smollm2, overrides, 16, 2048)
+    client = make_client(backend, server.url, api_key=key)
     try:
-        client = make_client(backend, server.url, api_key=key)
         result.update(await weights_check(backend, client, server.url, key, smollm2, device, args))
-        await client.close()
     finally:
+        await client.close()
         server.stop()
     return result
 
@@ -266,21 +266,24 @@ def main() -> None:
     from engine import write_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="tandem-engines-"))
-    shape = TINY if args.cpu else QWEN25_15B
-    dtype = torch.float32 if args.cpu else torch.bfloat16
-    fixed_dir = write_model_dir(shape, work / "fixed_model", torch.device("cpu"), dtype)
     smollm2 = Path(args.smollm2) if args.smollm2 else default_smollm2()
+    if args.cpu:  # vLLM's CPU kernels refuse the tiny shape (head_dim 16): SmolLM2 itself stands in
+        shape, fixed_dir = {"vocab_size": 49152}, smollm2
+    else:
+        shape = QWEN25_15B
+        fixed_dir = write_model_dir(shape, work / "fixed_model", torch.device("cpu"), torch.bfloat16)
     report = {
         "mode": device,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
         "workloads": {
             "fixed_batch": f"{args.num_requests} requests x {args.prompt_len} prompt -> {args.new_tokens} new "
-            f"tokens, T=1, ignore_eos, {'tiny' if args.cpu else 'Qwen2.5-1.5B'} shape, random weights",
+            f"tokens, T=1, ignore_eos, {'SmolLM2' if args.cpu else 'Qwen2.5-1.5B shape, random weights'}",
             "weights_check": f"{len(PROBES)} probe prompts x {args.probe_tokens} greedy tokens on {smollm2}",
             "agent_step": "smollm2_h200_sync.yaml, one step (64 prompts x group 4), time/wait_data",
         },
         "backends": {},
         "skipped": {},
+        "failed": {},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     for backend in args.backends.split(","):
@@ -290,7 +293,12 @@ def main() -> None:
             print(f"{backend}: skipped ({reason})", flush=True)
             continue
         print(f"{backend}: measuring", flush=True)
-        result = asyncio.run(measure(backend, args, device, fixed_dir, smollm2, shape["vocab_size"]))
+        try:
+            result = asyncio.run(measure(backend, args, device, fixed_dir, smollm2, shape["vocab_size"]))
+        except Exception as error:  # noqa: BLE001  one backend's failure is its result, the others still run
+            report["failed"][backend] = f"{type(error).__name__}: {error}"
+            print(f"{backend}: failed ({report['failed'][backend]})", flush=True)
+            continue
         if args.cpu or args.skip_agent:
             result["agent_step_s"] = None
             result["agent_step_skipped"] = "CPU mode" if args.cpu else "--skip-agent"

@@ -207,7 +207,9 @@ class VllmConfig:
     gpu_memory_utilization: float = 0.85  # --gpu-memory-utilization: GPU memory for weights + KV cache
     host: str | None = None  # --host; None: the node's address (127.0.0.1 on a one-node run)
     port: int | None = None  # --port of a node's first instance, counting up; None: a free port
-    cpu_kv_cache_gb: int = 1  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on CPU; vLLM takes most of the RAM otherwise
+    cpu_kv_cache_gb: int = (
+        1  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on CPU; vLLM takes most of the RAM otherwise
+    )
     extra_args: list[str] = field(default_factory=list)  # appended verbatim, e.g. ["--enforce-eager"]
     python: str | None = None  # as rollout.sglang.python
     pythonpath: list[str] = field(default_factory=list)  # as rollout.sglang.pythonpath

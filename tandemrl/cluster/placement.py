@@ -133,12 +133,10 @@ def _engines(config: Any) -> list[ProcessPlacement]:
 
 
 def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[ProcessPlacement]) -> str:
-    """rollout.weight_sync=auto: disk for vLLM (its only route here); gloo when either side is on CPU;
-    CUDA IPC when actor rank 0 and every engine share one GPU; otherwise NCCL from actor rank 0."""
+    """rollout.weight_sync=auto: gloo when either side is on CPU; CUDA IPC when actor rank 0 and every
+    engine share one GPU; otherwise NCCL from actor rank 0 (every backend; disk only when asked for)."""
     if config.rollout.weight_sync != "auto":
         return config.rollout.weight_sync
-    if config.rollout.backend == "vllm":
-        return "disk"
     rank0 = actor[0]
     on_cpu = "cpu" in (config.actor.device, config.rollout.device)  # GPU ids may stand for CPU slots
     if on_cpu or not rank0.gpus or (engines and not all(e.gpus for e in engines)):

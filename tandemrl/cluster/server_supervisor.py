@@ -1,5 +1,5 @@
-"""One server of the run (an embedded engine, an SGLang server or the retrieval server), launched and
-watched from the node it runs on.
+"""One server of the run (an embedded engine, an SGLang or vLLM server, or the retrieval server), launched
+and watched from the node it runs on.
 
 `ServerSupervisor` is a plain class: on one machine without Ray it lives in the runner's process; with
 Ray it is a Ray actor in the server's placement-group bundle, so the server it launches sees exactly
@@ -19,7 +19,7 @@ from typing import Any
 
 from tandemrl.metrics.startup import log_path as startup_log_path
 
-KINDS = ("embedded", "sglang", "retrieval")
+KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
 
 @dataclass
@@ -29,8 +29,8 @@ class ServerSpec:
     config: Any  # the run's TandemConfig
     model_path: str | None = None  # engines: the resolved weights directory
     index_dir: str | None = None  # retrieval: the resolved index directory
-    port_offset: int = 0  # SGLang: instances on one node count up from rollout.sglang.port
-    api_key: str | None = None  # the run's key for this server (embedded engine, retrieval)
+    port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port
+    api_key: str | None = None  # the run's key for this server
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
     # the run's start-up timeline file (metrics/startup.py), which a supervisor in a Ray actor joins
     startup_log: str | None = field(default_factory=startup_log_path)
@@ -66,12 +66,20 @@ def build_server(spec: ServerSpec, host: str) -> Any:
         from tandemrl.rollout.sglang_process import SglangServerProcess
 
         host = rollout.sglang.host or host
-        return SglangServerProcess(
-            rollout, spec.model_path, host, rollout.sglang.port + spec.port_offset, seed
+        port = rollout.sglang.port + spec.port_offset
+        return SglangServerProcess(rollout, spec.model_path, host, port, seed, api_key=spec.api_key)
+    device = resolve_device(rollout.device)
+    if spec.kind == "vllm":
+        from tandemrl.rollout.vllm_server import VllmServer
+
+        port = None if rollout.vllm.port is None else rollout.vllm.port + spec.port_offset
+        dtype = resolve_dtype(rollout.dtype, device)
+        host = rollout.vllm.host or host
+        return VllmServer.from_rollout(
+            rollout, spec.model_path, host, port, seed, device, dtype, spec.api_key
         )
     from tandemrl.rollout.engine_process import EngineProcess
 
-    device = resolve_device(rollout.device)
     engine = EngineProcess.from_rollout(
         rollout, spec.model_path, device, resolve_dtype(rollout.dtype, device), seed, api_key=spec.api_key
     )

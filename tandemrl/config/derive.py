@@ -162,12 +162,6 @@ def _derive_pause_mode(config: TandemConfig) -> None:
             f"{UNSUPPORTED_PAUSE_MODES[rollout.pause_mode]}. Set rollout.pause_mode=in_place (vLLM's keep) or "
             "drain, or leave it unset."
         )
-    if rollout.backend == "vllm" and rollout.weight_sync not in ("auto", "disk"):
-        raise ConfigError(
-            f"rollout.weight_sync={rollout.weight_sync!r} with rollout.backend=vllm: the vLLM backend updates "
-            "weights by having the server load safetensors from disk (POST /collective_rpc). Set "
-            "rollout.weight_sync=disk, or leave it at auto."
-        )
 
 
 def _validate_cross_section(config: TandemConfig) -> None:

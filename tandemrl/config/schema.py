@@ -69,6 +69,9 @@ class RunnerConfig:
     # steps whose actor train step is recorded by torch.profiler into <output_dir>/profiles/ (a Chrome
     # trace and the top kernels), e.g. [4, 5]: what a slow step spent its time on
     profile_steps: list[int] = field(default_factory=list)
+    # > 0: after the last weight sync, every engine's greedy output (this many tokens) on probe prompts
+    # must equal the actor's (runner/weights_check.py); the run fails otherwise
+    weights_check_tokens: int = 0
 
     def __post_init__(self):
         _check_positive("runner.max_steps", self.max_steps)
@@ -80,6 +83,13 @@ class RunnerConfig:
                 "must list step numbers >= 1",
                 "Use e.g. runner.profile_steps=[4,5].",
             )
+        _check(
+            self.weights_check_tokens >= 0,
+            "runner.weights_check_tokens",
+            self.weights_check_tokens,
+            "must be >= 0",
+            "Use 0 for no check, or e.g. 16.",
+        )
         _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
         _check(
             self.save_interval >= 0,
@@ -173,7 +183,7 @@ class ModelConfig:
 @dataclass
 class SglangConfig:
     """The SGLang servers tandem launches (`rollout.backend: sglang` without `rollout.server_addrs`):
-    `python -m sglang.launch_server` on each instance's node and GPUs, see cluster/engine_commands.py."""
+    `python -m sglang.launch_server` on each instance's node and GPUs, see rollout/sglang_process.py."""
 
     backend_type: str = "server"
     mem_fraction_static: float = 0.85  # --mem-fraction-static: GPU memory for weights + KV cache
@@ -182,6 +192,10 @@ class SglangConfig:
     extra_args: list[str] = field(
         default_factory=list
     )  # appended verbatim, e.g. ["--attention-backend", "fa3"]
+    # the interpreter that runs the server (None: tandem's own), and directories put first on its
+    # PYTHONPATH for that process only (an engine installed with `pip --target`, docs/BACKENDS.md)
+    python: str | None = None
+    pythonpath: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         _check_choice("rollout.sglang.backend_type", self.backend_type, SGLANG_BACKEND_TYPES)
@@ -198,10 +212,45 @@ class SglangConfig:
 
 
 @dataclass
+class VllmConfig:
+    """The vLLM servers tandem launches (`rollout.backend: vllm` without `rollout.server_addrs`):
+    `python -m vllm.entrypoints.openai.api_server` on each instance's node and GPUs (or CPU), see
+    rollout/vllm_server.py."""
+
+    gpu_memory_utilization: float = 0.85  # --gpu-memory-utilization: GPU memory for weights + KV cache
+    host: str | None = None  # --host; None: the node's address (127.0.0.1 on a one-node run)
+    port: int | None = None  # --port of a node's first instance, counting up; None: a free port
+    cpu_kv_cache_gb: int = (
+        1  # VLLM_CPU_KVCACHE_SPACE (whole GiB) on CPU; vLLM takes most of the RAM otherwise
+    )
+    extra_args: list[str] = field(default_factory=list)  # appended verbatim, e.g. ["--enforce-eager"]
+    python: str | None = None  # as rollout.sglang.python
+    pythonpath: list[str] = field(default_factory=list)  # as rollout.sglang.pythonpath
+
+    def __post_init__(self):
+        _check(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.vllm.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "must be in (0, 1]",
+            "Use e.g. 0.85 (less when the actor shares the GPU).",
+        )
+        _check(
+            self.port is None or 0 < self.port < 65536,
+            "rollout.vllm.port",
+            self.port,
+            "is not a TCP port",
+            "Use e.g. 8000, or null for a free port.",
+        )
+        _check_positive("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+
+
+@dataclass
 class RolloutConfig:
     pause_mode: str | None = None  # derived: retract (in_place on vLLM, which has no retract)
     backend: str = "embedded"
     sglang: SglangConfig = field(default_factory=SglangConfig)
+    vllm: VllmConfig = field(default_factory=VllmConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     max_running_requests: int = 64
     instances: int | None = None  # None: 1, or derived from cluster.component_placement

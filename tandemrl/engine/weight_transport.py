@@ -116,6 +116,9 @@ def describe_cuda_tensor(tensor: torch.Tensor) -> dict:
         storage_cls=storage_cls.__name__,
         dtype=dtype_name(dtype),
         device=int(device),
+        # the index is the sender's; a receiver that sees other devices (its own CUDA_VISIBLE_DEVICES)
+        # finds the GPU by this
+        device_uuid=str(torch.cuda.get_device_properties(int(device)).uuid),
         handle=_b64(handle),
         storage_size_bytes=int(storage_size),
         storage_offset_bytes=int(storage_offset),
@@ -130,6 +133,23 @@ def _int_list(value, what: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(v, int) and v >= 0 for v in value):
         raise ValueError(f"IPC handle field {what!r} must be a list of non-negative ints")
     return value
+
+
+def local_device_index(desc: dict) -> int:
+    """The receiver's index of the GPU the handle lives on: the one whose UUID the sender named (the two
+    processes may number their visible GPUs differently), else the sender's index as it is."""
+    uuid = desc.get("device_uuid")
+    if uuid is None:
+        return desc["device"]
+    if not isinstance(uuid, str):
+        raise ValueError("IPC handle field 'device_uuid' must be text or null")
+    for index in range(torch.cuda.device_count()):
+        if str(torch.cuda.get_device_properties(index).uuid) == uuid:
+            return index
+    raise ValueError(
+        f"IPC handle names GPU {uuid}, which this process does not see (CUDA_VISIBLE_DEVICES): the "
+        "trainer and the engine must share that GPU for rollout.weight_sync=cuda_ipc"
+    )
 
 
 def rebuild_cuda_tensor(desc: dict) -> torch.Tensor:
@@ -155,7 +175,7 @@ def rebuild_cuda_tensor(desc: dict) -> torch.Tensor:
         desc["offset"],
         _STORAGE_CLASSES[desc["storage_cls"]],
         parse_dtype(desc.get("dtype")),
-        desc["device"],
+        local_device_index(desc),
         handles["handle"],
         desc["storage_size_bytes"],
         desc["storage_offset_bytes"],

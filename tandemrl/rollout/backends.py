@@ -2,9 +2,9 @@
 
 embedded: `EngineClient` (the engine reports every token's weight version). sglang: `EngineClient`
 streaming, versions from the update timeline. vllm: `VllmClient` (streaming, timeline versions). The
-senders: a broadcast group or CUDA IPC (`WeightSender`, SGLang's routes), or safetensors on disk
-(`DiskWeightSender`, the only route of the vLLM backend). Invariant: a client and the sender built
-for one backend speak the same engine's protocol.
+senders: a broadcast group or CUDA IPC (`WeightSender`: SGLang's routes, and vLLM's through our worker
+extension), or safetensors on disk (`DiskWeightSender`, every backend's fallback). Invariant: a client
+and the sender built for one backend speak the same engine's protocol.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 
 BACKENDS = ("embedded", "sglang", "vllm")
+# pause modes under which no request is at the engine during a push, so its cache may be flushed after
+# it (SGLang flushes only then; in_place keeps requests frozen with their KV)
+IDLE_PAUSE_MODES = ("retract", "drain")
 
 
 def make_client(backend: str, url: str, weight_version: int = 0, api_key: str | None = None):
@@ -36,21 +39,20 @@ def make_weight_sender(
     tp_size: int = 1,
     master_address: str = "127.0.0.1",
     api_key: str | None = None,
+    pause_mode: str = "retract",
 ):
-    """The sender for `rollout.weight_sync` (already resolved from auto) to the engines at `urls`."""
+    """The sender for `rollout.weight_sync` (already resolved from auto) to the engines at `urls`;
+    `tp_size` stands for an engine that does not report its own (rollout.tensor_parallel_size)."""
     from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
 
     clients = [make_client(backend, url, api_key=api_key) for url in urls]
+    flush = pause_mode in IDLE_PAUSE_MODES
     if sync == "disk":
         if sync_dir is None:
             raise ValueError(
                 "rollout.weight_sync=disk needs a directory the engines can read (rollout.weight_sync_dir)"
             )
-        return DiskWeightSender(clients, Path(sync_dir), config_dir)
-    if backend == "vllm":
-        raise ValueError(
-            f"rollout.weight_sync={sync!r}: the vLLM backend reloads weights from disk; use disk"
-        )
+        return DiskWeightSender(clients, Path(sync_dir), config_dir, flush_cache=flush)
     return WeightSender(
         clients,
         backend=sync,
@@ -58,4 +60,5 @@ def make_weight_sender(
         master_address=master_address,
         engine_kind=backend,
         tp_size=tp_size,
+        flush_cache=flush,
     )

@@ -10,8 +10,9 @@ Per-token weight versions: the embedded engine reports them (`meta_info.output_t
 our extension). A real SGLang does not, so with `kind="sglang"` the client streams and stamps
 each token with the version of the update timeline it was received under: `mark_weight_version(v)` is
 called at the update boundary (just before `continue_generation`), so tokens received before it carry
-the old version and tokens after it the new one (docs/BACKENDS.md). Invariant: `generate` returns
-exactly the tokens the engine sampled (no decode/re-encode) with one logprob and one version per token.
+the old version and tokens after it the new one (docs/BACKENDS.md). `retract` on SGLang is realised
+here (rollout/retract.py). Invariant: `generate` returns exactly the tokens the engine sampled (no
+decode/re-encode) with one logprob and one version per token.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import aiohttp
 
 from tandemrl.engine.http_guard import auth_headers
 from tandemrl.metrics.startup import mark
+from tandemrl.rollout.retract import RetractGate, resumed_body
 
 ENGINE_KINDS = ("embedded", "sglang")
 
@@ -173,6 +175,7 @@ class EngineClient(HttpClient):
         super().__init__(base_url, timeout_s, api_key)
         self.kind = kind
         self.weight_version = weight_version
+        self.retract_gate = RetractGate()  # SGLang only (the embedded engine retracts by itself)
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
@@ -192,21 +195,50 @@ class EngineClient(HttpClient):
         return GenerateResult.from_response(await self._post("/generate", body))
 
     async def _generate_streamed(self, body: dict) -> GenerateResult:
-        """SGLang streams either cumulative or incremental `output_ids`; `completion_tokens` (always
-        cumulative) says which, so the new tokens of each chunk are known either way."""
+        """Stream `body`; a request that a retract pause sent back waits for `continue_generation` and
+        goes again with its tokens appended to the prompt (rollout/retract.py): the result spans all."""
+        gate, rid = self.retract_gate, body.get("rid")
+        limit = int(body["sampling_params"].get("max_new_tokens", 128))
         ids, logprobs, versions, meta = [], [], [], {}
+        while True:
+            await gate.wait_open()
+            marked = gate.mark()
+            try:
+                meta = await self._stream_tokens(resumed_body(body, ids), ids, logprobs, versions)
+            except EngineError:  # a stream the pause cut: keep what it delivered, go again
+                if not gate.is_retracted(marked, rid):
+                    raise
+                continue
+            is_abort = (meta.get("finish_reason") or {}).get("type") == "abort"
+            if not (is_abort and gate.is_retracted(marked, rid)):
+                break
+            if len(ids) >= limit:  # retracted after its last token: it is complete
+                meta = {**meta, "finish_reason": {"type": "length", "length": limit}}
+                break
+        reported = meta.get("output_token_weight_versions")  # an engine that knows them (ours) wins
+        if reported is not None and len(reported) == len(ids):
+            versions = [int(v) for v in reported]
+        meta = {**meta, "prompt_tokens": len(body["input_ids"])}
+        return GenerateResult.from_parts(meta, ids, logprobs, versions)
+
+    async def _stream_tokens(self, body: dict, ids: list, logprobs: list, versions: list) -> dict:
+        """Append the tokens of one streamed request to the lists as they arrive (an interrupted stream
+        keeps what it delivered); returns its last meta_info. SGLang streams either cumulative or
+        incremental `output_ids`; `completion_tokens` (always cumulative) says which."""
+        start, meta = len(ids), {}
         async for chunk in self._stream("/generate", {**body, "stream": True}):
             meta = chunk.get("meta_info", {})
-            total = int(meta.get("completion_tokens", len(ids)))
-            new = total - len(ids)
+            done = len(ids) - start
+            total = int(meta.get("completion_tokens", done))
+            new = total - done
             if new <= 0:
                 continue
             chunk_ids = list(chunk.get("output_ids") or [])
             chunk_lps = [float(e[0]) for e in meta.get("output_token_logprobs") or []]
             if len(chunk_ids) == total:  # cumulative
-                chunk_ids = chunk_ids[len(ids) :]
+                chunk_ids = chunk_ids[done:]
             if len(chunk_lps) == total:
-                chunk_lps = chunk_lps[len(ids) :]
+                chunk_lps = chunk_lps[done:]
             if len(chunk_ids) != new or len(chunk_lps) != new:
                 raise EngineError(
                     f"stream chunk has {len(chunk_ids)} ids and {len(chunk_lps)} logprobs for {new} new "
@@ -215,26 +247,62 @@ class EngineClient(HttpClient):
             ids += chunk_ids
             logprobs += chunk_lps
             versions += [self.weight_version] * new
-        reported = meta.get("output_token_weight_versions")  # an engine that knows them (ours) wins
-        if reported is not None and len(reported) == len(ids):
-            versions = [int(v) for v in reported]
-        return GenerateResult.from_parts(meta, ids, logprobs, versions)
+        return meta
 
     async def pause_generation(self, mode: str) -> None:
+        if self.kind == "sglang" and mode == "retract":
+            self.retract_gate.close()  # in-flight requests come back (abort) and wait here until continue
+            await self._post("/pause_generation", {"mode": "abort"})
+            return
         await self._post("/pause_generation", {"mode": mode})
 
     async def continue_generation(self) -> None:
         await self._post("/continue_generation")
+        self.retract_gate.open()
 
     async def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        if abort_all:
+            self.retract_gate.num_abort_all += 1
+        elif rid is not None:
+            self.retract_gate.aborted_rids.add(rid)
         await self._post("/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
 
     async def flush_cache(self) -> None:
+        """Raises EngineError when the engine refuses: SGLang (and ours) flush only when no request is
+        queued or running."""
         await self._post("/flush_cache")
 
+    async def num_tp_ranks(self, default: int = 1) -> int:
+        """The server's tensor-parallel ranks, each a member of the weight group: SGLang reports its
+        `tp_size` in /get_server_info; the embedded engine is one rank."""
+        if self.kind == "embedded":
+            return 1
+        try:
+            info = await self._get("/server_info")  # SGLang 0.5.15; /get_server_info is its deprecated name
+        except EngineError:
+            info = await self.server_info()
+        return int(info.get("tp_size", default)) if isinstance(info, dict) else default
+
+    async def finish_weight_update(self, weight_version: int, flush: bool) -> None:
+        """After the last bucket of a push: SGLang keeps the old weights' KV in its cache until flushed
+        (`flush` says whether the pause mode leaves the engine idle); the embedded engine drops its
+        prefix cache on every update by itself."""
+        del weight_version  # every bucket carried it
+        if not (flush and self.kind == "sglang"):
+            return
+        try:
+            await self.flush_cache()
+        except EngineError as error:
+            raise EngineError(
+                f"{error}. SGLang flushes its cache only when no request is queued or running, which "
+                "rollout.pause_mode=retract and drain ensure for this run's requests: is another client "
+                "sending to this server?"
+            ) from error
+
     async def get_weight_version(self) -> str:
-        body = await self._get("/get_weight_version")
-        return str(body["weight_version"])
+        # SGLang 0.5.15 answers /get_weight_version with 404 ("use /model_info"); both engines report
+        # the version in /get_model_info
+        return str((await self.get_model_info())["weight_version"])
 
     async def get_model_info(self) -> dict:
         return await self._get("/get_model_info")
@@ -243,6 +311,9 @@ class EngineClient(HttpClient):
         return await self._get("/get_server_info")
 
     # ---- weight updates (SGLang's routes and bodies) --------------------------------------------------
+    # Buckets go with flush_cache false: an update that asks for the flush while a request is queued or
+    # running fails SGLang's assert and kills its scheduler. The flush comes once, after the last bucket,
+    # as its own call, and only where the pause mode leaves the engine idle (`finish_weight_update`).
     async def init_weights_update_group(
         self,
         master_address: str,
@@ -289,6 +360,12 @@ class EngineClient(HttpClient):
             body["load_format"] = load_format
         return _checked(await self._post("/update_weights_from_tensor", body), "update_weights_from_tensor")
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict:
-        body = {"model_path": str(model_path), "weight_version": str(weight_version), "flush_cache": True}
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int, flush_cache: bool = True
+    ) -> dict:
+        body = {
+            "model_path": str(model_path),
+            "weight_version": str(weight_version),
+            "flush_cache": flush_cache,
+        }
         return _checked(await self._post("/update_weights_from_disk", body), "update_weights_from_disk")

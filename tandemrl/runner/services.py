@@ -189,18 +189,13 @@ class Services:
         if not self.with_engines or not plan.engines:
             return local, remote
         kind = config.rollout.backend
-        if kind not in ("embedded", "sglang"):
-            raise ConfigError(
-                f"rollout.backend={kind!r} without rollout.server_addrs: tandem launches the embedded engine "
-                "and SGLang servers itself; start vLLM servers yourself and list them in rollout.server_addrs."
-            )
-        path = model_path(config) if kind == "embedded" else config.rollout.model.model_path
+        path = config.rollout.model.model_path if kind == "sglang" else model_path(config)
         if kind == "sglang" and not use_ray:
             raise ConfigError(
                 "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray "
                 "actors on their GPUs. Set cluster.use_ray=true, or start them yourself (rollout.server_addrs)."
             )
-        self.engine_api_key = new_api_key() if kind == "embedded" else None
+        self.engine_api_key = new_api_key()  # every server the run launches: only its clients control it
         per_node: dict[int, int] = {}
         for index, placement in enumerate(plan.engines):
             offset = per_node.get(placement.node, 0)

@@ -136,6 +136,8 @@ async def run_session(
         config.rollout.backend,
         config.rollout.weight_sync_dir or str(output_dir.resolve() / "weight_sync"),
         services.engine_api_key,
+        config.rollout.tensor_parallel_size,
+        config.rollout.pause_mode,
     )
     mark("weight sync connected")
     start_step, resume_state = 0, None
@@ -158,15 +160,23 @@ async def run_session(
     ctx.startup_origin = startup_origin
     ctx.colocated_policy = services.plan.colocated_policy
     mark("runner starting")
+    is_done = False
     try:
         await _run_with_watchdog(ctx, services)
+        is_done = True
     finally:
         await driver.stop()
-        write_ledger(ctx, runner.max_steps)
-        logger.close()
-        await search.close()
-        for engine in engines:
-            await engine.close()
+        try:
+            if is_done and runner.weights_check_tokens:
+                from tandemrl.runner.weights_check import check_weights
+
+                await check_weights(ctx)
+        finally:
+            write_ledger(ctx, runner.max_steps)
+            logger.close()
+            await search.close()
+            for engine in engines:
+                await engine.close()
     return ctx
 
 

@@ -201,3 +201,21 @@ def test_a_dead_engine_stops_the_run_within_seconds_naming_it(tmp_path, tiny_lla
     stopped_s = time.monotonic() - killed_at["t"]
     print(f"engine killed -> run stopped in {stopped_s:.1f}s: {error.value}")
     assert stopped_s < 10.0
+
+
+def test_weights_check_after_the_last_sync(tmp_path, tiny_llama_dir, small_kb):
+    """runner.weights_check_tokens: with the rollout stopped after the last push, the engine's greedy
+    output on the probe prompts equals the actor's under the weights it pushed, token for token."""
+    config, ctx = run(
+        tmp_path,
+        tiny_llama_dir,
+        small_kb,
+        "runner.async_mode=true",
+        "runner.max_steps=2",
+        "runner.val_interval=0",
+        "runner.weights_check_tokens=6",
+        "actor.optim.lr=1.0e-2",
+    )
+    report = json.loads((Path(config.runner.output_dir) / "weights_check.json").read_text())
+    assert report["weights_check"] is True and report["weight_version"] == ctx.weight_version == 2
+    assert report["engines"] == [report["actor"]] and [len(ids) for ids in report["actor"]] == [6] * 4

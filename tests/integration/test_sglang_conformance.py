@@ -1,8 +1,23 @@
-"""Our SGLang client against a FAKE SGLang server process (tests/fake_sglang.py, which stands in for a
-real SGLang at the process boundary): every body must hold only fields of SGLang's request dataclasses
-and every answer is in SGLang's shape. Also: the weight group is joined as SGLang's
-`init_custom_process_group` joins it (a real gloo broadcast through it), and per-token weight versions
-come from the pause/update timeline."""
+"""Our SGLang client and weight sender against a FAKE SGLang server process (tests/fake_sglang.py, which
+stands in for a real SGLang at the process boundary and enforces what SGLang's own code does).
+
+What SGLang expects, read in its source: the sglang 0.5.15 wheel (the `sglang` extra's pin) and
+sgl-project/sglang on GitHub (python/sglang/srt/managers/io_struct.py @ 001067fffe33427bee0ed2f007fb7551a1d76b44,
+python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0654114b9159101256e1e18b, and in
+0.5.15 managers/tp_worker.py, model_executor/model_runner.py, managers/scheduler.py,
+managers/scheduler_components/weight_updater.py, managers/tokenizer_manager.py, entrypoints/http_server.py):
+
+- every body holds only fields of SGLang's request structs, and answers have SGLang's shapes;
+- a server of `tp_size` T joins the weight group with T ranks, `rank_offset + tp_rank`
+  (ModelRunner.init_weights_update_group), so the world is 1 + the sum of the servers' TP sizes and
+  server i's offset is 1 + the TP sizes before it; each TP rank opens its own entry of
+  update_weights_from_tensor's `serialized_named_tensors` (TpModelWorker: `[self.tp_rank]`);
+- `flush_cache` works only with no request queued or running (Scheduler.is_fully_idle), an update sent
+  with `flush_cache: true` otherwise fails an assert and kills the scheduler, and SGLang's own retract
+  pause leaves the retracted requests queued: so `retract` (done by our client with SGLang's abort mode)
+  must flush after the push, and `in_place` must never ask for a flush;
+- /get_weight_version is gone in 0.5.15 (404); the version is in /get_model_info.
+"""
 
 from __future__ import annotations
 
@@ -16,22 +31,55 @@ import pytest
 import torch
 
 from tandemrl.cluster.child_server import free_port
+from tandemrl.rollout.backends import make_weight_sender
 from tandemrl.rollout.client import EngineClient, EngineError
-from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
+from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, rank_offsets
+
+TENSORS = {"a.weight": torch.randn(64, 8), "b.bias": torch.arange(10, dtype=torch.float32)}
+
+
+async def is_healthy(url: str) -> bool:
+    client = EngineClient(url)
+    try:
+        return await client.health()
+    finally:
+        await client.close()
+
+
+def start_fake(tp_size: int = 1) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    command = [sys.executable, "-m", "tests.fake_sglang", "--port", str(port), "--tp-size", str(tp_size)]
+    proc = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while not asyncio.run(is_healthy(url)):
+        assert proc.poll() is None and time.monotonic() < deadline, "fake SGLang did not start"
+        time.sleep(0.2)
+    return proc, url
 
 
 @pytest.fixture(scope="module")
 def fake_sglang():
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.fake_sglang", "--port", str(port)])
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while not asyncio.run(EngineClient(url).health()):
-        assert proc.poll() is None and time.monotonic() < deadline, "fake SGLang did not start"
-        time.sleep(0.2)
+    proc, url = start_fake()
     yield url
     proc.terminate()
     proc.wait(timeout=30)
+
+
+@pytest.fixture
+def fresh_fakes():
+    """Fakes of the given TP sizes, started for one test (their state is that test's alone)."""
+    procs = []
+
+    def start(*tp_sizes: int) -> list[str]:
+        started = [start_fake(tp) for tp in tp_sizes]
+        procs.extend(proc for proc, _ in started)
+        return [url for _, url in started]
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 async def raw_post(url: str, body: dict) -> tuple[int, str]:
@@ -42,6 +90,17 @@ async def raw_post(url: str, body: dict) -> tuple[int, str]:
 async def fake_state(url: str) -> dict:
     async with aiohttp.ClientSession() as session, session.get(url + "/fake/state") as resp:
         return await resp.json()
+
+
+async def wait_for_progress(url: str, rids: list[str], num_tokens: int) -> None:
+    """Until every request has generated `num_tokens` (a hang guard only)."""
+    deadline = time.monotonic() + 60
+    while True:
+        progress = (await fake_state(url))["progress"]
+        if all(progress.get(rid, 0) >= num_tokens for rid in rids):
+            return
+        assert time.monotonic() < deadline, f"requests did not reach {num_tokens} tokens: {progress}"
+        await asyncio.sleep(0.02)
 
 
 def test_the_fake_rejects_fields_sglang_does_not_define(fake_sglang):
@@ -79,46 +138,207 @@ def test_control_routes(fake_sglang):
             await client.pause_generation(mode)
             await client.continue_generation()
         task = asyncio.create_task(client.generate([5], {"max_new_tokens": 500}, rid="long"))
-        await asyncio.sleep(0.3)
+        await wait_for_progress(fake_sglang, ["long"], 2)
         await client.abort_request("long")
         aborted = await task
         task = asyncio.create_task(client.generate([5], {"max_new_tokens": 500}, rid="long2"))
-        await asyncio.sleep(0.3)
+        await wait_for_progress(fake_sglang, ["long2"], 2)
         await client.abort_request(abort_all=True)
         aborted_all = await task
         await client.flush_cache()
         info = await client.get_model_info()
+        version = await client.get_weight_version()
         await client.close()
-        return aborted, aborted_all, info
+        return aborted, aborted_all, info, version
 
-    aborted, aborted_all, info = asyncio.run(run())
+    aborted, aborted_all, info, version = asyncio.run(run())
+    # the caller's aborts end the requests even though a retract pause happened since the client began
     assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 500
     assert aborted_all.finish_reason == "abort" and 0 < len(aborted_all.output_ids) < 500
-    assert set(info) == {
-        "model_path",
-        "tokenizer_path",
-        "is_generation",
-        "preferred_sampling_params",
-        "weight_version",
-    }
+    assert {"model_path", "is_generation", "weight_version", "architectures"} <= set(info)
+    assert version == info["weight_version"]  # read from /get_model_info: /get_weight_version is a 404
 
 
 def test_broadcast_sync_joins_the_group_as_sglang_does(fake_sglang):
-    tensors = {"a.weight": torch.randn(64, 8), "b.bias": torch.arange(10, dtype=torch.float32)}
-
     async def run():
         client = EngineClient(fake_sglang, kind="sglang")
         sender = WeightSender([client], backend="gloo", bucket_mb=1, engine_kind="sglang", group_name="wug")
         await asyncio.wait_for(sender.connect(), timeout=60)  # a wrong store key layout hangs here
-        await sender.push(tensors.items(), weight_version=7)
+        await sender.push(TENSORS.items(), weight_version=7)
         version = await client.get_weight_version()
         await client.close()
         return version, await fake_state(fake_sglang)
 
     version, state = asyncio.run(run())
     assert version == "7"
-    for name, tensor in tensors.items():
+    for name, tensor in TENSORS.items():
         assert state["received"][name] == pytest.approx(float(tensor.double().sum()), rel=1e-6)
+    assert state["update_flush_flags"] and not any(state["update_flush_flags"])  # never inside an update
+
+
+def test_rank_offsets_count_every_tensor_parallel_rank():
+    assert rank_offsets([1]) == ([1], 2)
+    assert rank_offsets([4, 4]) == ([1, 5], 9)  # the seed's recipe: two TP-4 servers
+    assert rank_offsets([2, 1, 3]) == ([1, 3, 4], 7)
+    with pytest.raises(ValueError, match="tensor-parallel ranks"):
+        rank_offsets([0])
+
+
+def test_tensor_parallel_servers_join_with_a_rank_per_tp_rank(fresh_fakes):
+    """Two servers, TP 2 and TP 1: the group is the trainer plus three ranks (1, 2 | 3), and every TP rank
+    receives every tensor. The sizing tandem used before (1 + number of servers, offsets 1, 2, ...) is
+    refused by the TP-2 server, as SGLang's rank 2 cannot be in a world of 2."""
+    tp2, tp1 = fresh_fakes(2, 1)
+
+    async def run():
+        old = EngineClient(tp2, kind="sglang")
+        with pytest.raises(EngineError, match="rank 2 .* not in a world of 2"):
+            await old.init_weights_update_group("127.0.0.1", free_port(), 1, 2, "old", "gloo")
+        await old.close()
+        clients = [EngineClient(url, kind="sglang") for url in (tp2, tp1)]
+        sender = WeightSender(clients, backend="gloo", bucket_mb=1, engine_kind="sglang")
+        await asyncio.wait_for(sender.connect(), timeout=120)
+        await sender.push(TENSORS.items(), weight_version=1)
+        for client in clients:
+            await client.close()
+        return sender.tp_sizes, await fake_state(tp2), await fake_state(tp1)
+
+    tp_sizes, state2, state1 = asyncio.run(run())
+    assert tp_sizes == [2, 1]  # read from each server's /server_info tp_size
+    assert state2["ranks"] == [{"rank": 1, "world_size": 4}, {"rank": 2, "world_size": 4}]
+    assert state1["ranks"] == [{"rank": 3, "world_size": 4}]
+    for received in state2["rank_received"] + state1["rank_received"]:
+        for name, tensor in TENSORS.items():
+            assert received[name] == pytest.approx(float(tensor.double().sum()), rel=1e-6)
+
+
+def test_update_from_tensor_carries_one_entry_per_tp_rank(fresh_fakes):
+    (tp2,) = fresh_fakes(2)
+
+    async def run():
+        client = EngineClient(tp2, kind="sglang")
+        sender = WeightSender([client], backend="cuda_ipc", engine_kind="sglang")
+        await sender.connect()  # no group for CUDA IPC, but the TP sizes are read
+        payload = "gASVAAAAAAAAAAAu"
+        with pytest.raises(EngineError, match=r"serialized_named_tensors\[1\] is out of range"):
+            await client.update_weights_from_tensor([payload], weight_version=1)  # what TP 1 would send
+        answer = await client.update_weights_from_tensor(sender.ipc_entries(0, payload), weight_version=2)
+        await client.close()
+        return sender.ipc_entries(0, payload), answer, await fake_state(tp2)
+
+    entries, answer, state = asyncio.run(run())
+    assert len(entries) == 2 and answer["success"] is True
+    assert state["tensor_entries_read"] == [[0, 1]] and state["weight_version"] == "2"
+
+
+def test_retract_recomputes_every_kv_under_the_new_weights(fresh_fakes):
+    """rollout.pause_mode=retract on SGLang: in-flight requests come back, the push is followed by a flush
+    (SGLang is idle), and they resume with their tokens as prompt: no prefill reuses KV cached under the
+    old weights, and each keeps every token it generated."""
+    (url,) = fresh_fakes(1)
+
+    async def run():
+        client = EngineClient(url, kind="sglang", weight_version=0)
+        sender = make_weight_sender("sglang", "gloo", [url], 1, pause_mode="retract")
+        await asyncio.wait_for(sender.connect(), timeout=60)
+        params = {"max_new_tokens": 40}
+        rids = ["g0", "g1", "g2"]
+        tasks = [asyncio.create_task(client.generate([9, i], params, rid=rid)) for i, rid in enumerate(rids)]
+        await wait_for_progress(url, rids, 3)
+        await client.pause_generation("retract")
+        await sender.push(TENSORS.items(), weight_version=1)
+        client.mark_weight_version(1)
+        await client.continue_generation()
+        results = await asyncio.gather(*tasks)
+        for c in [client, *sender.clients]:
+            await c.close()
+        return results, await fake_state(url)
+
+    results, state = asyncio.run(run())
+    assert state["stale_prefills"] == [] and state["num_flushes"] == 1 and not state["crashed"]
+    assert state["weight_version"] == "1" and not any(state["update_flush_flags"])
+    for result in results:
+        num_old = result.weight_versions.count(0)
+        assert 0 < num_old < 40 and result.weight_versions == [0] * num_old + [1] * (40 - num_old)
+        assert len(result.output_ids) == 40 and result.finish_reason == "length"
+        assert result.prompt_tokens == 2
+
+
+def test_sglangs_own_retract_mode_would_reuse_old_kv(fresh_fakes):
+    """Why retract is not SGLang's `retract` mode: after an update without a flush (the only update
+    SGLang accepts while retracted requests are queued) they re-prefill on the old weights' KV."""
+    (url,) = fresh_fakes(1)
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        sender = make_weight_sender("sglang", "gloo", [url], 1, pause_mode="in_place")  # no flush
+        await asyncio.wait_for(sender.connect(), timeout=60)
+        task = asyncio.create_task(client.generate([4, 2], {"max_new_tokens": 30}, rid="r"))
+        await wait_for_progress(url, ["r"], 3)
+        status, _ = await raw_post(url + "/pause_generation", {"mode": "retract"})
+        await sender.push(TENSORS.items(), weight_version=1)
+        with pytest.raises(EngineError, match="400"):
+            await client.flush_cache()  # the retracted request is queued: SGLang refuses
+        await client.continue_generation()
+        await task
+        for c in [client, *sender.clients]:
+            await c.close()
+        return status, await fake_state(url)
+
+    status, state = asyncio.run(run())
+    assert status == 200 and state["stale_prefills"] == ["r"]
+
+
+def test_in_place_never_asks_sglang_for_a_flush_while_requests_run(fresh_fakes):
+    """in_place keeps running requests frozen with their KV: the push never carries `flush_cache: true`
+    (SGLang's scheduler would die on the failed flush, as the second fake shows)."""
+    url, victim = fresh_fakes(1, 1)
+
+    async def run():
+        client = EngineClient(url, kind="sglang", weight_version=0)
+        sender = make_weight_sender("sglang", "gloo", [url], 1, pause_mode="in_place")
+        await asyncio.wait_for(sender.connect(), timeout=60)
+        task = asyncio.create_task(client.generate([3], {"max_new_tokens": 30}, rid="frozen"))
+        await wait_for_progress(url, ["frozen"], 3)
+        await client.pause_generation("in_place")
+        await sender.push(TENSORS.items(), weight_version=1)
+        client.mark_weight_version(1)
+        await client.continue_generation()
+        result = await task
+        naive = EngineClient(victim, kind="sglang")
+        naive_task = asyncio.create_task(naive.generate([3], {"max_new_tokens": 300}, rid="frozen"))
+        await wait_for_progress(victim, ["frozen"], 2)
+        await naive.pause_generation("in_place")
+        body = {"serialized_named_tensors": ["gASVAAAAAAAAAAAu"], "flush_cache": True}
+        status, _ = await raw_post(victim + "/update_weights_from_tensor", body)
+        naive_task.cancel()
+        for c in [client, naive, *sender.clients]:
+            await c.close()
+        return result, await fake_state(url), status, await fake_state(victim)
+
+    result, state, status, victim_state = asyncio.run(run())
+    assert not state["crashed"] and state["num_flushes"] == 0 and not any(state["update_flush_flags"])
+    num_old = result.weight_versions.count(0)
+    assert 0 < num_old < 30 and result.weight_versions == [0] * num_old + [1] * (30 - num_old)
+    assert status == 500 and victim_state["crashed"]  # the flush an update asked for found a request
+
+
+def test_drain_flushes_after_the_push(fresh_fakes):
+    (url,) = fresh_fakes(1)
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        await client.generate([1, 2], {"max_new_tokens": 3})  # leaves the prompt in the cache
+        sender = make_weight_sender("sglang", "gloo", [url], 1, pause_mode="drain")
+        await asyncio.wait_for(sender.connect(), timeout=60)
+        await sender.push(TENSORS.items(), weight_version=5)
+        await client.generate([1, 2], {"max_new_tokens": 3})
+        for c in [client, *sender.clients]:
+            await c.close()
+        return await fake_state(url)
+
+    state = asyncio.run(run())
+    assert state["num_flushes"] == 1 and state["stale_prefills"] == [] and state["weight_version"] == "5"
 
 
 def test_tensor_and_disk_routes(fake_sglang, tmp_path):
@@ -127,7 +347,7 @@ def test_tensor_and_disk_routes(fake_sglang, tmp_path):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang")
         answer = await client.update_weights_from_tensor(["gASVAAAAAAAAAAAu"], weight_version=8)
-        sender = DiskWeightSender([client], tmp_path / "sync")
+        sender = DiskWeightSender([client], tmp_path / "sync", flush_cache=False)
         await sender.connect()
         await sender.push(tensors.items(), weight_version=9)
         await client.close()
@@ -144,9 +364,9 @@ def test_per_token_versions_follow_the_update_timeline(fake_sglang):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang", weight_version=0)
         task = asyncio.create_task(client.generate([9], {"max_new_tokens": 40}, rid="timeline"))
-        await asyncio.sleep(0.4)
+        await wait_for_progress(fake_sglang, ["timeline"], 3)
         await client.pause_generation("in_place")
-        await asyncio.sleep(0.2)  # paused: the fake generates nothing
+        await asyncio.sleep(0.2)  # paused: the fake generates nothing; chunks already sent arrive
         client.mark_weight_version(1)  # the update boundary
         await client.continue_generation()
         result = await task

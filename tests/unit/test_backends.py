@@ -1,5 +1,6 @@
 """rollout.backend wiring without servers: the pause modes each backend can realise (a clear ConfigError
-at start-up otherwise), the vLLM request mapping, and the embedded engine's refusal of pickled tensors."""
+at start-up otherwise), the weight routes and flushes per backend and pause mode, the vLLM request
+mapping, and the embedded engine's refusal of pickled tensors."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import pickle
 
 import pytest
+import torch
 
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
@@ -15,7 +17,9 @@ from tandemrl.engine.weight_updates import decode_ipc_entries
 from tandemrl.rollout.backends import make_client, make_weight_sender
 from tandemrl.rollout.client import EngineClient
 from tandemrl.rollout.vllm_client import VllmClient, check_pause_mode, completion_body
-from tandemrl.rollout.weight_sync import DiskWeightSender
+from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, ipc_payload
+
+PAUSE = ("retract", "drain", "in_place")
 
 
 def test_pause_mode_is_derived_per_backend():
@@ -26,16 +30,25 @@ def test_pause_mode_is_derived_per_backend():
     assert drain.rollout.pause_mode == "drain"
 
 
-def test_vllm_refuses_retract_and_broadcast_sync_at_startup():
+def test_vllm_refuses_retract_at_startup_and_takes_every_weight_route():
     with pytest.raises(
         ConfigError, match=r"rollout.pause_mode='retract' with rollout.backend=vllm.*in_place"
     ):
         load_config(None, ["rollout.backend=vllm", "rollout.pause_mode=retract"])
-    with pytest.raises(ConfigError, match=r"rollout.weight_sync='gloo' with rollout.backend=vllm.*disk"):
-        load_config(None, ["rollout.backend=vllm", "rollout.weight_sync=gloo"])
     with pytest.raises(ValueError, match="not available on vLLM"):
         check_pause_mode("retract")
     check_pause_mode("in_place")
+    from tandemrl.cluster.placement import plan_placement
+
+    vllm = ["rollout.backend=vllm", "retrieval.launch=false"]
+    assert plan_placement(load_config(None, vllm + ["rollout.device=cpu"])).weight_sync == "gloo"
+    shared = vllm + [
+        "cluster.component_placement={'actor,rollout': '0'}",
+        "actor.device=cuda",
+        "rollout.device=cuda",
+    ]
+    assert plan_placement(load_config(None, shared)).weight_sync == "cuda_ipc"
+    assert load_config(None, vllm + ["rollout.weight_sync=disk"]).rollout.weight_sync == "disk"
 
 
 def test_completion_body_maps_sglang_sampling_params():
@@ -54,10 +67,32 @@ def test_clients_and_senders_per_backend(tmp_path):
     assert isinstance(make_client("embedded", "http://h:1"), EngineClient)
     sender = make_weight_sender("vllm", "disk", ["http://h:1"], 64, sync_dir=str(tmp_path))
     assert isinstance(sender, DiskWeightSender) and isinstance(sender.clients[0], VllmClient)
-    with pytest.raises(ValueError, match="reloads weights from disk"):
-        make_weight_sender("vllm", "gloo", ["http://h:1"], 64)
+    broadcast = make_weight_sender("vllm", "gloo", ["http://h:1"], 64)
+    assert isinstance(broadcast, WeightSender) and broadcast.engine_kind == "vllm"
     with pytest.raises(ValueError, match="needs a directory"):
         make_weight_sender("sglang", "disk", ["http://h:1"], 64)
+    # the cache is flushed after a push only where no request is at the engine during it
+    flushes = {
+        m: make_weight_sender("sglang", "nccl", ["http://h:1"], 64, pause_mode=m).flush_cache for m in PAUSE
+    }
+    assert flushes == {"retract": True, "drain": True, "in_place": False}
+    disk = make_weight_sender(
+        "sglang", "disk", ["http://h:1"], 64, sync_dir=str(tmp_path), pause_mode="in_place"
+    )
+    assert disk.flush_cache is False
+
+
+def test_sglang_ipc_entries_name_the_gpu_by_uuid_for_sglang_and_stay_json_for_ours():
+    """SGLang opens a pickle with its patched torch reductions (device UUIDs); the embedded engine and our
+    vLLM worker extension take JSON descriptions only. A CPU tensor stands in for the CUDA one here: its
+    reduction carries no device, so the pickle must load as plain tensors."""
+    bucket = [("w", torch.arange(4.0))]
+    raw = base64.b64decode(ipc_payload(bucket, "sglang"))
+    assert raw[:1] == b"\x80"  # a pickle, as SGLang's MultiprocessingSerializer makes
+    from multiprocessing.reduction import ForkingPickler
+
+    ((name, tensor),) = ForkingPickler.loads(raw)
+    assert name == "w" and torch.equal(tensor, torch.arange(4.0))
 
 
 def test_embedded_engine_opens_json_ipc_entries_never_pickles():

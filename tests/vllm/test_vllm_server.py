@@ -186,3 +186,64 @@ def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_fac
     ]
     assert rows and all(len(r["response_ids"]) == len(r["weight_versions"]) for r in rows)
     assert all(v >= 0 for r in rows for v, m in zip(r["weight_versions"], r["loss_mask"], strict=True) if m)
+
+
+def test_broadcast_weight_sync_through_the_worker_extension(vllm_url, smollm2_dir):
+    """The gloo route (NCCL's CPU twin) through our worker extension and /collective_rpc: the group is
+    the trainer plus every vLLM worker at rank_offset + its rank; weights that force one token reach
+    the model (greedy is that token), and the base weights bring HF's greedy back."""
+    from tandemrl.rollout.weight_sync import WeightSender
+    from tests.integration.engine_helpers import hf_state_dict
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tokenizer.encode(PROMPTS[0])
+
+    async def push(state: dict, version: int) -> list[int]:
+        client = VllmClient(vllm_url)
+        sender = WeightSender(
+            [client], backend="gloo", bucket_mb=64, engine_kind="vllm", group_name=f"g{version}"
+        )
+        await asyncio.wait_for(sender.connect(), timeout=300)
+        await sender.push(state.items(), weight_version=version)
+        await client.close()
+        return sender.tp_sizes
+
+    tp_sizes = asyncio.run(push(forcing_state_dict(smollm2_dir), 5))
+    forced_ids, _ = greedy(vllm_url, prompt, 8)
+    forced_version = asyncio.run(weight_version(vllm_url))
+    asyncio.run(push(hf_state_dict(smollm2_dir), 6))
+    base_ids, _ = greedy(vllm_url, prompt, 16)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    asyncio.run(reload_base(vllm_url, smollm2_dir))
+    assert tp_sizes == [1] and forced_version == "5"
+    assert forced_ids == [FORCED_TOKEN] * 8
+    assert base_ids == hf_greedy(model, prompt, 16)[0]
+
+
+def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, tmp_path_factory):
+    """`rollout.backend=vllm` without server_addrs: tandem starts the vLLM server itself (CPU), the
+    weights go over gloo through the worker extension (the auto route on CPU), and the run's steps end
+    on the synced versions."""
+    from tandemrl.config.loader import load_config
+    from tandemrl.runner.launch import train
+    from tests.integration.runner_helpers import small_kb_once, tiny_overrides
+
+    kb_dir, index_dir = small_kb_once(tmp_path_factory)
+    out = tmp_path_factory.mktemp("vllm_launched")
+    overrides = tiny_overrides(smollm2_dir, kb_dir, index_dir, out) + [
+        "rollout.backend=vllm",
+        "rollout.pause_mode=in_place",
+        "rollout.startup_timeout_s=900",
+        "runner.async_mode=true",
+        "runner.max_steps=2",
+        "runner.val_interval=0",
+    ]
+    config = load_config(None, overrides)
+    ctx = train(config, write_plots=False)
+    from tandemrl.cluster.placement import plan_placement
+
+    assert plan_placement(config).weight_sync == "gloo"
+    assert ctx.weight_version == 2  # both pushes reached the launched server (a failed one raises)
+    rows = [json.loads(line) for line in Path(out, "trajectories", "step_2.jsonl").read_text().splitlines()]
+    versions = [v for r in rows for v, m in zip(r["weight_versions"], r["loss_mask"], strict=True) if m]
+    assert versions and all(0 <= v <= 1 for v in versions)

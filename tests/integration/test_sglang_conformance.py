@@ -18,6 +18,7 @@ import torch
 from tandemrl.cluster.child_server import free_port
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
+from tests.integration.engine_helpers import record_streams, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +43,15 @@ async def raw_post(url: str, body: dict) -> tuple[int, str]:
 async def fake_state(url: str) -> dict:
     async with aiohttp.ClientSession() as session, session.get(url + "/fake/state") as resp:
         return await resp.json()
+
+
+async def until_generated(url: str, rid: str) -> None:
+    """Wait until the fake has generated a token of request `rid`."""
+
+    async def generated():
+        return (await fake_state(url))["progress"].get(rid)
+
+    await wait_for(generated)
 
 
 def test_the_fake_rejects_fields_sglang_does_not_define(fake_sglang):
@@ -79,11 +89,11 @@ def test_control_routes(fake_sglang):
             await client.pause_generation(mode)
             await client.continue_generation()
         task = asyncio.create_task(client.generate([5], {"max_new_tokens": 500}, rid="long"))
-        await asyncio.sleep(0.3)
+        await until_generated(fake_sglang, "long")
         await client.abort_request("long")
         aborted = await task
         task = asyncio.create_task(client.generate([5], {"max_new_tokens": 500}, rid="long2"))
-        await asyncio.sleep(0.3)
+        await until_generated(fake_sglang, "long2")
         await client.abort_request(abort_all=True)
         aborted_all = await task
         await client.flush_cache()
@@ -143,10 +153,16 @@ def test_tensor_and_disk_routes(fake_sglang, tmp_path):
 def test_per_token_versions_follow_the_update_timeline(fake_sglang):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang", weight_version=0)
+        streams = record_streams(client)
         task = asyncio.create_task(client.generate([9], {"max_new_tokens": 40}, rid="timeline"))
-        await asyncio.sleep(0.4)
+        await until_generated(fake_sglang, "timeline")
         await client.pause_generation("in_place")
-        await asyncio.sleep(0.2)  # paused: the fake generates nothing
+        num_at_pause = (await fake_state(fake_sglang))["tokens_at_pause"]["timeline"]
+
+        async def received_all():  # what was generated before the pause has reached the client
+            return streams and streams[0] and len(streams[0][-1]["output_ids"]) == num_at_pause
+
+        await wait_for(received_all)
         client.mark_weight_version(1)  # the update boundary
         await client.continue_generation()
         result = await task

@@ -83,7 +83,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if _GUARD_REPORT:
         terminalreporter.section(
-            f"{REQUIRE_EMPTY_HOME_ENV}: a home outside the test session was touched", red=True
+            f"{REQUIRE_EMPTY_HOME_ENV}=1: a home outside the test session was touched: the run fails",
+            red=True,
         )
         for report in _GUARD_REPORT:
             terminalreporter.write_line(report, red=True)

@@ -80,7 +80,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         shutil.rmtree(EMPTY_HOME, ignore_errors=True)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("randomly"):  # its header line is hidden under -q: say it again
+        terminalreporter.write_line(
+            f"random order: replay with -p randomly --randomly-seed={config.option.randomly_seed}"
+        )
     if _GUARD_REPORT:
         terminalreporter.section(
             f"{REQUIRE_EMPTY_HOME_ENV}=1: a home outside the test session was touched: the run fails",

@@ -15,6 +15,7 @@ Area-specific fixtures live next to their tests; this file only holds what sever
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import socket
@@ -39,6 +40,7 @@ if OWNS_EMPTY_HOME:
     OUTER_TANDEM_HOME = os.environ.get("TANDEM_HOME")
     EMPTY_HOME = Path(tempfile.mkdtemp(prefix="tandem-empty-home-"))
     os.environ[SESSION_HOME_ENV] = os.environ["TANDEM_HOME"] = str(EMPTY_HOME)
+    atexit.register(shutil.rmtree, EMPTY_HOME, True)  # also when the session ends without sessionfinish
 else:
     OUTER_TANDEM_HOME = None
     EMPTY_HOME = Path(os.environ[SESSION_HOME_ENV])
@@ -76,8 +78,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             _GUARD_REPORT.append(f"{home} was touched by the test run ({len(changes)} changes):\n  {shown}")
     if _GUARD_REPORT and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-    if OWNS_EMPTY_HOME:
-        shutil.rmtree(EMPTY_HOME, ignore_errors=True)
 
 
 def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
@@ -118,8 +118,8 @@ def _empty_home_stays_empty(request):
 def prepared_home_dir() -> Path:
     """The session's prepared home (filled by `smollm2_dir` and `minilm_dir`); removed at the end."""
     root = Path(tempfile.mkdtemp(prefix="tandem-prepared-home-"))
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+    atexit.register(shutil.rmtree, root, True)  # ~350 MB: gone when the session ends, however it ends
+    return root
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ VLLM_VENV := .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat pyproject.toml Makefile | cksum | cut -d' ' -f1)
 
-.PHONY: install install-vllm test test-slow test-gpu test-vllm bench-vllm lint format demo clean
+.PHONY: install install-vllm test test-random test-slow test-gpu test-vllm bench-vllm lint format demo clean
 
 install: $(STAMP)
 
@@ -51,6 +51,11 @@ bench-vllm: install-vllm
 
 test: install
 	$(PY) -m pytest -q -ra
+
+# the same suite in a random order; pytest-randomly prints the seed: replay an order with
+# `.venv/bin/python -m pytest -p randomly -p no:cacheprovider --randomly-seed=N`
+test-random: install
+	$(PY) -m pytest -q -ra -p randomly -p no:cacheprovider
 
 test-slow: install
 	$(PY) -m pytest -q -ra -m slow

@@ -64,6 +64,7 @@ def test_a_second_engine_reads_its_kernel_choices_from_the_cache(tmp_path, monke
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(tuning_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tuning_cache.CACHE_DIR_ENV, raising=False)  # the session's (tests/gpu/conftest.py)
     monkeypatch.setenv(startup.STARTUP_LOG_ENV, str(tmp_path / "marks.jsonl"))
     calls = _spy_tuners(monkeypatch)
     model_dir = _model_dir(tmp_path / "model")

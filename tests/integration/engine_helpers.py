@@ -1,4 +1,4 @@
-"""Shared by the engine integration tests: weights that force one token, and HTTP helpers."""
+"""Shared by the engine integration tests: weights that force one token, and HTTP and stream helpers."""
 
 from __future__ import annotations
 
@@ -45,3 +45,22 @@ async def wait_for(predicate, timeout_s: float = 60.0, interval_s: float = 0.02)
             return value
         await asyncio.sleep(interval_s)
     raise TimeoutError("condition not met in time")
+
+
+def record_streams(client) -> list[list[dict]]:
+    """Wrap an HTTP client's SSE reader (`_stream`, the real one) so every chunk of each stream is also
+    appended, as it arrives, to a list of that stream's own; returns those lists (one per stream, in call
+    order). When a test sees a chunk there, the client has already taken its tokens in (a chunk is handed
+    on within the same task), so the weight version they were stamped with is settled."""
+    streams: list[list[dict]] = []
+    read = client._stream
+
+    async def recorded(path: str, body: dict):
+        chunks: list[dict] = []
+        streams.append(chunks)
+        async for chunk in read(path, body):
+            chunks.append(chunk)
+            yield chunk
+
+    client._stream = recorded
+    return streams

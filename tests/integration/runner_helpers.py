@@ -40,21 +40,23 @@ STEP_TIME_METRICS = [
 _SMALL_KB: dict[str, tuple[Path, Path]] = {}
 
 
-def small_kb_once(tmp_path_factory) -> tuple[Path, Path]:
+def small_kb_once(tmp_path_factory, minilm_dir: Path) -> tuple[Path, Path]:
     """`build_small_kb` once per test session, shared by the runner and resume tests."""
     if "kb" not in _SMALL_KB:
-        _SMALL_KB["kb"] = build_small_kb(tmp_path_factory.mktemp("runner_kb"))
+        _SMALL_KB["kb"] = build_small_kb(tmp_path_factory.mktemp("runner_kb"), minilm_dir)
     return _SMALL_KB["kb"]
 
 
-def build_small_kb(root: Path) -> tuple[Path, Path]:
-    """A 40-entity KB and its MiniLM index: (kb_dir, index_dir)."""
+def build_small_kb(root: Path, minilm_dir: Path) -> tuple[Path, Path]:
+    """A 40-entity KB and its MiniLM index: (kb_dir, index_dir). The index names the MiniLM directory
+    itself (the `minilm_dir` fixture's), so the retrieval servers of any test load it whatever their
+    TANDEM_HOME."""
     from tandemrl.data.kb import generate_kb
     from tandemrl.retrieval.build import build_index
 
     kb_dir = generate_kb(root / "kb", seed=0, num_entities=40, num_train=60, num_val=6, num_test=4)
     index_dir = root / "index"
-    build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", show_progress=False)
+    build_index(kb_dir / "corpus.jsonl", index_dir, encoder=str(minilm_dir), show_progress=False)
     return kb_dir, index_dir
 
 

@@ -72,7 +72,7 @@ def test_tandem_sft_on_rendered_samples_writes_hf_model(tiny_llama_dir, tmp_path
 
 
 @pytest.mark.slow
-def test_tandem_sft_renders_demos_with_the_real_retriever(tiny_llama_dir, tmp_path):
+def test_tandem_sft_renders_demos_with_the_real_retriever(prepared_home, tiny_llama_dir, tmp_path):
     """Knowledge base -> MiniLM/Qdrant index -> retrieval server -> rendered demos -> SFT -> HF model."""
     from transformers import AutoTokenizer
 

@@ -39,7 +39,7 @@ def kb_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def servers(kb_dir, tiny_llama_dir, tmp_path_factory):
+def servers(kb_dir, tiny_llama_dir, minilm_dir, tmp_path_factory):
     """The engine and the retrieval server, started side by side (launched first, then waited for)."""
     from tandemrl.retrieval.build import build_index
     from tandemrl.retrieval.server_process import RetrievalServerProcess
@@ -52,7 +52,7 @@ def servers(kb_dir, tiny_llama_dir, tmp_path_factory):
     index_dir = tmp_path_factory.mktemp("agent_index")
     retrieval = RetrievalServerProcess(index_dir, mode="dense")
     try:
-        build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", show_progress=False)
+        build_index(kb_dir / "corpus.jsonl", index_dir, encoder=str(minilm_dir), show_progress=False)
         retrieval.start()
         engine.wait_healthy()
         assert engine.is_alive(), f"engine failed to start:\n{engine.log_tail()}"

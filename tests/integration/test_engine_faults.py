@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -296,19 +297,26 @@ def test_oversize_bodies_get_413_and_the_engine_keeps_serving(engine):
 
 
 def test_sigterm_stops_an_engine_with_a_group_join_pending(tiny_llama_dir):
-    """A join to an address where nobody listens (600 s timeout): SIGTERM must still end the server."""
-    with EngineProcess(tiny_llama_dir, max_context_len=128, api_key=KEY) as proc:
-        body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2}
+    """A join to a rendezvous that accepts and never answers (600 s timeout): SIGTERM must still end the
+    server. The signal goes once the engine has connected to it, so the join is pending for sure."""
+    with (
+        EngineProcess(tiny_llama_dir, max_context_len=128, api_key=KEY) as proc,
+        socket.create_server(("127.0.0.1", 0)) as master,
+    ):
+        port = master.getsockname()[1]
+        body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+        master.settimeout(120.0)  # a hang guard: the engine connects as soon as it gets the request
 
         async def join_then_term():
             join = asyncio.create_task(request(proc.url, "POST", "/init_weights_update_group", body, AUTH))
-            await asyncio.sleep(1.0)  # the join is pending now
+            peer, _ = await asyncio.to_thread(master.accept)  # the engine is in the rendezvous now
             assert not join.done()
             os.kill(proc.proc.pid, signal.SIGTERM)
             start = time.monotonic()
-            while proc.proc.poll() is None and time.monotonic() - start < 30:
+            while proc.proc.poll() is None and time.monotonic() - start < 60:
                 await asyncio.sleep(0.2)
             join.cancel()
+            peer.close()
             return proc.proc.poll()
 
         code = asyncio.run(join_then_term())

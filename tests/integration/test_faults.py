@@ -23,8 +23,8 @@ CONFIG = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedde
 
 
 @pytest.fixture(scope="module")
-def small_kb(tmp_path_factory):
-    return small_kb_once(tmp_path_factory)
+def small_kb(tmp_path_factory, minilm_dir):
+    return small_kb_once(tmp_path_factory, minilm_dir)
 
 
 class Run:
@@ -61,7 +61,7 @@ class Run:
         _, stderr = self.proc.communicate(timeout=timeout_s)
         return self.proc.returncode, stderr
 
-    def assert_nothing_left(self, timeout_s: float = 20.0) -> None:
+    def assert_nothing_left(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         while tagged_pids(self.run_id) and time.monotonic() < deadline:
             time.sleep(0.5)

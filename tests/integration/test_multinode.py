@@ -13,8 +13,8 @@ FAKE_GPU = "tandem_test_gpu"
 
 
 @pytest.fixture(scope="module")
-def small_kb(tmp_path_factory):
-    return small_kb_once(tmp_path_factory)
+def small_kb(tmp_path_factory, minilm_dir):
+    return small_kb_once(tmp_path_factory, minilm_dir)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +78,10 @@ def test_actor_on_node_0_rollout_on_node_1_one_async_step(
         ),
     ],
 )
-def test_a_placement_ray_cannot_hold_is_refused_before_anything_starts(two_node_cluster, overrides, message):
+def test_a_placement_ray_cannot_hold_is_refused_before_anything_starts(
+    prepared_home, two_node_cluster, overrides, message
+):
+    """The embedded model of the prepared home: its path is checked before the placement is."""
     from tandemrl.config.schema import ConfigError
     from tandemrl.runner.services import Services
 

@@ -31,11 +31,11 @@ def test_prepared_model_loads_offline_and_answers_paris(smollm2_dir):
     assert "paris" in answer.lower()
 
 
-def test_prepare_model_is_idempotent(smollm2_dir):
+def test_prepare_model_is_idempotent(prepared_home, smollm2_dir):
     from tandemrl.data.prepare_model import prepare_model
 
     marker_mtime = (smollm2_dir / READY_MARKER).stat().st_mtime_ns
-    assert prepare_model() == smollm2_dir
+    assert prepare_model() == smollm2_dir  # the default directory of the prepared TANDEM_HOME
     assert (smollm2_dir / READY_MARKER).stat().st_mtime_ns == marker_mtime
 
 
@@ -64,7 +64,7 @@ def test_prepare_kb_cli(tmp_path):
     assert bad.returncode == 2 and "at least 20" in bad.stderr
 
 
-def test_demos_render_with_the_real_retriever(tmp_path):
+def test_demos_render_with_the_real_retriever(prepared_home, tmp_path):
     from transformers import AutoTokenizer
 
     from tandemrl.agent.search_tool import SearchTool

@@ -29,10 +29,10 @@ SAVE_LINE = re.compile(
 
 
 def test_resume_reissues_exactly_the_prompts_open_at_the_save(
-    tmp_path, tmp_path_factory, tiny_llama_dir, caplog
+    tmp_path, tmp_path_factory, tiny_llama_dir, minilm_dir, caplog
 ):
     """The actor runs as a Ray actor here (the default placement), so the default suite covers Ray."""
-    kb_dir, index_dir = small_kb_once(tmp_path_factory)
+    kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
     base = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run1") + [
         "runner.async_mode=true",
         "runner.val_interval=0",

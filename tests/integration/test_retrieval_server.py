@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import time
 
 import pytest
@@ -18,10 +19,13 @@ from tandemrl.retrieval.server_process import RetrievalServerProcess
 
 
 @pytest.fixture(scope="module")
-def kb(tmp_path_factory):
+def kb(tmp_path_factory, minilm_dir):
     root = tmp_path_factory.mktemp("retrieval_kb")
     kb_dir = generate_kb(root / "kb", seed=0, num_entities=200)
-    build_index(kb_dir / "corpus.jsonl", root / "index", sparse="bm25", show_progress=False)
+    index_dir = root / "index"
+    build_index(
+        kb_dir / "corpus.jsonl", index_dir, encoder=str(minilm_dir), sparse="bm25", show_progress=False
+    )
     corpus = {record["id"]: record["contents"] for record in map(json.loads, open(kb_dir / "corpus.jsonl"))}
     questions = []
     for split in ("train", "val", "test"):
@@ -108,11 +112,10 @@ def test_bad_requests_never_take_the_server_down(server):
     assert server.is_alive() and post(server, {"queries": ["founder"], "topk": 1}).status_code == 200
 
 
-def test_index_is_owned_by_the_server_process(server, kb):
+def test_index_is_owned_by_the_server_process(server, kb, minilm_dir):
+    corpus = kb["index"].parent / "kb" / "corpus.jsonl"
     with pytest.raises(RuntimeError, match="open in another process"):
-        build_index(
-            kb["index"].parent / "kb" / "corpus.jsonl", kb["index"], sparse="bm25", show_progress=False
-        )
+        build_index(corpus, kb["index"], encoder=str(minilm_dir), sparse="bm25", show_progress=False)
 
 
 def test_search_tool_against_the_real_server(server, kb):
@@ -140,8 +143,9 @@ def test_search_tool_against_the_real_server(server, kb):
     assert tool.latency_s_total > 0
 
 
-def test_search_tool_when_the_server_goes_down(server):
-    """Runs last: it stops the module's server."""
+def test_search_tool_when_the_server_goes_down(kb, tmp_path):
+    """A server of its own, since it stops it (on a copy of the index: a served index has one owner)."""
+    server = RetrievalServerProcess(shutil.copytree(kb["index"], tmp_path / "index"), mode="hybrid")
 
     async def main():
         tool = SearchTool(server.addr, max_retries=2, backoff_s=0.05, timeout_s=5.0)
@@ -156,6 +160,7 @@ def test_search_tool_when_the_server_goes_down(server):
         await tool.close()
         return tool, elapsed
 
-    tool, elapsed = asyncio.run(main())
+    with server:
+        tool, elapsed = asyncio.run(main())
     assert elapsed >= 0.05 + 0.1
     assert (tool.num_calls, tool.num_errors, tool.num_retries) == (2, 1, 2)

@@ -31,8 +31,8 @@ from tests.integration.runner_helpers import (
 
 
 @pytest.fixture(scope="module")
-def small_kb(tmp_path_factory):
-    return small_kb_once(tmp_path_factory)
+def small_kb(tmp_path_factory, minilm_dir):
+    return small_kb_once(tmp_path_factory, minilm_dir)
 
 
 def run(tmp_path, tiny_llama_dir, small_kb, *overrides):
@@ -133,13 +133,17 @@ def test_async_runner_other_pause_modes(tmp_path, tiny_llama_dir, small_kb, paus
     print(f"{pause_mode}: dropped {len(sets['dropped'])} stale groups, trained {len(sets['trained'])}")
 
 
-def test_equal_reward_drops_hit_the_safety_limit_and_fail_the_run(tmp_path, tiny_llama_dir, small_kb):
-    """A random tiny model never answers right: every group has equal (zero) rewards and is dropped."""
+def test_equal_reward_drops_hit_the_safety_limit_and_fail_the_run(
+    tmp_path, tiny_llama_dir, small_kb, refused_addr
+):
+    """A random tiny model never answers right: every group has equal (zero) rewards and is dropped.
+    No retrieval server: a search is refused and reaches the agent as an error."""
     kb_dir, index_dir = small_kb
     overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
         "runner.async_mode=true",
         "runner.val_interval=0",
         "retrieval.launch=false",
+        f"tools.search.server_addr={refused_addr}",
         "down_sampling.down_sampling_config.reject_equal_reward=true",
         "rollout_buffer.max_dropped_groups_per_step=3",
     ]
@@ -174,13 +178,16 @@ def _engine_pids() -> list[int]:
     return pids
 
 
-def test_a_dead_engine_stops_the_run_within_seconds_naming_it(tmp_path, tiny_llama_dir, small_kb):
+def test_a_dead_engine_stops_the_run_within_seconds_naming_it(
+    tmp_path, tiny_llama_dir, small_kb, refused_addr
+):
     kb_dir, index_dir = small_kb
     overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
         "runner.async_mode=true",
         "runner.max_steps=50",
         "runner.val_interval=0",
         "retrieval.launch=false",
+        f"tools.search.server_addr={refused_addr}",
     ]
     config = load_config(None, overrides)
     killed_at = {}
@@ -200,7 +207,9 @@ def test_a_dead_engine_stops_the_run_within_seconds_naming_it(tmp_path, tiny_lla
         train(config, write_plots=False)
     stopped_s = time.monotonic() - killed_at["t"]
     print(f"engine killed -> run stopped in {stopped_s:.1f}s: {error.value}")
-    assert stopped_s < 10.0
+    # "died" comes from the watchdog's process check (every runner.engine_health_interval_s = 1 s), not
+    # from a request timing out (600 s); the bound only tells the two apart, so a busy machine passes it
+    assert stopped_s < 60.0
 
 
 def test_weights_check_after_the_last_sync(tmp_path, tiny_llama_dir, small_kb):

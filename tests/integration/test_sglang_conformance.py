@@ -34,6 +34,7 @@ from tandemrl.cluster.child_server import free_port
 from tandemrl.rollout.backends import make_weight_sender
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, rank_offsets
+from tests.integration.engine_helpers import record_streams, wait_for
 
 TENSORS = {"a.weight": torch.randn(64, 8), "b.bias": torch.arange(10, dtype=torch.float32)}
 
@@ -363,10 +364,16 @@ def test_tensor_and_disk_routes(fake_sglang, tmp_path):
 def test_per_token_versions_follow_the_update_timeline(fake_sglang):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang", weight_version=0)
+        streams = record_streams(client)
         task = asyncio.create_task(client.generate([9], {"max_new_tokens": 40}, rid="timeline"))
         await wait_for_progress(fake_sglang, ["timeline"], 3)
         await client.pause_generation("in_place")
-        await asyncio.sleep(0.2)  # paused: the fake generates nothing; chunks already sent arrive
+        num_at_pause = (await fake_state(fake_sglang))["tokens_at_pause"]["timeline"]
+
+        async def received_all():  # what was generated before the pause has reached the client
+            return streams and streams[0] and len(streams[0][-1]["output_ids"]) == num_at_pause
+
+        await wait_for(received_all)
         client.mark_weight_version(1)  # the update boundary
         await client.continue_generation()
         result = await task

@@ -47,6 +47,23 @@ class ScriptedGroups:
         return [Traj([version], r) for r in rewards]
 
 
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Let the driver's tasks run until `condition()` holds (the timeout is a hang guard, not a timing)."""
+
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+async def settle() -> None:
+    """Let every ready task run (the admission loop reacts to a change within a few loop turns), before
+    checking that something did NOT happen (a limit held)."""
+    for _ in range(50):
+        await asyncio.sleep(0)
+
+
 def write_prompts(path, num):
     rows = [
         {"id": str(i), "question": f"q{i}", "golden_answers": ["a"], "data_source": "kb_1hop"}
@@ -84,13 +101,15 @@ def test_admission_respects_both_limits_and_hands_off(tmp_path):
         scripted = ScriptedGroups()
         driver = make_driver(tmp_path, scripted)
         driver.start()
-        await asyncio.sleep(0.05)
+        await until(lambda: driver.buffer.num_inflight == 3)
+        await settle()
         assert driver.buffer.num_inflight == 3 and scripted.max_running == 3  # in-flight limit
         scripted.release()
         handoff = await driver.next_handoff(0)
         assert [g.prompt_id for g in handoff.groups] == ["train:0", "train:1"]
-        await asyncio.sleep(0.05)
-        assert driver.buffer.num_inflight + driver.buffer.num_buffered <= 4  # buffer-full limit
+        await until(lambda: driver.buffer.num_inflight + driver.buffer.num_buffered == 4)
+        await settle()
+        assert driver.buffer.num_inflight + driver.buffer.num_buffered == 4  # buffer-full limit
         await driver.stop()
 
     asyncio.run(main())
@@ -103,12 +122,13 @@ def test_sync_quota_and_pause_issue_exactly_one_batch(tmp_path):
         driver.start()
         scripted.release()
         handoff = await driver.next_handoff(0, pause_admission=True)
-        await asyncio.sleep(0.05)
+        await settle()
         assert len(handoff.groups) == 2 and driver.buffer.num_inflight == 0  # nothing issued while training
         assert driver.feed.num_drawn == 2
         driver.resume_admission()
-        await asyncio.sleep(0.05)
-        assert driver.buffer.num_inflight + driver.buffer.num_buffered == 2
+        await until(lambda: driver.buffer.num_inflight + driver.buffer.num_buffered == 2)
+        await settle()
+        assert driver.buffer.num_inflight + driver.buffer.num_buffered == 2  # the quota: one batch
         await driver.stop()
 
     asyncio.run(main())
@@ -119,10 +139,10 @@ def test_drain_waits_for_every_inflight_group(tmp_path):
         scripted = ScriptedGroups()
         driver = make_driver(tmp_path, scripted)
         driver.start()
-        await asyncio.sleep(0.02)
+        await until(lambda: driver.buffer.num_inflight == 3)
         driver.pause_admission()
         waiter = asyncio.create_task(driver.wait_idle())
-        await asyncio.sleep(0.02)
+        await settle()
         assert not waiter.done()
         scripted.release()
         await asyncio.wait_for(waiter, 2)
@@ -177,12 +197,6 @@ def test_dropped_prompt_comes_again_in_the_next_epoch(tmp_path):
         assert trained.count("train:0") >= 2  # the next epoch brought the prompts again
 
     asyncio.run(main())
-
-
-async def settle() -> None:
-    """Let every ready task run (the admission loop reacts to a change within a few loop turns)."""
-    for _ in range(50):
-        await asyncio.sleep(0)
 
 
 def test_async_admission_at_head_offpolicyness_zero_is_the_sync_schedule(tmp_path):

@@ -152,8 +152,11 @@ def test_train_stops_its_daemon_and_gives_the_environment_back_on_error(fake_con
 
     for key in (PIPE_ENV, SM_PERCENT_ENV):
         monkeypatch.delenv(key, raising=False)
+    index = tmp_path / "index"  # present, so that the check after it (the model's) is the one that fails
+    index.mkdir()
     config = _async_mps_config(
         "cluster.mps_sm_percent.actor=60",
+        f"retrieval.index_dir={index}",
         f"rollout.model.model_path={tmp_path / 'no-such-model'}",
         f"runner.output_dir={tmp_path / 'run'}",
     )

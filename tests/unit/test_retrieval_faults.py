@@ -104,7 +104,8 @@ def test_a_small_request_is_not_stuck_behind_a_large_one():
 
     async def body(client, _):
         large = asyncio.create_task(client.post("/retrieve", json={"queries": [f"q{i}" for i in range(512)]}))
-        await asyncio.sleep(0.05)  # the large one is being worked through
+        while not order:  # its first slice is done: the large one is being worked through
+            await asyncio.sleep(0.001)
         small = asyncio.create_task(client.post("/retrieve", json={"queries": ["one"]}))
         done, _ = await asyncio.wait([large, small], return_when=asyncio.FIRST_COMPLETED)
         first = "small" if small in done else "large"

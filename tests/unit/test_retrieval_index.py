@@ -37,10 +37,12 @@ def write_corpus(path: Path, passages=PASSAGES) -> Path:
 
 
 @pytest.fixture(scope="module")
-def index(tmp_path_factory) -> tuple[Path, Path, dict]:
+def index(tmp_path_factory, minilm_dir) -> tuple[Path, Path, dict]:
     root = tmp_path_factory.mktemp("retrieval_index")
     corpus = write_corpus(root / "corpus.jsonl")
-    stats = build_index(corpus, root / "index", sparse="bm25", batch_size=3, show_progress=False)
+    stats = build_index(
+        corpus, root / "index", encoder=str(minilm_dir), sparse="bm25", batch_size=3, show_progress=False
+    )
     return corpus, root / "index", stats
 
 
@@ -51,12 +53,17 @@ def retriever(index):
     retriever.close()
 
 
-def test_build_indexes_every_passage_and_writes_meta(index):
+def test_build_indexes_every_passage_and_writes_meta(index, minilm_dir):
     _, index_dir, stats = index
     assert stats["num_indexed"] == len(PASSAGES) and stats["num_skipped"] == 0
     assert stats["num_in_index"] == len(PASSAGES) and stats["passages_per_s"] > 0
     meta = IndexMeta.load(index_dir)
-    assert (meta.encoder, meta.dim, meta.sparse, meta.num_passages) == ("minilm", 384, "bm25", len(PASSAGES))
+    assert (meta.encoder, meta.dim, meta.sparse, meta.num_passages) == (
+        str(minilm_dir),
+        384,
+        "bm25",
+        len(PASSAGES),
+    )
     lengths = [len(bm25.tokenize(f'"{title}"\n{text}')) for _, title, text in PASSAGES]
     assert meta.bm25["avgdl"] == pytest.approx(sum(lengths) / len(lengths))
 
@@ -164,7 +171,7 @@ def test_queries_without_terms_and_overlong_queries(retriever):
     assert retriever.search([], []) == []
 
 
-def test_rebuild_skips_indexed_passages_and_adds_new_ones(tmp_path):
+def test_rebuild_skips_indexed_passages_and_adds_new_ones(prepared_home, tmp_path):
     small = write_corpus(tmp_path / "small.jsonl", PASSAGES[:5])
     grown = write_corpus(
         tmp_path / "grown.jsonl", PASSAGES + [("p8", "Oskarport", "Oskarport is a harbour city.")]
@@ -187,13 +194,13 @@ def test_an_open_index_cannot_be_opened_twice(retriever, index):
         QdrantStore(index[1])
 
 
-def test_rebuild_with_other_settings_is_refused(index):
+def test_rebuild_with_other_settings_is_refused(index, minilm_dir):
     corpus, index_dir, _ = index
     with pytest.raises(ValueError, match="--sparse bm25"):
-        build_index(corpus, index_dir, sparse=None, show_progress=False)
+        build_index(corpus, index_dir, encoder=str(minilm_dir), sparse=None, show_progress=False)
 
 
-def test_dense_only_index_refuses_bm25_modes(tmp_path):
+def test_dense_only_index_refuses_bm25_modes(prepared_home, tmp_path):
     corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES[:2])
     build_index(corpus, tmp_path / "dense", show_progress=False)
     with pytest.raises(ValueError, match="needs BM25 vectors"):
@@ -226,9 +233,10 @@ def test_bad_inputs_name_the_problem(tmp_path):
         QdrantStore()
 
 
-def test_e5_spec_prefixes_queries_and_passages():
+def test_e5_spec_prefixes_queries_and_passages(prepared_home, minilm_dir):
     """e5 weights are not shipped: MiniLM stands in to check the prefixing through `e5:DIR`."""
     minilm = resolve_encoder("minilm")
+    assert minilm.path == minilm_dir  # "minilm" is the prepared home's copy
     spec = resolve_encoder(f"e5:{minilm.path}")
     assert (spec.query_prefix, spec.passage_prefix, spec.path) == ("query: ", "passage: ", minilm.path)
     e5, plain = Encoder(spec, device="cpu"), Encoder(EncoderSpec("plain", minilm.path), device="cpu")
@@ -244,7 +252,7 @@ def test_e5_spec_prefixes_queries_and_passages():
     assert e5.encode_queries([]).shape == (0, 384)
 
 
-def test_cli_build_prints_stats_and_reports_bad_settings(tmp_path, capsys):
+def test_cli_build_prints_stats_and_reports_bad_settings(prepared_home, tmp_path, capsys):
     from tandemrl.cli import build_parser
     from tandemrl.retrieval.build import run_build
 

@@ -16,9 +16,10 @@ from tests.unit.test_retrieval_index import PASSAGES, write_corpus
 
 
 @pytest.fixture(scope="module")
-def retriever(tmp_path_factory):
+def retriever(tmp_path_factory, minilm_dir):
     root = tmp_path_factory.mktemp("retrieval_server")
-    build_index(write_corpus(root / "corpus.jsonl"), root / "index", sparse="bm25", show_progress=False)
+    corpus = write_corpus(root / "corpus.jsonl")
+    build_index(corpus, root / "index", encoder=str(minilm_dir), sparse="bm25", show_progress=False)
     retriever = Retriever(Path(root / "index"), mode="hybrid")
     yield retriever
     retriever.close()

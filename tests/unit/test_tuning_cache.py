@@ -18,6 +18,7 @@ from tandemrl.engine import tuning_cache
 def home(tmp_path, monkeypatch):
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path))
     monkeypatch.delenv(tuning_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(tuning_cache.CACHE_DIR_ENV, raising=False)  # the cache under this TANDEM_HOME
     return tmp_path
 
 

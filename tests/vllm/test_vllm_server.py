@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandemrl.rollout.vllm_client import VllmClient
 from tandemrl.rollout.weight_sync import DiskWeightSender
-from tests.integration.engine_helpers import FORCED_TOKEN, forcing_state_dict
+from tests.integration.engine_helpers import FORCED_TOKEN, forcing_state_dict, record_streams, wait_for
 
 pytestmark = pytest.mark.vllm
 PROMPTS = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,"]
@@ -45,6 +45,11 @@ async def reload_base(url: str, smollm2_dir) -> None:
     client = VllmClient(url)
     await client.update_weights_from_disk(str(smollm2_dir), 0)
     await client.close()
+
+
+def streamed_tokens(chunks: list[dict]) -> int:
+    """Token ids received so far on one /v1/completions stream (vLLM sends the new ones per chunk)."""
+    return sum(len(choice.get("token_ids") or []) for chunk in chunks for choice in chunk.get("choices", []))
 
 
 async def weight_version(url: str) -> str:
@@ -92,7 +97,9 @@ def test_greedy_equals_hf_token_for_token(vllm_url, smollm2_dir):
 
 def test_pause_in_place_with_weight_update(vllm_url, smollm2_dir, tmp_path):
     """vLLM's keep mode (our in_place): requests freeze, weights change, they finish on the new weights;
-    tokens received before the update boundary carry the old version, the rest the new one."""
+    tokens received before the update boundary carry the old version, the rest the new one. The pause
+    comes once every request has streamed a token in (not after a delay), so each has old and new tokens
+    on a machine of any speed."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     reference = [greedy(vllm_url, p, 60)[0] for p in prompts]
@@ -101,9 +108,14 @@ def test_pause_in_place_with_weight_update(vllm_url, smollm2_dir, tmp_path):
         client = VllmClient(vllm_url, weight_version=0)
         sender = DiskWeightSender([client], tmp_path / "sync")
         await sender.connect()
+        streams = record_streams(client)
         params = {"max_new_tokens": 60, "temperature": 0.0, "ignore_eos": True}
         tasks = [asyncio.create_task(client.generate(p, params)) for p in prompts]
-        await asyncio.sleep(3.0)
+
+        async def every_request_has_a_token():
+            return len(streams) == len(prompts) and all(map(streamed_tokens, streams))
+
+        await wait_for(every_request_has_a_token, timeout_s=300)
         await client.pause_generation("in_place")
         paused = await client.is_paused()
         await sender.push(forcing_state_dict(smollm2_dir).items(), weight_version=1)
@@ -138,7 +150,9 @@ def test_retract_is_refused_before_any_request(vllm_url):
 
 
 @pytest.mark.parametrize("pause_mode, steps", [("in_place", 3), ("drain", 2)])
-def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_factory, pause_mode, steps):
+def test_async_train_syncs_weights_into_vllm(
+    vllm_url, smollm2_dir, minilm_dir, tmp_path_factory, pause_mode, steps
+):
     """`tandem train` (async) against the server: after the run the engine's greedy output equals the
     actor's (its last checkpoint, exported as HF weights), token for token."""
     from tandemrl.config.loader import load_config
@@ -146,7 +160,7 @@ def test_async_train_syncs_weights_into_vllm(vllm_url, smollm2_dir, tmp_path_fac
     from tandemrl.trainer.export import load_checkpoint_weights
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
-    kb_dir, index_dir = small_kb_once(tmp_path_factory)
+    kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
     out = tmp_path_factory.mktemp(f"vllm_run_{pause_mode}")
     overrides = tiny_overrides(smollm2_dir, kb_dir, index_dir, out) + [
         "rollout.backend=vllm",

@@ -24,8 +24,8 @@ STEPS = 3
 
 
 @pytest.fixture(scope="module")
-def small_kb(tmp_path_factory):
-    return small_kb_once(tmp_path_factory)
+def small_kb(tmp_path_factory, minilm_dir):
+    return small_kb_once(tmp_path_factory, minilm_dir)
 
 
 def one_question_train_file(kb_dir: Path, path: Path) -> Path:

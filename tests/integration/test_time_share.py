@@ -24,8 +24,8 @@ HOLD_S = {"time_share": 1.0, "concurrent": 60.0}  # concurrent: held only until 
 
 
 @pytest.fixture(scope="module")
-def small_kb(tmp_path_factory):
-    return small_kb_once(tmp_path_factory)
+def small_kb(tmp_path_factory, minilm_dir):
+    return small_kb_once(tmp_path_factory, minilm_dir)
 
 
 def hold_train_step_open(monkeypatch, policy: str, seen: list[tuple[int, int]]) -> None:

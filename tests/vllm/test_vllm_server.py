@@ -234,7 +234,7 @@ def test_broadcast_weight_sync_through_the_worker_extension(vllm_url, smollm2_di
     assert base_ids == hf_greedy(model, prompt, 16)[0]
 
 
-def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, tmp_path_factory):
+def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, minilm_dir, tmp_path_factory):
     """`rollout.backend=vllm` without server_addrs: tandem starts the vLLM server itself (CPU), the
     weights go over gloo through the worker extension (the auto route on CPU), and the run's steps end
     on the synced versions."""
@@ -242,7 +242,7 @@ def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, tmp_path_factory
     from tandemrl.runner.launch import train
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
-    kb_dir, index_dir = small_kb_once(tmp_path_factory)
+    kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
     out = tmp_path_factory.mktemp("vllm_launched")
     overrides = tiny_overrides(smollm2_dir, kb_dir, index_dir, out) + [
         "rollout.backend=vllm",

@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.errors import ConfigError, value_summary
 from tandemrl.engine.config import EngineOptions
 
-__all__ = ["ConfigError", "EngineOptions", "TandemConfig"]
+__all__ = ["ConfigError", "EngineOptions", "TandemConfig", "value_summary"]
 
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
@@ -24,7 +24,7 @@ OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}={value!r}: {why}. {fix}")
+        raise ConfigError(f"{key}={value_summary(value)}: {why}. {fix}")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -104,11 +104,20 @@ class AgentLoopConfig:
 
     def __post_init__(self):
         _check(
-            self.max_turns >= 0,
+            self.max_turns >= 1,
             "agentloop.max_turns",
             self.max_turns,
-            "must be >= 0",
-            "Use 0 for answer-only trajectories.",
+            "must be >= 1: it counts the searches of a trajectory, and the Search-R1 prompt tells the model "
+            "to search, so with 0 every search would be answered 'answer now' and nothing would be retrieved",
+            "Use e.g. 4 (Search-R1's setting).",
+        )
+        _check(
+            self.max_turns <= self.max_response_tokens,
+            "agentloop.max_turns",
+            self.max_turns,
+            f"must be at most agentloop.max_response_tokens ({self.max_response_tokens}): every turn takes at "
+            "least one token of the response budget",
+            "Use e.g. 4 (Search-R1's setting).",
         )
         if self.max_actor_accept_staleness is not None:
             _check(

@@ -167,6 +167,11 @@ def _check_bounds(text: str, where: str) -> None:
             added = count
         elif isinstance(event, yaml.ScalarEvent):
             added = 1
+            if not event.style and len(event.value) > 64 and event.value.lstrip("+-").isdigit():
+                raise ConfigError(  # Python refuses to convert more than 4300 digits; none is a real value
+                    f"{where}: line {event.start_mark.line + 1} holds an integer of {len(event.value)} digits; "
+                    "every integer of a tandem config fits in 64 bits."
+                )
             if event.anchor is not None:
                 sizes[event.anchor] = 1
         elif isinstance(event, yaml.AliasEvent):

@@ -271,6 +271,8 @@ def _index_batches(
 
 
 def run_build(args) -> int:
+    from tandemrl.retrieval.store import server_errors
+
     try:
         stats = build_index(
             Path(args.corpus),
@@ -280,8 +282,11 @@ def run_build(args) -> int:
             qdrant_url=args.qdrant_url,
             batch_size=args.batch_size,
         )
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError, RuntimeError) as error:  # bad input, a path, an index in use
         print(f"tandem index build: {error}", file=sys.stderr)
+        return 2
+    except server_errors() as error:
+        print(f"tandem index build: the Qdrant server at {args.qdrant_url} failed: {error}", file=sys.stderr)
         return 2
     print(json.dumps(stats, indent=2))
     print(

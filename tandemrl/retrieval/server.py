@@ -37,7 +37,7 @@ from tandemrl.engine.http_guard import (
 )
 from tandemrl.metrics.startup import mark, mark_process_started
 from tandemrl.retrieval.batcher import MicroBatcher
-from tandemrl.retrieval.store import Hit
+from tandemrl.retrieval.store import Hit, server_errors
 
 log = logging.getLogger(__name__)
 
@@ -263,7 +263,7 @@ def run_serve(args) -> int:
     try:
         fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
         retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
-    except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
+    except (ValueError, RuntimeError, *server_errors()) as error:  # wrong mode, index locked, no server
         sock.close()
         print(f"tandem serve-retrieval: {error}", file=sys.stderr)
         return 2

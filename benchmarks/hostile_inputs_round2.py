@@ -393,10 +393,6 @@ def _post(url: str, path: str, body, headers: dict | None = None) -> tuple[int |
 
 
 def engine_probe(model_dir: Path) -> None:
-    import threading
-
-    from tandemrl.cluster.child_server import free_port
-    from tandemrl.engine.weight_transport import new_process_group
     from tandemrl.rollout.engine_process import EngineProcess
 
     auth = {"Authorization": f"Bearer {KEY}"}
@@ -429,23 +425,10 @@ def engine_probe(model_dir: Path) -> None:
         }
         for name, (body, field) in generate.items():
             classify_http(f"engine generate {name}", *_post(proc.url, "/generate", body, auth), field)
-        port, group = free_port(), {}
-        thread = threading.Thread(
-            target=lambda: group.setdefault(
-                "g", new_process_group("127.0.0.1", port, 0, 2, "g", "gloo", 20.0)
-            )
-        )
-        thread.start()
-        join = {
-            "master_address": "127.0.0.1",
-            "master_port": port,
-            "rank_offset": 1,
-            "world_size": 2,
-            "group_name": "g",
-        }
-        status, _ = _post(proc.url, "/init_weights_update_group", join, auth)
-        thread.join()
-        assert status == 200, "group join failed"
+        status, text = _raw(proc.url, "GET", "/health", {})
+        if status != 200:
+            record("engine after the bad /generate bodies", "crash", f"/health {status} {text}")
+    with EngineProcess(model_dir, max_context_len=256, api_key=KEY, weight_update_timeout_s=5) as proc:
         rope = "model.layers.0.self_attn.rotary_emb.inv_freq"
         updates = {
             "weight_version 10**30": ({"weight_version": 10**30}, "weight_version"),
@@ -457,17 +440,37 @@ def engine_probe(model_dir: Path) -> None:
                 "twice",
             ),
         }
-        for name, (extra, field) in updates.items():
+        for index, (name, (extra, field)) in enumerate(updates.items()):
+            group_name = f"g{index}"  # a fresh group each: an accepted update that times out drops its group
+            _join(proc.url, group_name, auth)
             body = {
                 "names": ["model.norm.weight"],
                 "shapes": [[64]],
                 "dtypes": ["float32"],
-                "group_name": "g",
+                "group_name": group_name,
                 **extra,
             }
             status, text = _post(proc.url, "/update_weights_from_distributed", body, auth)
             classify_http(f"engine update {name}", status, text, field)
     _serve_engine_cases(model_dir)
+
+
+def _join(url: str, group_name: str, auth: dict) -> None:
+    """Form a gloo group with the engine (this process is rank 0, as a trainer is)."""
+    import threading
+
+    from tandemrl.cluster.child_server import free_port
+    from tandemrl.engine.weight_transport import new_process_group
+
+    port, groups = free_port(), []
+    thread = threading.Thread(
+        target=lambda: groups.append(new_process_group("127.0.0.1", port, 0, 2, group_name, "gloo", 20.0))
+    )
+    thread.start()
+    body = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2}
+    status, text = _post(url, "/init_weights_update_group", {**body, "group_name": group_name}, auth)
+    thread.join()
+    assert status == 200, f"group join failed: {status} {text}"
 
 
 def _serve_engine_cases(model_dir: Path) -> None:

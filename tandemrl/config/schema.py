@@ -104,19 +104,12 @@ class AgentLoopConfig:
 
     def __post_init__(self):
         _check(
-            self.max_turns >= 1,
+            1 <= self.max_turns <= self.max_response_tokens,
             "agentloop.max_turns",
             self.max_turns,
-            "must be >= 1: it counts the searches of a trajectory, and the Search-R1 prompt tells the model "
-            "to search, so with 0 every search would be answered 'answer now' and nothing would be retrieved",
-            "Use e.g. 4 (Search-R1's setting).",
-        )
-        _check(
-            self.max_turns <= self.max_response_tokens,
-            "agentloop.max_turns",
-            self.max_turns,
-            f"must be at most agentloop.max_response_tokens ({self.max_response_tokens}): every turn takes at "
-            "least one token of the response budget",
+            f"must be >= 1 and at most agentloop.max_response_tokens ({self.max_response_tokens}): it counts "
+            "the searches of a trajectory, and the Search-R1 prompt tells the model to search (with 0 every "
+            "search would be answered 'answer now'); every turn takes at least one token of the response",
             "Use e.g. 4 (Search-R1's setting).",
         )
         if self.max_actor_accept_staleness is not None:

@@ -323,10 +323,9 @@ def run_serve(args) -> int:
         print(str(error), file=sys.stderr)
         return 2
     if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
-        # slow both down by an order of magnitude, so take half the cores.
+        # the CPU engine shares the machine with the trainer: oversubscribed OpenMP threads spin
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    args.api_key = api_key
+    args.api_key = api_key  # the flag or the variable, for the server
     server = _engine_server(args)
     logger.info(
         "API key %s; serving on http://%s:%d",

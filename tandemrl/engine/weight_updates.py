@@ -6,10 +6,11 @@ SGLang's `update_weights_from_tensor` entries are pickles; this engine unpickles
 network: each entry must be base64 JSON of IPC descriptions (engine/weight_transport.py), and a pickle
 is refused with a 400 that says so. Receiving and loading run as one command on the engine's loop
 thread, so an update lands between two steps. Invariants: a call is all or nothing — its names, shapes
-and dtypes are checked against the model before anything is received, every tensor is received before
-any is loaded, and the loader checks every value before the first copy, so a refused call, a sender
-that stops mid-call or a receive that times out (`weight_update_timeout_s`) leaves the old weights and
-version; the weight version only moves forward (a call carrying `weight_version` sets it, bucketed
+and dtypes are checked against the model before anything is received (each name a parameter of the
+served model, given once: a RoPE buffer or a repeated name is refused, not ignored), every tensor is
+received before any is loaded, and the loader checks every value before the first copy, so a refused
+call, a sender that stops mid-call or a receive that times out (`weight_update_timeout_s`) leaves the
+old weights and version; a version is at most MAX_WEIGHT_VERSION and only moves forward (a call carrying `weight_version` sets it, bucketed
 updates repeat the same value, one without bumps it), except for the first update after an
 (authenticated) group join: a new trainer, e.g. one resumed from an older checkpoint, owns the
 sequence from there.

@@ -87,15 +87,7 @@ def build_index(
     meta.save(staging)
     _swap_in(staging, index_dir, qdrant_url)
     stats = _stats(scan, meta, num_indexed, seconds, index_dir, encoder, sparse, num_skipped)
-    log.info(
-        "indexed %d passages (%d resumed from an interrupted build) at %.1f passages/s; %d in the index, "
-        "%d in the corpus",
-        num_indexed,
-        num_skipped,
-        stats["passages_per_s"],
-        meta.num_passages,
-        scan.num_passages,
-    )
+    log.info("indexed %d passages (%d resumed); %d in the index", num_indexed, num_skipped, meta.num_passages)
     return stats
 
 

@@ -239,6 +239,24 @@ def create_app(
     return app
 
 
+def _open_retriever(args, fusion, sock):
+    """The retriever of `args.index`, or None after printing why it cannot be opened (the bound
+    socket is closed whenever it is not returned with a retriever)."""
+    from tandemrl.retrieval.retriever import Retriever
+
+    try:
+        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
+    except (ValueError, RuntimeError, *server_errors()) as error:  # wrong mode, index locked, no server
+        sock.close()
+        print(f"tandem serve-retrieval: {error}", file=sys.stderr)
+        return None
+    except BaseException:
+        sock.close()
+        raise
+    mark("retriever built (index, encoder)")
+    return retriever
+
+
 def run_serve(args) -> int:
     """`tandem serve-retrieval`: bind the port, open the index, serve. Beyond loopback only with a key."""
     mark_process_started()
@@ -246,7 +264,6 @@ def run_serve(args) -> int:
     import uvicorn
 
     from tandemrl.retrieval.fusion import default_fusion
-    from tandemrl.retrieval.retriever import Retriever
 
     api_key = getattr(args, "api_key", None) or key_from_env(RETRIEVAL_KEY_ENV)
     if not is_loopback(args.host) and not api_key:
@@ -260,17 +277,10 @@ def run_serve(args) -> int:
     except OSError as error:
         print(str(error), file=sys.stderr)
         return 2
-    try:
-        fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
-        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
-    except (ValueError, RuntimeError, *server_errors()) as error:  # wrong mode, index locked, no server
-        sock.close()
-        print(f"tandem serve-retrieval: {error}", file=sys.stderr)
+    fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
+    retriever = _open_retriever(args, fusion, sock)
+    if retriever is None:
         return 2
-    except BaseException:
-        sock.close()
-        raise
-    mark("retriever built (index, encoder)")
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
     mark("warm-up search done")
     info = {

@@ -241,7 +241,7 @@ def test_search_in_the_grace_turn_ends_the_trajectory(tokenizer):
 
 def test_zero_max_turns_is_refused():
     """A trajectory of the Search-R1 task needs a search turn: max_turns=0 was accepted silently."""
-    with pytest.raises(ConfigError, match="agentloop.max_turns=0: must be >= 1"):
+    with pytest.raises(ConfigError, match="agentloop.max_turns=0: must be >= 1 and at most"):
         AgentLoopConfig(max_turns=0)
 
 

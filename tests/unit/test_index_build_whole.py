@@ -171,3 +171,21 @@ def test_build_index_as_a_library_raises_naming_the_line(tmp_path):
     corpus = _write_lines(tmp_path / "c.jsonl", [_record("a", "x"), _record("a", "y")])
     with pytest.raises(ValueError, match="appears on lines 1, 2"):
         build_index(corpus, tmp_path / "index", show_progress=False)
+
+
+def test_an_interrupted_build_is_resumed_by_the_same_command(tmp_path):
+    """The staging directory of a build of this corpus (as an interrupted build leaves it) is resumed:
+    its passages are not encoded again; another corpus would discard it."""
+    corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES[:4])
+    build_index(corpus, tmp_path / "done", show_progress=False)
+    (tmp_path / "done").rename(tmp_path / ".index.building")  # what a killed build of `index` left
+    stats = build_index(corpus, tmp_path / "index", show_progress=False)
+    assert (stats["num_indexed"], stats["num_skipped"], stats["num_in_index"]) == (0, 4, 4)
+    assert not (tmp_path / ".index.building").exists() and len(_ids_and_texts(tmp_path / "index")) == 4
+
+
+def test_a_corpus_that_is_a_symlink_loop_is_named_so(tmp_path, capsys):
+    loop = tmp_path / "loop.jsonl"
+    loop.symlink_to(loop)
+    code, _, err = _tandem_build(capsys, loop, tmp_path / "index")
+    assert code == 2 and "symbolic link that loops" in err and "Traceback" not in err

@@ -49,14 +49,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"
 KEY = "probe-key-0123456789"
-results: dict = {"clear": 0, "unclear": [], "crash": [], "hang": [], "accepted": [], "code_ran": []}
+OUTCOMES = ("clear", "unclear", "accepted", "hang", "crash")  # worst last
+cases: dict[str, tuple[str, str]] = {}  # case -> (its worst outcome, what was seen)
+code_ran: list[str] = []
 
 
 def record(name: str, outcome: str, detail: str = "") -> None:
-    if outcome == "clear":
-        results["clear"] += 1
-    else:
-        results[outcome].append(f"{name}: {detail[:160]}" if detail else name)
+    """The outcome of case `name`; a second finding about the same case keeps the worse of the two."""
+    if outcome == "code_ran":
+        code_ran.append(name)
+        outcome, detail = "crash", "the checkpoint ran code"
+    previous = cases.get(name)
+    if previous is None or OUTCOMES.index(outcome) > OUTCOMES.index(previous[0]):
+        cases[name] = (outcome, detail[:160])
+
+
+def summary() -> dict:
+    report = {"inputs_tried": len(cases), "clear_errors": sum(o == "clear" for o, _ in cases.values())}
+    for outcome in OUTCOMES[1:]:
+        report[outcome] = [f"{n}: {d}" if d else n for n, (o, d) in cases.items() if o == outcome]
+    report["code_ran"] = code_ran
+    return report
 
 
 def classify(name: str, code: int | None, text: str, field: str, ok_codes=(2,)) -> None:
@@ -199,11 +212,9 @@ def checkpoint_probe(model_dir: Path, tmp: Path) -> None:
             else:
                 code, text = tandem("export", str(ckpt), "--out", str(ckpt.parent / "exported"))
             label = f"checkpoint {name} ({command})"
+            classify(label, code, text, field)
             if marker.exists():
                 record(label, "code_ran")
-                record(label, "crash", "the checkpoint ran code")
-            else:
-                classify(label, code, text, field)
 
 
 def _load_in_actor(model_dir: Path, ckpt: Path) -> tuple[int | None, str]:
@@ -266,7 +277,7 @@ def index_probe(tmp: Path) -> None:
         code, text = tandem("index", "build", "--corpus", str(corpus), "--index", str(index))
         classify(f"index {name}", code, text, field)
         if code not in (0, None) and (index / "index.json").exists():
-            record(f"index {name}: failed build left index.json", "accepted")
+            record(f"index {name}", "accepted", "the failed build left an index.json")
     loop = root / "loop.jsonl"
     loop.symlink_to(loop)
     classify(
@@ -426,8 +437,11 @@ def engine_probe(model_dir: Path) -> None:
         for name, (body, field) in generate.items():
             classify_http(f"engine generate {name}", *_post(proc.url, "/generate", body, auth), field)
         status, text = _raw(proc.url, "GET", "/health", {})
-        if status != 200:
-            record("engine after the bad /generate bodies", "crash", f"/health {status} {text}")
+        record(
+            "engine alive after the bad /generate bodies",
+            "clear" if status == 200 else "crash",
+            f"{status} {text}",
+        )
     with EngineProcess(model_dir, max_context_len=256, api_key=KEY, weight_update_timeout_s=5) as proc:
         rope = "model.layers.0.self_attn.rotary_emb.inv_freq"
         updates = {
@@ -490,7 +504,7 @@ def _serve_engine_cases(model_dir: Path) -> None:
         code, text = tandem("serve-engine", *flags, "--port", str(port), timeout=60)
     classify("serve-engine on a port in use", code, text, "already in use")
     if "serving" in text.lower():
-        record("serve-engine on a port in use: logged serving before the bind failed", "unclear", text)
+        record("serve-engine on a port in use", "unclear", f"logged serving before the bind failed: {text}")
 
 
 def retrieval_probe(tmp: Path) -> None:
@@ -514,7 +528,7 @@ def retrieval_probe(tmp: Path) -> None:
             status, text = _post(url, "/retrieve", body, auth)
             classify_http(f"retrieval {name}", status, text, field)
             if status is not None and status >= 400 and '"error"' not in text:
-                record(f"retrieval {name}: error shape", "unclear", text)
+                record(f"retrieval {name}", "unclear", f"another error shape: {text}")
         status, text = _post(url, "/retrieve", {"queries": ["q"]}, {"Authorization": b"Bearer \xff\xfe"})
         classify_http("retrieval key header not UTF-8", status, text, "API key")
         status, text = _raw(url, "GET", "/health", {})
@@ -563,8 +577,7 @@ def main() -> None:
         retrieval_probe(tmp)
         engine_probe(model_dir)
         checkpoint_probe(model_dir, tmp)
-    num_tried = results["clear"] + sum(len(v) for k, v in results.items() if k not in ("clear", "code_ran"))
-    report = {"inputs_tried": num_tried, "clear_errors": results.pop("clear"), **results}
+    report = summary()
     report["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(report, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -325,6 +325,13 @@ class OptimConfig:
             )
         _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
         _check(
+            self.warmup_steps >= 0,
+            "actor.optim.warmup_steps",
+            self.warmup_steps,
+            "must be >= 0 (parameter updates of linear warm-up)",
+            "Use 0 for no warm-up.",
+        )
+        _check(
             len(self.betas) == 2,
             "actor.optim.betas",
             self.betas,

@@ -63,7 +63,7 @@ def numbered_records(path: Path) -> Iterator[tuple[int, dict]]:
 
 def _parse_line(raw: bytes, where: str) -> dict | None:
     try:
-        line = raw.decode("utf-8")
+        line = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors write
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{where}: not UTF-8 text (byte {error.start} of the line); save the corpus as UTF-8."

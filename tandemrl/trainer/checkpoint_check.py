@@ -199,7 +199,7 @@ def verify_checkpoint(directory: str | Path, need_data: bool = True) -> None:
 def _manifest_sizes(directory: Path) -> dict[str, int] | None:
     path = directory / MANIFEST
     if not path.exists():
-        return None  # written before checkpoints had one: every check but the sizes
+        return None  # written before checkpoints recorded sizes: every check but the sizes
     try:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         files = manifest["files"]

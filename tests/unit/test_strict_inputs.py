@@ -134,6 +134,7 @@ CONFIG_CASES = {
         ["agentloop.task_name=[" + ",".join(["1"] * 5000) + "]"],
         "agentloop.task_name=[1, 1, 1, 1, ...] (5000 items): wrong type",
     ),
+    "negative warm-up": (lambda t: ASYNC, ["actor.optim.warmup_steps=-1"], "actor.optim.warmup_steps=-1"),
     "text that is not UTF-8 on the command line": (
         lambda t: ASYNC,
         ["runner.name=caf\udcff"],

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from tandemrl.cluster.reaper import note_ray_session
 from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,17 @@ def _connect(config: Any) -> None:
             **local_ray_kwargs(),
         )
         harden_local_ray()  # the token this start may have written
+        note_ray_session(_session_dir())  # the reaper ends this session's agents after a kill -9
+
+
+def _session_dir() -> str | None:
+    """The session directory of the Ray this process started (Ray has no public call for it)."""
+    import ray
+
+    try:
+        return ray._private.worker._global_node.get_session_dir_path()
+    except AttributeError:
+        return None
 
 
 def shutdown_ray() -> None:

@@ -1,11 +1,17 @@
 """The run's reaper: a small process that outlives `tandem train` only to clean up after it.
 
-Every process a run starts inherits `TANDEM_RUN_ID` (its servers, Ray's GCS, raylet, agents and
-workers). The reaper holds the read end of a pipe whose write end only the run's main process owns;
-when that process ends, however it ends (kill -9 included), the read sees end-of-file and the reaper
-stops every process of this machine still carrying the run's id: SIGTERM, then SIGKILL after a grace
-period. Servers also die with their parent by themselves (child_server.py); the reaper is what
-catches Ray's own processes. Invariant: it never touches a process without the run's id.
+Every process a run starts inherits `TANDEM_RUN_ID` (its servers, Ray's GCS, raylet and workers). The
+reaper holds the read end of a pipe whose write end only the run's main process owns; when that
+process ends, however it ends (kill -9 included), the read sees end-of-file and the reaper stops every
+process of this machine that belongs to the run: SIGTERM, then SIGKILL after a grace period. Servers
+also die with their parent by themselves (child_server.py); the reaper is what catches Ray's own
+processes. Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) rewrite their command line and
+environment with their process title, so the id is gone from them: the run tells the reaper, through
+the same pipe, the session directory of the local Ray it started (`note_ray_session`); a process
+titled `ray::...` that holds a file open inside that directory (its logs), or one that passes it as a
+`--flag=` value (GCS, raylet, Ray's monitors), belongs to the run too. The session directories named on
+the command lines of the run's tagged Ray processes count as well. Invariant: it touches only this
+user's processes that carry the run's id or belong, so, to a Ray session this run started.
 """
 
 from __future__ import annotations
@@ -20,17 +26,84 @@ from pathlib import Path
 
 RUN_ID_ENV = "TANDEM_RUN_ID"
 GRACE_S = 3.0
+RAY_SESSION = "ray-session"  # the pipe's one message: "ray-session <dir>\n"
+_SESSION_FLAGS = ("--session-dir=", "--session_dir=", "--log_dir=", "--logs-dir=", "--log-dir=")
+
+_reaper: subprocess.Popen | None = None  # this process's reaper, when it started one
 
 
 def start_reaper() -> subprocess.Popen:
     """Tag this process (and so all it starts from now on) with a fresh run id; start its reaper."""
+    global _reaper
     run_id = os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex)
-    return subprocess.Popen(
+    _reaper = subprocess.Popen(
         [sys.executable, "-m", "tandemrl.cluster.reaper", run_id, str(os.getpid())],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C in the terminal is the run's to handle, not the reaper's
         env={k: v for k, v in os.environ.items() if k != RUN_ID_ENV},
     )
+    return _reaper
+
+
+def note_ray_session(session_dir: str | None) -> None:
+    """Tell this process's reaper the session directory of a local Ray it started (no reaper: no-op)."""
+    reaper = _reaper
+    if reaper is None or reaper.stdin is None or not session_dir or reaper.poll() is not None:
+        return
+    try:
+        reaper.stdin.write(f"{RAY_SESSION} {session_dir}\n".encode())
+        reaper.stdin.flush()
+    except (BrokenPipeError, ValueError, OSError):
+        pass
+
+
+def ray_session_pids(session_dirs: set[str], exclude: tuple[int, ...] = ()) -> list[int]:
+    """This user's processes of the Ray sessions in `session_dirs`: `ray::` processes (agents, workers)
+    holding a file open inside one, and Ray's daemons, which pass one as a `--flag=` value (a `tail` of
+    a log names it as a bare argument and is left alone)."""
+    roots = [d.rstrip("/") for d in session_dirs if d.startswith("/")]
+    prefixes = tuple(root + "/" for root in roots)
+    pids = []
+    for entry in Path("/proc").iterdir() if roots else ():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), *exclude):
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            args = (entry / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if any(_is_flag_of(arg, roots) for arg in args[1:]) or (
+                args[0].startswith("ray::")
+                and any(os.readlink(fd).startswith(prefixes) for fd in (entry / "fd").iterdir())
+            ):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def _is_flag_of(arg: str, roots: list[str]) -> bool:
+    if not arg.startswith("--") or "=" not in arg:
+        return False
+    value = arg.split("=", 1)[1]
+    return any(value == root or value.startswith(root + "/") for root in roots)
+
+
+def sessions_of(pids: list[int]) -> set[str]:
+    """The Ray session directories named on the command lines of `pids` (the run's GCS, raylet...)."""
+    found = set()
+    for pid in pids:
+        try:
+            args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for arg in args:
+            for flag in _SESSION_FLAGS:
+                if arg.startswith(flag):
+                    path = Path(arg[len(flag) :])
+                    path = path.parent if path.name == "logs" else path
+                    if path.name.startswith("session_") and path.is_absolute():
+                        found.add(str(path))
+    return found
 
 
 def tagged_pids(run_id: str, exclude: tuple[int, ...] = ()) -> list[int]:
@@ -48,15 +121,21 @@ def tagged_pids(run_id: str, exclude: tuple[int, ...] = ()) -> list[int]:
     return pids
 
 
-def reap(run_id: str, grace_s: float = GRACE_S) -> list[int]:
-    """Stop every process tagged with `run_id`; returns the pids that were still running."""
-    found = tagged_pids(run_id)
+def reap(run_id: str, session_dirs: set[str] = frozenset(), grace_s: float = GRACE_S) -> list[int]:
+    """Stop every process of the run (see the module doc); returns the pids that were still running."""
+    tagged = tagged_pids(run_id)
+    sessions = set(session_dirs) | sessions_of(tagged)
+
+    def members() -> list[int]:
+        return sorted(set(tagged_pids(run_id)) | set(ray_session_pids(sessions)))
+
+    found = sorted(set(tagged) | set(ray_session_pids(sessions)))
     for pid in found:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and tagged_pids(run_id):
+    while time.monotonic() < deadline and members():
         time.sleep(0.1)
-    for pid in tagged_pids(run_id):
+    for pid in members():
         _signal(pid, signal.SIGKILL)
     return found
 
@@ -84,9 +163,13 @@ def _signal(pid: int, signum: int) -> None:
 
 def main(run_id: str, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.stdin.buffer.read()  # returns when the run's main process has ended
+    sessions = set()
+    for line in sys.stdin.buffer:  # ends when the run's main process has ended
+        kind, _, value = line.decode(errors="replace").strip().partition(" ")
+        if kind == RAY_SESSION and value.startswith("/"):
+            sessions.add(value)
     _wait_exit(parent_pid)
-    reaped = reap(run_id)
+    reaped = reap(run_id, sessions)
     if reaped:
         print(f"tandem reaper: stopped {len(reaped)} leftover process(es) of run {run_id}", file=sys.stderr)
 

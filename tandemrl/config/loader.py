@@ -1,13 +1,19 @@
 """Load YAML + Hydra-style dotted overrides into the typed `TandemConfig`.
 
-Invariant: the raw mapping is checked key by key against the dataclass fields before any object
-is built, so every unknown key or wrong type fails with the full dotted key and a suggestion.
+Invariants: the raw mapping is checked key by key against the dataclass fields before any object
+is built, so every unknown key or wrong type fails with the full dotted key and a suggestion. Input is
+bounded before it is built: a config file of at most MAX_CONFIG_BYTES, an override of at most
+MAX_OVERRIDE_CHARS, nesting of at most MAX_DEPTH levels and at most MAX_VALUES values once YAML aliases
+are expanded (counted on the parser's events, so an alias bomb or 100,000 levels of brackets is
+refused before it is composed). An error shows a bounded summary of a value (`value_summary`), never
+the whole (expanded) value.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import errno
 import math
 import types
 import typing
@@ -16,7 +22,16 @@ from typing import Any
 
 import yaml
 
+from tandemrl.config.errors import value_summary
 from tandemrl.config.schema import MOVED_KEYS, ConfigError, TandemConfig
+
+MAX_CONFIG_BYTES = 1 << 20  # a full config is a few KB
+MAX_OVERRIDE_CHARS = 1 << 16
+MAX_DEPTH = 32  # the deepest key is 4 levels down
+MAX_VALUES = 100_000  # scalars and collections, aliases expanded
+MAX_INT = 2**63 - 1  # every integer key fits in 64 bits (counts, sizes, seeds)
+MAX_STRING_CHARS = 4096  # paths, names and addresses (PATH_MAX is 4096)
+_BaseLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml's parser when installed
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> TandemConfig:
@@ -33,17 +48,26 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return config
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
+class _UniqueKeyLoader(_BaseLoader):
     """safe_load that refuses a key given twice in one mapping (PyYAML keeps the last silently)."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: explicit keys override it
+                continue
             key = self.construct_object(key_node, deep=deep)
-            if key in seen:
+            line = key_node.start_mark.line + 1
+            try:
+                is_seen = key in seen
+            except TypeError:  # `? [a, b]`: a list or a mapping as a key
                 raise ConfigError(
-                    f"key {key!r} appears twice in one section (line {key_node.start_mark.line + 1}); YAML would "
-                    "silently keep the last value. Delete one of them."
+                    f"the key at line {line} is {value_summary(key)}; keys are names."
+                ) from None
+            if is_seen:
+                raise ConfigError(
+                    f"key {value_summary(key)} appears twice in one section (line {line}); "
+                    "YAML would silently keep the last value. Delete one of them."
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -52,59 +76,157 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     where = f"config file {str(path)!r}"
-    if not path.exists():
+    _check_config_path(path, where)
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as error:
+        raise ConfigError(f"{where} cannot be read: {error.strerror}.") from None
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{where} is larger than {MAX_CONFIG_BYTES // 1024} KiB: a tandem config is a few KB of YAML. "
+            "Pass the path of a YAML config file."
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ConfigError(
+            f"{where} is not UTF-8 text (byte {error.start} is not valid UTF-8): it looks like a binary "
+            "file. Pass the path of a YAML file."
+        ) from None
+    raw = load_bounded_yaml(text, where) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where} must hold a mapping of sections, not {type(raw).__name__}.")
+    return raw
+
+
+def _check_config_path(path: Path, where: str) -> None:
+    try:
+        path.stat()
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise ConfigError(
+                f"{where} is a symbolic link that points back at itself (a link loop). Point at the YAML "
+                "file the link should name."
+            ) from None
+        if error.errno not in (errno.ENOENT, errno.ENOTDIR):
+            raise ConfigError(f"{where} cannot be read: {error.strerror}.") from None
         raise ConfigError(
             f"{where} does not exist. Pass the path of a YAML file, "
             "e.g. examples/searchr1/config/embedded_cpu_async.yaml."
-        )
+        ) from None
     if path.is_dir():
         raise ConfigError(f"{where} is a directory. Pass the path of a YAML file inside it.")
     if not path.is_file():
         raise ConfigError(
             f"{where} is not a regular file (a device or a pipe). Pass the path of a YAML file."
         )
+
+
+def load_bounded_yaml(text: str, where: str) -> Any:
+    """YAML `text` as Python values, refused (ConfigError naming `where`) past the depth and size bounds,
+    which are checked on the parser's events before anything is composed."""
     try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as error:
-        raise ConfigError(
-            f"{where} is not UTF-8 text (byte {error.start} is not valid UTF-8): it looks like a binary "
-            "file. Pass the path of a YAML file."
-        ) from None
-    except OSError as error:
-        raise ConfigError(f"{where} cannot be read: {error.strerror}.") from None
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader) or {}
+        _check_bounds(text, where)
+        return yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as error:
+        if "maximum nesting depth" in str(error):  # libyaml's own limit, met while it scans ahead
+            raise ConfigError(_too_deep(where, getattr(error, "problem_mark", None))) from None
         raise ConfigError(f"{where} is not valid YAML: {error}") from None
     except ConfigError as error:
-        raise ConfigError(f"{where}: {error}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{where} must hold a mapping of sections, not {type(raw).__name__}.")
-    return raw
+        message = str(error)
+        raise ConfigError(message if message.startswith(where) else f"{where}: {message}") from None
+    except (ValueError, RecursionError) as error:  # an integer of more than 4300 digits, for one
+        raise ConfigError(
+            f"{where} holds a value YAML cannot convert ({value_summary(str(error))})."
+        ) from None
+
+
+def _too_deep(where: str, mark) -> str:
+    line = f" (line {mark.line + 1})" if mark is not None else ""
+    return f"{where} nests deeper than {MAX_DEPTH} levels{line}; a tandem config is a few levels of sections. Flatten it."
+
+
+def _check_bounds(text: str, where: str) -> None:
+    """Depth and number of values after alias expansion, counted on events (no recursion, no copies)."""
+    sizes: dict[str, int] = {}  # anchor -> values in its node, its own aliases expanded
+    open_nodes: list[list] = []  # [anchor, values so far] of each collection being parsed
+    depth = num_values = 0
+    for event in yaml.parse(text, Loader=_BaseLoader):
+        if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
+            depth += 1
+            if depth > MAX_DEPTH:
+                raise ConfigError(_too_deep(where, event.start_mark))
+            open_nodes.append([event.anchor, 1])
+            continue
+        if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):
+            anchor, count = open_nodes.pop()
+            depth -= 1
+            if anchor is not None:
+                sizes[anchor] = count
+            added = count
+        elif isinstance(event, yaml.ScalarEvent):
+            added = 1
+            if not event.style and len(event.value) > 64 and event.value.lstrip("+-").isdigit():
+                raise ConfigError(  # Python refuses to convert more than 4300 digits; none is a real value
+                    f"{where}: line {event.start_mark.line + 1} holds an integer of {len(event.value)} digits; "
+                    "every integer of a tandem config fits in 64 bits."
+                )
+            if event.anchor is not None:
+                sizes[event.anchor] = 1
+        elif isinstance(event, yaml.AliasEvent):
+            added = sizes.get(event.anchor, 1)
+            num_values += added - 1  # the alias's copy of the node (its own 1 is counted below)
+        else:
+            continue
+        if open_nodes:
+            open_nodes[-1][1] += added
+        num_values += 1
+        if num_values > MAX_VALUES:
+            raise ConfigError(
+                f"{where} expands to more than {MAX_VALUES} values (line {event.start_mark.line + 1}); with "
+                "YAML aliases (*name) repeating anchors (&name) this can grow exponentially. A tandem "
+                "config has a few hundred; remove the aliases or the long lists."
+            )
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:
     """Apply one `a.b.c=value` override; the value is parsed as YAML (`null`, numbers, lists...)."""
-    if "=" not in override:
+    shown = value_summary(override)
+    if len(override) > MAX_OVERRIDE_CHARS:
         raise ConfigError(
-            f"override {override!r} is not of the form key=value, e.g. data.rollout_batch_size=64."
+            f"override {shown} has {len(override)} characters; at most {MAX_OVERRIDE_CHARS}. Put long "
+            "values in the YAML file."
         )
+    if "=" not in override:
+        raise ConfigError(f"override {shown} is not of the form key=value, e.g. data.rollout_batch_size=64.")
+    try:
+        override.encode("utf-8")
+    except UnicodeEncodeError as error:  # command-line bytes that are not UTF-8 (surrogate escapes)
+        raise ConfigError(
+            f"override {shown} is not valid UTF-8 text ({error.reason} at character {error.start}). Type "
+            "it again in UTF-8."
+        ) from None
     key, text = override.split("=", 1)
     key = key.strip().lstrip("+")
     if not key:
-        raise ConfigError(f"override {override!r} has an empty key.")
+        raise ConfigError(f"override {shown} has an empty key.")
+    parts = key.split(".")
+    if len(parts) > MAX_DEPTH:
+        raise ConfigError(f"override {shown}: the key has {len(parts)} parts; a tandem key has at most 4.")
     try:
-        value = yaml.safe_load(text) if text.strip() else None
-    except yaml.YAMLError:
+        value = load_bounded_yaml(text, f"override {value_summary(key)}") if text.strip() else None
+    except ConfigError as error:
+        if "is not valid YAML" not in str(error):
+            raise
         value = text
     node = raw
-    parts = key.split(".")
     for part in parts[:-1]:
         child = node.get(part)
         if child is None:
             child = node[part] = {}
         if not isinstance(child, dict):
-            raise ConfigError(f"override {override!r}: {part!r} is a value, not a section.")
+            raise ConfigError(f"override {shown}: {part!r} is a value, not a section.")
         node = child
     node[parts[-1]] = value
 
@@ -113,17 +235,21 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
     """Build dataclass `cls` from mapping `raw`, checking keys and types; `prefix` is the dotted path."""
     section = prefix.rstrip(".") or "the top level"
     if not isinstance(raw, dict):
-        raise ConfigError(f"{section}: expected a mapping of keys, got {raw!r}.")
+        raise ConfigError(f"{section}: expected a mapping of keys, got {value_summary(raw)}.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
     for key in raw:
+        if not isinstance(key, str):
+            raise ConfigError(f"{section}: key {value_summary(key)} is not a name; keys are words.")
         moved = MOVED_KEYS.get(f"{prefix}{key}")
         if moved:
             raise ConfigError(f"{prefix}{key} is now {moved} (the engine's own name for it). Rename the key.")
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f" Did you mean {prefix}{close[0]}?" if close else f" Known keys: {', '.join(names)}."
-            raise ConfigError(f"unknown key {prefix}{key}: {section} has no such setting.{hint}")
+            raise ConfigError(
+                f"unknown key {prefix}{value_summary(key, bare=True)}: {section} has no such setting.{hint}"
+            )
     kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in raw.items()}
     return cls(**kwargs)
 
@@ -145,7 +271,9 @@ def _convert(hint: Any, value: Any, key: str) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             _type_error(key, value, "a mapping")
-        return {str(k): _convert(args[1], v, f"{key}.{k}") for k, v in value.items()}
+        return {
+            str(k): _convert(args[1], v, f"{key}.{value_summary(k, bare=True)}") for k, v in value.items()
+        }
     return _convert_scalar(hint, value, key)
 
 
@@ -155,9 +283,11 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
             return value
         _type_error(key, value, "true or false")
     if hint is int:
-        if isinstance(value, int) and not isinstance(value, bool):
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_INT:
             return value
-        _type_error(key, value, "an integer")
+        _type_error(
+            key, value, "an integer" if not isinstance(value, int) else f"an integer of at most {MAX_INT}"
+        )
     if hint is float:
         number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -172,14 +302,30 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
         _type_error(key, value, "a finite number")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return str(value)
+            return _check_text(key, str(value))
         _type_error(key, value, "a string")
     return value
 
 
+def _check_text(key: str, text: str) -> str:
+    if len(text) > MAX_STRING_CHARS:
+        raise ConfigError(
+            f"{key}={value_summary(text)}: {len(text)} characters, at most {MAX_STRING_CHARS} (paths, names and "
+            f"addresses are short). Fix the value of {key}."
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # bytes of a command-line override that are not UTF-8
+        raise ConfigError(
+            f"{key}: the value is not valid UTF-8 text ({error.reason} at character {error.start}). Fix the "
+            f"value of {key} in the YAML file or the override."
+        ) from None
+    return text
+
+
 def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
     raise ConfigError(
-        f"{key}={value!r}: wrong type, expected {expected} (got {type(value).__name__}). "
+        f"{key}={value_summary(value)}: wrong type, expected {expected} (got {type(value).__name__}). "
         f"Fix the value of {key} in the YAML file or the override."
     )
 

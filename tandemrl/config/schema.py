@@ -11,10 +11,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.errors import ConfigError, value_summary
 from tandemrl.engine.config import EngineOptions
 
-__all__ = ["ConfigError", "EngineOptions", "TandemConfig"]
+__all__ = ["ConfigError", "EngineOptions", "TandemConfig", "value_summary"]
 
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
@@ -26,7 +26,7 @@ HANDOFF_ORDERS = ("issue", "finish")
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
     if not ok:
-        raise ConfigError(f"{key}={value!r}: {why}. {fix}")
+        raise ConfigError(f"{key}={value_summary(value)}: {why}. {fix}")
 
 
 def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -127,11 +127,13 @@ class AgentLoopConfig:
 
     def __post_init__(self):
         _check(
-            self.max_turns >= 0,
+            1 <= self.max_turns <= self.max_response_tokens,
             "agentloop.max_turns",
             self.max_turns,
-            "must be >= 0",
-            "Use 0 for answer-only trajectories.",
+            f"must be >= 1 and at most agentloop.max_response_tokens ({self.max_response_tokens}): it counts "
+            "the searches of a trajectory, and the Search-R1 prompt tells the model to search (with 0 every "
+            "search would be answered 'answer now'); every turn takes at least one token of the response",
+            "Use e.g. 4 (Search-R1's setting).",
         )
         if self.max_actor_accept_staleness is not None:
             _check(
@@ -401,6 +403,13 @@ class OptimConfig:
                 f"Set actor.optim.{key} to a non-negative number.",
             )
         _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check(
+            self.warmup_steps >= 0,
+            "actor.optim.warmup_steps",
+            self.warmup_steps,
+            "must be >= 0 (parameter updates of linear warm-up)",
+            "Use 0 for no warm-up.",
+        )
         _check(
             len(self.betas) == 2,
             "actor.optim.betas",

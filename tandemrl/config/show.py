@@ -1,5 +1,6 @@
 """`tandem config show`: the resolved configuration as YAML, derived values marked with a comment, API
-keys shown only as `<set>`."""
+keys shown only as `<set>`. It refuses (exit 2) what `tandem train` would refuse at start-up
+(config/preflight.py), so a config that shows is one that starts."""
 
 from __future__ import annotations
 
@@ -30,6 +31,9 @@ def render(config) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
+    from tandemrl.config.preflight import check_startable
+
     config = load_config(args.config, args.overrides)
+    check_startable(config)
     print(render(config))
     return 0

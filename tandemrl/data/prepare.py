@@ -2,15 +2,14 @@
 
 `all` = model + retriever + the default knowledge base (seed 0) + its dense index, each step
 idempotent: a prepared model/retriever carries a ready marker, a complete KB is kept, and the index
-builder resumes (skipping passages already indexed), so a re-run only finishes what is missing.
+builder leaves an index built from the same corpus file alone (and resumes an interrupted build), so a
+re-run only finishes what is missing.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -75,35 +74,19 @@ def prepare_default_kb() -> Path:
     return kb_dir
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-DEFAULT_INDEX_SETTINGS = "encoder=minilm sparse=bm25"
-
-
 def prepare_default_index(kb_dir: Path) -> Path:
-    """The MiniLM dense + BM25 sparse index of the default KB's corpus at `default_index_dir()` (resumable).
+    """The MiniLM dense + BM25 sparse index of the default KB's corpus at `default_index_dir()`.
 
-    The builder resumes by passage id, which would keep stale vectors of a regenerated corpus; a stamp
-    beside the index (the corpus digest and the build settings, written before building) tells a
-    resumable build from a stale index, and a stale or unstamped index is rebuilt from scratch.
-    """
+    The builder records the corpus digest in the index: an index of this very corpus is kept, an index
+    of a regenerated corpus is rebuilt whole and swapped in (retrieval/build.py)."""
     from tandemrl.retrieval.build import build_index
 
     index_dir = default_index_dir()
-    corpus = kb_dir / "corpus.jsonl"
-    digest = f"{_sha256(corpus)} {DEFAULT_INDEX_SETTINGS}"
-    stamp = index_dir.with_name(index_dir.name + ".corpus.sha256")
-    if index_dir.exists() and (not stamp.is_file() or stamp.read_text().strip() != digest):
-        log.info("the index at %s was built from another corpus or settings; rebuilding it", index_dir)
-        shutil.rmtree(index_dir)
     index_dir.parent.mkdir(parents=True, exist_ok=True)
-    stamp.write_text(digest + "\n")
     # "minilm" resolves to prepare_retriever()'s directory and matches retrieval.encoder's default;
     # BM25 next to the dense vectors makes hybrid search (the served default) possible: recall@3 0.970
     # against 0.943 for dense alone on the KB's test split (benchmarks/retrieval.py, docs/RETRIEVAL.md)
-    stats = build_index(corpus, index_dir, encoder="minilm", sparse="bm25")
+    stats = build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", sparse="bm25")
     log.info("index at %s: %s", index_dir, stats)
     return index_dir
 

@@ -35,6 +35,8 @@ from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.stops import StopChecker
 from tandemrl.metrics.startup import mark
 
+MAX_WEIGHT_VERSION = 2**31 - 1  # one version per training step: no run gets near it
+
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_KV_GB = 1.0
@@ -136,6 +138,11 @@ class Engine:
             ids = None
         if ids is None or int(np.frombuffer(ids, dtype=np.uintc).max()) >= vocab:
             raise ValueError(f"input_ids must be token ids in [0, {vocab})")
+        if any(token_id >= vocab for token_id in params.stop_token_ids):
+            raise ValueError(
+                f"sampling_params.stop_token_ids must be token ids in [0, {vocab}), got "
+                f"{[t for t in params.stop_token_ids if t >= vocab][:3]} (the model never samples them)"
+            )
         if len(prompt_ids) >= self.config.max_context_len:
             raise ValueError(
                 f"prompt has {len(prompt_ids)} tokens but the context is "
@@ -268,6 +275,11 @@ class Engine:
         older checkpoint) may carry any version >= 0."""
         if weight_version is None:
             return
+        if weight_version > MAX_WEIGHT_VERSION:
+            raise ValueError(
+                f"weight_version={weight_version} is above {MAX_WEIGHT_VERSION}: no run makes that many "
+                "versions, and every later update would be refused. No weight was changed."
+            )
         is_repeat = weight_version == self.weight_version and self.is_version_set_by_update
         is_fresh = self.is_version_order_restarted and weight_version >= 0
         if weight_version < 0 or (weight_version <= self.weight_version and not (is_repeat or is_fresh)):

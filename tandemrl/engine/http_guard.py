@@ -2,16 +2,21 @@
 
 The engine (aiohttp) uses the middlewares here; the retrieval server (FastAPI) shares the key helpers.
 Invariants: with a key set, every path except `/health` answers 401 unless the request carries
-`Authorization: Bearer <key>` (SGLang's `--api-key` header), compared in constant time; the key is
-never written to a log or an error message; a body over the limit is refused with 413 before it is
-read, so a large upload cannot hold the event loop.
+`Authorization: Bearer <key>` (SGLang's `--api-key` header), compared in constant time as bytes, so a
+header that is not UTF-8 is a wrong key, never an error; the key is never written to a log or an error
+message; a body over the limit is refused with 413 before it is read, so a large upload cannot hold the
+event loop. A server binds its port before loading anything (`bind_socket`), so a port clash is the
+first thing it reports, and it binds beyond loopback only with a key.
 """
 
 from __future__ import annotations
 
+import errno
 import hmac
+import ipaddress
 import os
 import secrets
+import socket
 
 from aiohttp import web
 
@@ -37,10 +42,64 @@ def key_from_env(*names: str) -> str | None:
 
 
 def is_authorized(header: str | None, api_key: str | None) -> bool:
+    """Whether `header` is `Bearer <api_key>`. Servers decode raw header bytes with surrogateescape
+    (aiohttp) or latin-1 (uvicorn); encoding back the same way gives the bytes the client sent."""
     if not api_key:
         return True
-    expected = f"Bearer {api_key}".encode()
-    return header is not None and hmac.compare_digest(header.encode(), expected)
+    if header is None:
+        return False
+    try:
+        sent = header.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate that no byte sequence produced
+        return False
+    return hmac.compare_digest(sent, f"Bearer {api_key}".encode())
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() in LOOPBACK_HOSTS:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def open_beyond_loopback_message(command: str, host: str, what: str, key_flag_env: str) -> str:
+    return (
+        f"tandem {command}: --host {host} exposes {what} beyond this machine; pass --api-key (or set "
+        f"${key_flag_env}) so only your clients can reach it, or bind a loopback address (127.0.0.1)"
+    )
+
+
+def bind_socket(host: str, port: int, command: str) -> socket.socket:
+    """A listening TCP socket on host:port, bound before the server loads its model or index, so a
+    port in use fails at once; raises OSError with one line naming the address and what to do."""
+    if not 0 <= port <= 65535:
+        raise OSError(f"tandem {command}: --port {port} is not a TCP port (0..65535)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise OSError(
+            f"tandem {command}: --host {host!r} is not an address of this machine ({error.strerror})"
+        ) from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(1024)
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            why = "is already in use (another server, or an earlier one still running); pick another --port"
+        elif error.errno == errno.EADDRNOTAVAIL:
+            why = "is not an address of this machine; pass one of its addresses as --host"
+        else:
+            why = f"cannot be bound ({error.strerror})"
+        raise OSError(f"tandem {command}: {host}:{port} {why}") from None
+    sock.set_inheritable(False)
+    return sock
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -138,7 +138,7 @@ class CausalLM(nn.Module):
     def load_weights(self, named_tensors) -> list[str]:
         """Copy HF-named tensors into the parameters; returns the names loaded. All or nothing: every
         name, shape, dtype and value is checked before the first copy, so a refused update (unknown
-        name, wrong shape, NaN) leaves every weight as it was."""
+        name, a name given twice, wrong shape, NaN) leaves every weight as it was."""
         staged = self.check_weights(named_tensors)
         for param, tensor in staged.values():
             param.copy_(tensor.to(device=param.device, dtype=param.dtype))
@@ -154,9 +154,12 @@ class CausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         staged = {}
         for name, tensor in named_tensors:
+            if name in staged:
+                raise ValueError(
+                    f"weight {name!r} appears twice in one update (which copy should win?); send each weight "
+                    "once. No weight was changed"
+                )
             if name not in params:
-                if name.endswith("rotary_emb.inv_freq"):
-                    continue  # older checkpoints store the RoPE buffer; we compute it from the config
                 raise ValueError(
                     f"weight {name!r} is not a parameter of this {self.cfg['model_type']} model; "
                     "weight updates must use the HF parameter names of the served model; no weight was changed"

@@ -34,6 +34,8 @@ SAMPLING_KEYS = {
     "repetition_penalty",
     "min_new_tokens",
 }
+MAX_INT_PARAM = 2**31 - 1  # counts and ids beyond int32 are no real request, and overflow int64 tensors
+MAX_STOPS = 256  # stop strings / stop token ids per request: each is checked at every generated token
 # Accepted for SGLang compatibility only at their neutral value; anything else is refused, not ignored.
 _NEUTRAL = {
     "min_p": 0.0,
@@ -87,9 +89,10 @@ class SamplingParams:
         def is_number(value) -> bool:
             return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
-        if not is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+        if not is_int(self.max_new_tokens) or not 0 <= self.max_new_tokens <= MAX_INT_PARAM:
             raise ValueError(
-                f"sampling_params.max_new_tokens must be an integer >= 0, got {self.max_new_tokens!r}"
+                f"sampling_params.max_new_tokens must be an integer in 0..{MAX_INT_PARAM}, "
+                f"got {self.max_new_tokens!r}"
             )
         if not is_number(self.temperature) or self.temperature < 0:
             raise ValueError(
@@ -97,20 +100,30 @@ class SamplingParams:
             )
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= MAX_INT_PARAM:
             raise ValueError(
-                f"sampling_params.top_k must be -1 (disabled) or an integer >= 1, got {self.top_k!r}"
+                f"sampling_params.top_k must be -1 (disabled) or an integer in 1..{MAX_INT_PARAM}, "
+                f"got {self.top_k!r}"
             )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(
                 f"sampling_params.stop must be a string or a list of non-empty strings, got {self.stop!r}"
             )
+        if not all(_is_text(s) for s in self.stop):
+            raise ValueError(
+                "sampling_params.stop holds a string that is not valid Unicode (a lone surrogate)"
+            )
         if not isinstance(self.stop_token_ids, list) or not all(
-            is_int(t) and t >= 0 for t in self.stop_token_ids
+            is_int(t) and 0 <= t <= MAX_INT_PARAM for t in self.stop_token_ids
         ):
             raise ValueError(
                 f"sampling_params.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"
             )
+        for key in ("stop", "stop_token_ids"):
+            if len(getattr(self, key)) > MAX_STOPS:
+                raise ValueError(
+                    f"sampling_params.{key} has {len(getattr(self, key))} entries; at most {MAX_STOPS}"
+                )
         for key in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"sampling_params.{key} must be true or false, got {getattr(self, key)!r}")
@@ -118,6 +131,14 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+
+def _is_text(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Status(enum.Enum):

@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -27,7 +28,14 @@ from aiohttp import web
 from tandemrl.config.derive import check_model_dir
 from tandemrl.engine.config import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
-from tandemrl.engine.http_guard import ENGINE_KEY_ENV, guard_middlewares, key_from_env
+from tandemrl.engine.http_guard import (
+    ENGINE_KEY_ENV,
+    bind_socket,
+    guard_middlewares,
+    is_loopback,
+    key_from_env,
+    open_beyond_loopback_message,
+)
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
 from tandemrl.engine.sequence import SamplingParams, Sequence
 from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
@@ -115,18 +123,29 @@ class EngineServer:
         if not isinstance(body.get("rid"), (str, type(None))):
             raise ValueError(f"rid must be a string, got {body['rid']!r}")
         input_ids, text = body.get("input_ids"), body.get("text")
+        if input_ids is None and text is None:
+            raise ValueError("send input_ids (a list of token ids) or text (a string): the body has neither")
         if input_ids is not None and text is not None:
             raise ValueError("send either text or input_ids, not both (the engine would have to pick one)")
         if text is not None:
-            if not isinstance(text, str):
-                raise ValueError("text must be one string (batched requests are not supported)")
-            input_ids = self.loop.engine.tokenizer.encode(text)
+            input_ids = self._tokenize(text)
         # type(...) is int: JSON true/false are not token ids (bool is an int subclass)
         if not isinstance(input_ids, list) or not all(type(t) is int for t in input_ids):
             raise ValueError("input_ids must be one list of token ids (batched requests are not supported)")
         params = SamplingParams.from_dict(body.get("sampling_params"))
         self.loop.engine.validate(input_ids, params)
         return input_ids, params
+
+    def _tokenize(self, text) -> list[int]:
+        if not isinstance(text, str):
+            raise ValueError("text must be one string (batched requests are not supported)")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # a lone surrogate: valid JSON, not text
+            raise ValueError(
+                f"text is not valid Unicode ({error.reason} at character {error.start}); send UTF-8 text"
+            ) from None
+        return self.loop.engine.tokenizer.encode(text)
 
     async def generate(self, request: web.Request) -> web.Response:
         try:
@@ -278,29 +297,47 @@ def _engine_server(args) -> EngineServer:
 
 
 def run_serve(args) -> int:
-    """`tandem serve-engine`: load the model, start the loop thread, serve until SIGTERM/SIGINT."""
+    """`tandem serve-engine`: bind the port, load the model, start the loop thread, serve until
+    SIGTERM/SIGINT. Beyond loopback only with an API key; the port is bound before the model loads, so
+    a clash is reported at once."""
     mark_process_started()
     mark("modules imported (torch, aiohttp, engine)")
+    api_key = getattr(args, "api_key", None) or key_from_env(ENGINE_KEY_ENV)
+    if not is_loopback(args.host) and not api_key:
+        print(
+            open_beyond_loopback_message(
+                "serve-engine", args.host, "the engine's control API", ENGINE_KEY_ENV
+            ),
+            file=sys.stderr,
+        )
+        return 2
     if not (Path(args.model) / "config.json").exists():
         raise FileNotFoundError(
             f"--model {args.model}: no config.json there; pass a Hugging Face model "
             "directory (e.g. from `tandem prepare model`)"
         )
     check_model_dir(Path(args.model), "--model")  # a broken config.json: one paragraph, not tracebacks
+    try:
+        sock = bind_socket(args.host, args.port, "serve-engine")
+    except OSError as error:
+        print(str(error), file=sys.stderr)
+        return 2
     if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        # The CPU engine shares the machine with the trainer; oversubscribed OpenMP threads spin and
-        # slow both down by an order of magnitude, so take half the cores.
+        # the CPU engine shares the machine with the trainer: oversubscribed OpenMP threads spin
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
+    args.api_key = api_key  # the flag or the variable, for the server
     server = _engine_server(args)
     logger.info(
-        "API key %s", "required but on /health" if server.api_key else "not set: open to local processes"
+        "API key %s; serving on http://%s:%d",
+        "required but on /health" if server.api_key else "not set: open to local processes",
+        args.host,
+        sock.getsockname()[1],
     )
     try:
         # shutdown_timeout: on SIGTERM wait briefly for answers in flight, never for a stalled update
         web.run_app(
             server.build_app(),
-            host=args.host,
-            port=args.port,
+            sock=sock,
             handler_cancellation=True,
             print=None,
             access_log=None,

@@ -6,10 +6,11 @@ SGLang's `update_weights_from_tensor` entries are pickles; this engine unpickles
 network: each entry must be base64 JSON of IPC descriptions (engine/weight_transport.py), and a pickle
 is refused with a 400 that says so. Receiving and loading run as one command on the engine's loop
 thread, so an update lands between two steps. Invariants: a call is all or nothing — its names, shapes
-and dtypes are checked against the model before anything is received, every tensor is received before
-any is loaded, and the loader checks every value before the first copy, so a refused call, a sender
-that stops mid-call or a receive that times out (`weight_update_timeout_s`) leaves the old weights and
-version; the weight version only moves forward (a call carrying `weight_version` sets it, bucketed
+and dtypes are checked against the model before anything is received (each name a parameter of the
+served model, given once: a RoPE buffer or a repeated name is refused, not ignored), every tensor is
+received before any is loaded, and the loader checks every value before the first copy, so a refused
+call, a sender that stops mid-call or a receive that times out (`weight_update_timeout_s`) leaves the
+old weights and version; a version is at most MAX_WEIGHT_VERSION and only moves forward (a call carrying `weight_version` sets it, bucketed
 updates repeat the same value, one without bumps it), except for the first update after an
 (authenticated) group join: a new trainer, e.g. one resumed from an older checkpoint, owns the
 sequence from there.
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from aiohttp import web
 
-from tandemrl.engine.engine import Engine
+from tandemrl.engine.engine import MAX_WEIGHT_VERSION, Engine
 from tandemrl.engine.loop import EngineLoop
 from tandemrl.engine.weight_transport import (
     BACKENDS,
@@ -119,27 +120,36 @@ def decode_ipc_entries(entries) -> list[dict]:
 def parse_weight_version(value) -> int | None:
     if value is None:
         return None
-    if (isinstance(value, int) and not isinstance(value, bool)) or (
-        isinstance(value, str) and value.isdigit()
-    ):
-        return int(value)
-    raise ValueError(f"weight_version must be a non-negative integer (or its decimal string), got {value!r}")
+    if isinstance(value, str) and value.isascii() and value.isdigit() and len(value) <= 10:
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_WEIGHT_VERSION:
+        shown = (
+            value if not isinstance(value, (str, int)) or len(str(value)) <= 24 else f"{str(value)[:20]}..."
+        )
+        raise ValueError(
+            f"weight_version must be an integer in 0..{MAX_WEIGHT_VERSION} (or its decimal string), "
+            f"got {shown!r}"
+        )
+    return value
 
 
 def parse_specs(
     body: dict, shapes_by_name: dict[str, tuple[int, ...]]
 ) -> list[tuple[str, torch.dtype, list[int]]]:
     """(name, dtype, shape) of every announced tensor, each checked against the served model, so nothing
-    is received (or allocated) for an update that would be refused."""
+    is received (or allocated) for an update that would be refused. A name may appear once per call
+    (a second copy would silently win), and only parameters may be sent: a RoPE `inv_freq` buffer is
+    computed from the config, so sending one is refused rather than ignored."""
     names, dtypes, shapes = body["names"], body["dtypes"], body["shapes"]
     if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
         raise ValueError("names, dtypes and shapes must be lists")
     if not (len(names) == len(dtypes) == len(shapes)):
         raise ValueError("names, dtypes and shapes must have the same length")
-    specs = []
+    specs, seen = [], set()
     for name, dtype_text, shape in zip(names, dtypes, shapes, strict=True):
         if not isinstance(name, str):
             raise ValueError(f"names: {name!r} is not a string")
+        check_weight_name(name, shapes_by_name, seen)
         dtype = parse_dtype(dtype_text)
         if not dtype.is_floating_point:
             raise ValueError(f"dtypes: weight {name!r} has dtype {dtype_text!r}; weights are floating point")
@@ -147,15 +157,34 @@ def parse_specs(
             isinstance(x, int) and not isinstance(x, bool) for x in shape
         ):
             raise ValueError(f"shapes: weight {name!r} has shape {shape!r}; a shape is a list of integers")
-        expected = shapes_by_name.get(name)
-        if expected is None and not name.endswith("rotary_emb.inv_freq"):
-            raise ValueError(f"names: {name!r} is not a parameter of the served model; no weight was changed")
-        if expected is not None and tuple(shape) != expected:
+        expected = shapes_by_name[name]
+        if tuple(shape) != expected:
             raise ValueError(f"shapes: weight {name!r} has shape {shape}, the model expects {list(expected)}")
-        if expected is None and (len(shape) != 1 or not 0 < shape[0] <= 2**16):
-            raise ValueError(f"shapes: {name!r} has shape {shape}; a RoPE buffer is one short vector")
         specs.append((name, dtype, list(shape)))
     return specs
+
+
+def check_weight_name(name: str, shapes_by_name: dict[str, tuple[int, ...]], seen: set[str]) -> None:
+    """Raise ValueError unless `name` is a parameter of the served model not yet seen in this call."""
+    if name.endswith("rotary_emb.inv_freq"):
+        raise ValueError(
+            f"names: {name!r} is a RoPE buffer the engine computes from the model config, not a weight; "
+            "leave it out of the update. No weight was changed"
+        )
+    if name not in shapes_by_name:
+        raise ValueError(
+            f"names: {_short(name)!r} is not a parameter of the served model; no weight was changed"
+        )
+    if name in seen:
+        raise ValueError(
+            f"names: {name!r} appears twice in one update (which copy should win?); send each weight once. "
+            "No weight was changed"
+        )
+    seen.add(name)
+
+
+def _short(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 def parse_group_args(body: dict) -> tuple[str, int, int, int, str, str]:
@@ -308,15 +337,11 @@ class WeightUpdateRoutes:
             body = await read_json(request, TENSOR_FIELDS)
             version = parse_weight_version(body.get("weight_version"))
             items = decode_ipc_entries(body.get("serialized_named_tensors"))
-            unknown = [
-                i["name"]
-                for i in items
-                if not isinstance(i["name"], str) or i["name"] not in self.shapes_by_name
-            ]
-            if unknown:
-                raise ValueError(
-                    f"serialized_named_tensors: {unknown[:3]} are not parameters of the served model"
-                )
+            seen: set[str] = set()
+            for item in items:
+                if not isinstance(item["name"], str):
+                    raise ValueError(f"serialized_named_tensors: name {item['name']!r} is not a string")
+                check_weight_name(item["name"], self.shapes_by_name, seen)
             if self.loop.engine.device.type != "cuda":
                 raise ValueError(
                     "update_weights_from_tensor carries CUDA IPC handles; the engine is not on CUDA"
@@ -353,6 +378,8 @@ class WeightUpdateRoutes:
             from safetensors.torch import load_file  # safetensors: tensors only, nothing executable
 
             named = [item for f in files for item in load_file(str(f)).items()]
+            # older checkpoints store RoPE's inv_freq buffer; the engine computes it from the config
+            named = [(name, tensor) for name, tensor in named if not name.endswith("rotary_emb.inv_freq")]
             return engine.load_weights(named, version)
 
         response = await self._run_update(read_and_load, label="update_weights_from_disk")

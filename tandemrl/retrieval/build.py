@@ -1,47 +1,36 @@
 """`tandem index build`: encode a wiki-18 style corpus (`{"id", "contents"}` jsonl) into a Qdrant index.
 
-Invariant: the index directory's `index.json` is written before the first vector and names the encoder
-and BM25 statistics, so an interrupted build can be resumed: a re-run with the same settings skips every
-passage whose (deterministic) point id is already stored, and a re-run with other settings is refused
-instead of mixing two encoders in one collection.
+Invariant: a build is all or nothing. The corpus is checked whole first (retrieval/corpus.py: every
+record valid, ids unique and present, or all absent and numbered by line), then encoded into a staging
+directory beside the index (`.<name>.building`), which is moved in only once the count of indexed
+passages equals the corpus's. A failed or interrupted build therefore leaves whatever was at `--index`
+before; a rebuild replaces the old contents whole. The staging directory of an interrupted build is
+resumed by the same command with the same corpus file and settings (its `index.json`, written before
+the first vector, names the corpus digest, the encoder and BM25's statistics); with anything else it
+is discarded. An index already built from the same file with the same settings is left as it is.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
+import shutil
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 from tandemrl.retrieval import bm25
-from tandemrl.retrieval.retriever import IndexMeta
-from tandemrl.retrieval.store import QdrantStore, point_id
+from tandemrl.retrieval.corpus import CorpusScan, read_corpus, scan_corpus
+from tandemrl.retrieval.retriever import META_FILE, IndexMeta
+from tandemrl.retrieval.store import COLLECTION, QdrantStore, point_id
 
 log = logging.getLogger(__name__)
 
-
-def read_corpus(path: Path) -> Iterator[dict]:
-    """Corpus records with a string `id` and `contents`; a record with `title`/`text` instead gets the
-    wiki-18 `contents` ("\\"Title\\"\\ntext"), a record without `id` gets its line number."""
-    with open(path, encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"{path}:{line_no + 1}: not valid JSON ({error.msg}).") from error
-            if "contents" not in record:
-                if "title" not in record or "text" not in record:
-                    raise ValueError(
-                        f"{path}:{line_no + 1}: a corpus record needs 'contents' (or 'title' and "
-                        '\'text\'), as in wiki-18\'s {"id", "contents"} jsonl.'
-                    )
-                record["contents"] = f'"{record["title"]}"\n{record["text"]}'
-            record["id"] = str(record.get("id", line_no))
-            yield record
+__all__ = ["build_index", "read_corpus", "run_build"]
 
 
 def _batches(records: Iterator[dict], batch_size: int) -> Iterator[list[dict]]:
@@ -55,28 +44,6 @@ def _batches(records: Iterator[dict], batch_size: int) -> Iterator[list[dict]]:
         yield batch
 
 
-def _open_meta(
-    index_dir: Path, corpus: Path, encoder: str, dim: int, sparse: str | None, qdrant_url: str | None
-) -> IndexMeta:
-    """The existing metadata when settings match, new metadata (with BM25's avgdl measured) otherwise."""
-    if (index_dir / "index.json").is_file():
-        meta = IndexMeta.load(index_dir)
-        if meta.encoder != encoder or meta.sparse != sparse:
-            raise ValueError(
-                f"the index at {index_dir} was built with --encoder {meta.encoder} --sparse {meta.sparse}, not "
-                f"--encoder {encoder} --sparse {sparse}. Use the same settings to resume it, or a new --index dir."
-            )
-        return meta
-    params = {}
-    if sparse == "bm25":
-        params = {
-            "k1": 1.2,
-            "b": 0.75,
-            "avgdl": bm25.mean_length(record["contents"] for record in read_corpus(corpus)),
-        }
-    return IndexMeta(encoder=encoder, dim=dim, sparse=sparse, bm25=params, qdrant_url=qdrant_url)
-
-
 def build_index(
     corpus: Path,
     index_dir: Path,
@@ -87,54 +54,193 @@ def build_index(
     device: str | None = None,
     show_progress: bool = True,
 ) -> dict:
-    """Index (or finish indexing) `corpus` into `index_dir`; returns the build statistics."""
+    """Index `corpus` into `index_dir` whole (replacing what is there); returns the build statistics."""
     from tandemrl.retrieval.encoders import Encoder
 
     corpus, index_dir = Path(corpus), Path(index_dir)
-    _check_inputs(corpus, sparse, batch_size)
-    index_dir.mkdir(parents=True, exist_ok=True)
+    _check_inputs(corpus, index_dir, sparse, batch_size)
+    scan = scan_corpus(corpus)  # every record checked before anything is encoded
+    log.info("corpus %s: %d passages, ids unique", corpus, scan.num_passages)
+    current = _built_from(index_dir, scan, encoder, sparse, qdrant_url)
+    if current is not None:
+        return _stats(scan, current, 0, 0.0, index_dir, encoder, sparse, num_skipped=scan.num_passages)
     model = Encoder.from_name(encoder, device=device, batch_size=min(batch_size, 128))
-    meta = _open_meta(index_dir, corpus, encoder, model.dim, sparse, qdrant_url)
-    store = QdrantStore(index_dir, qdrant_url, meta.collection)
+    staging = index_dir.parent / f".{index_dir.name}.building"
+    meta = _open_staging(staging, scan, encoder, model.dim, sparse, qdrant_url)
+    store = QdrantStore(staging, qdrant_url, meta.collection)
     try:
         if not store.exists():
             store.create(meta.dim, has_sparse=sparse == "bm25")
-        meta.save(index_dir)
-        stats = _index_batches(corpus, store, model, meta, batch_size, show_progress)
-        meta.num_passages = store.count()
-        meta.save(index_dir)
+        start = time.perf_counter()
+        num_indexed, num_skipped = _index_batches(corpus, store, model, meta, scan, batch_size, show_progress)
+        seconds = time.perf_counter() - start
+        num_in_store = store.count()
     finally:
         store.close()
-    stats.update(num_in_index=meta.num_passages, index_dir=str(index_dir), encoder=encoder, sparse=sparse)
-    log.info(
-        "indexed %d new passages (%d already there) at %.1f passages/s; %d in the index",
-        stats["num_indexed"],
-        stats["num_skipped"],
-        stats["passages_per_s"],
-        meta.num_passages,
-    )
+    if num_in_store != scan.num_passages:  # never moved in: the old index stays
+        shutil.rmtree(staging, ignore_errors=True)
+        raise ValueError(
+            f"indexed {num_in_store} passages but the corpus {corpus} has {scan.num_passages}; the index at "
+            f"{index_dir} was left as it was. Rebuild it."
+        )
+    meta.num_passages = num_in_store
+    meta.save(staging)
+    _swap_in(staging, index_dir, qdrant_url)
+    stats = _stats(scan, meta, num_indexed, seconds, index_dir, encoder, sparse, num_skipped)
+    log.info("indexed %d passages (%d resumed); %d in the index", num_indexed, num_skipped, meta.num_passages)
     return stats
 
 
-def _check_inputs(corpus: Path, sparse: str | None, batch_size: int) -> None:
-    if not corpus.is_file():
-        raise FileNotFoundError(f'corpus {corpus} not found (expected a jsonl of {{"id", "contents"}}).')
+def _stats(
+    scan: CorpusScan,
+    meta: IndexMeta,
+    num_indexed: int,
+    seconds: float,
+    index_dir: Path,
+    encoder: str,
+    sparse: str | None,
+    num_skipped: int,
+) -> dict:
+    return {
+        "num_passages": scan.num_passages,
+        "num_indexed": num_indexed,
+        "num_skipped": num_skipped,
+        "seconds": round(seconds, 3),
+        "passages_per_s": round(num_indexed / seconds, 1) if num_indexed and seconds > 0 else 0.0,
+        "num_in_index": meta.num_passages,
+        "index_dir": str(index_dir),
+        "encoder": encoder,
+        "sparse": sparse,
+    }
+
+
+def _check_inputs(corpus: Path, index_dir: Path, sparse: str | None, batch_size: int) -> None:
     if sparse not in (None, "bm25"):
         raise ValueError(f"sparse={sparse!r}: the only sparse vectors supported are 'bm25' (or None).")
     if batch_size <= 0:
         raise ValueError(f"batch_size={batch_size}: must be > 0.")
+    try:
+        corpus.stat()
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise FileNotFoundError(
+                f"corpus {corpus} is a symbolic link that loops; point at the jsonl file."
+            ) from None
+        raise FileNotFoundError(
+            f'corpus {corpus} not found (expected a jsonl of {{"id", "contents"}}).'
+        ) from None
+    if not corpus.is_file():
+        raise ValueError(f'corpus {corpus} is not a file (expected a jsonl of {{"id", "contents"}}).')
+    if index_dir.exists() and not index_dir.is_dir():
+        raise ValueError(f"--index {index_dir} is a file; an index is a directory.")
+    if index_dir.is_dir() and any(index_dir.iterdir()) and not (index_dir / META_FILE).is_file():
+        raise ValueError(
+            f"--index {index_dir} holds other files and no index.json; a build replaces its directory whole, "
+            "so give a new or empty directory, or one that holds an index to replace."
+        )
+
+
+def _meta_matches(
+    meta: IndexMeta, scan: CorpusScan, encoder: str, sparse: str | None, url: str | None
+) -> bool:
+    return (meta.corpus_sha256, meta.encoder, meta.sparse, meta.qdrant_url) == (
+        scan.sha256,
+        encoder,
+        sparse,
+        url,
+    )
+
+
+def _built_from(index_dir: Path, scan: CorpusScan, encoder: str, sparse: str | None, url: str | None):
+    """The index's metadata when it is whole and was built from this corpus with these settings."""
+    try:
+        meta = IndexMeta.load(index_dir)
+    except (FileNotFoundError, ValueError):
+        return None
+    if not _meta_matches(meta, scan, encoder, sparse, url) or meta.num_passages != scan.num_passages:
+        return None
+    try:
+        store = QdrantStore(index_dir, url, meta.collection)
+    except RuntimeError:  # open in a running retrieval server: build beside it and swap
+        return None
+    try:
+        is_whole = store.exists() and store.count() == scan.num_passages
+    finally:
+        store.close()
+    if is_whole:
+        log.info("the index at %s was built from this corpus with these settings; nothing to do", index_dir)
+    return meta if is_whole else None
+
+
+def _open_staging(
+    staging: Path, scan: CorpusScan, encoder: str, dim: int, sparse: str | None, url: str | None
+):
+    """The staging directory's metadata: an interrupted build of the same corpus and settings is
+    resumed; anything else there is discarded."""
+    try:
+        meta = IndexMeta.load(staging)
+        if _meta_matches(meta, scan, encoder, sparse, url):
+            log.info("resuming the interrupted build in %s", staging)
+            return meta
+    except (FileNotFoundError, ValueError):
+        pass
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    params = {"k1": 1.2, "b": 0.75, "avgdl": scan.mean_length} if sparse == "bm25" else {}
+    # a Qdrant server keeps collections of every build side by side until the swap: a fresh name each
+    collection = f"{COLLECTION}_{uuid.uuid4().hex[:12]}" if url else COLLECTION
+    meta = IndexMeta(encoder, dim, sparse, params, url, collection, corpus_sha256=scan.sha256)
+    meta.save(staging)
+    return meta
+
+
+def _swap_in(staging: Path, index_dir: Path, url: str | None) -> None:
+    """Put the finished staging directory at `index_dir`; the old index is kept until the new is there."""
+    previous = index_dir.parent / f".{index_dir.name}.previous-{os.getpid()}"
+    old_meta = None
+    if index_dir.is_dir() and (index_dir / META_FILE).is_file():
+        try:
+            old_meta = IndexMeta.load(index_dir)
+        except ValueError:
+            pass
+    if index_dir.is_dir() and not any(index_dir.iterdir()):
+        index_dir.rmdir()
+    if index_dir.exists():
+        os.replace(index_dir, previous)
+    try:
+        os.replace(staging, index_dir)
+    except BaseException:
+        if previous.exists() and not index_dir.exists():
+            os.replace(previous, index_dir)
+        raise
+    shutil.rmtree(previous, ignore_errors=True)
+    if url and old_meta is not None and old_meta.qdrant_url == url and old_meta.collection != COLLECTION:
+        _drop_collection(url, old_meta.collection)
+
+
+def _drop_collection(url: str, collection: str) -> None:
+    store = QdrantStore(None, url, collection)
+    try:
+        store.client.delete_collection(collection)
+    finally:
+        store.close()
 
 
 def _index_batches(
-    corpus: Path, store: QdrantStore, model, meta: IndexMeta, batch_size: int, show_progress: bool
-) -> dict:
+    corpus: Path,
+    store: QdrantStore,
+    model,
+    meta: IndexMeta,
+    scan: CorpusScan,
+    batch_size: int,
+    show_progress: bool,
+) -> tuple[int, int]:
+    """(passages encoded now, passages already stored by an interrupted build of the same corpus)."""
     from tqdm import tqdm
 
-    num_total = sum(1 for _ in read_corpus(corpus))
-    progress = tqdm(total=num_total, unit="passage", desc="indexing", disable=not show_progress)
+    progress = tqdm(total=scan.num_passages, unit="passage", desc="indexing", disable=not show_progress)
     params = meta.bm25_params() if meta.sparse == "bm25" else None
     num_indexed = num_skipped = 0
-    start = time.perf_counter()
     with progress:
         for batch in _batches(read_corpus(corpus), batch_size):
             ids = [point_id(record["id"]) for record in batch]
@@ -152,18 +258,13 @@ def _index_batches(
                 )
                 num_indexed += len(new)
             progress.update(len(batch))
-            progress.set_postfix(new=num_indexed, skipped=num_skipped, refresh=False)
-    seconds = time.perf_counter() - start
-    return {
-        "num_passages": num_total,
-        "num_indexed": num_indexed,
-        "num_skipped": num_skipped,
-        "seconds": round(seconds, 3),
-        "passages_per_s": round(num_indexed / seconds, 1) if num_indexed else 0.0,
-    }
+            progress.set_postfix(new=num_indexed, resumed=num_skipped, refresh=False)
+    return num_indexed, num_skipped
 
 
 def run_build(args) -> int:
+    from tandemrl.retrieval.store import server_errors
+
     try:
         stats = build_index(
             Path(args.corpus),
@@ -173,8 +274,16 @@ def run_build(args) -> int:
             qdrant_url=args.qdrant_url,
             batch_size=args.batch_size,
         )
-    except ValueError as error:
+    except (ValueError, OSError, RuntimeError) as error:  # bad input, a path, an index in use
         print(f"tandem index build: {error}", file=sys.stderr)
         return 2
+    except server_errors() as error:
+        print(f"tandem index build: the Qdrant server at {args.qdrant_url} failed: {error}", file=sys.stderr)
+        return 2
     print(json.dumps(stats, indent=2))
+    print(
+        f"tandem index build: {stats['num_in_index']} passages in {stats['index_dir']}, as many as the "
+        f"corpus has ({stats['num_passages']})",
+        file=sys.stderr,
+    )
     return 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from tandemrl.metrics.startup import mark
@@ -34,6 +34,7 @@ class IndexMeta:
     collection: str = "passages"
     num_passages: int = 0
     format: int = META_FORMAT
+    corpus_sha256: str | None = None  # of the corpus file it was built from (None: an older build)
 
     @classmethod
     def load(cls, index_dir: Path) -> IndexMeta:
@@ -43,12 +44,18 @@ class IndexMeta:
                 f"{path} not found: {index_dir} is not a built index. "
                 f"Build it with `tandem index build --corpus CORPUS --index {index_dir}`."
             )
-        data = json.loads(path.read_text())
-        if data.get("format") != META_FORMAT:
-            raise ValueError(
-                f"{path}: index format {data.get('format')} is not {META_FORMAT}; rebuild the index."
-            )
-        return cls(**data)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{path} cannot be read as JSON ({error}); rebuild the index.") from None
+        if not isinstance(data, dict) or data.get("format") != META_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"{path}: index format {found} is not {META_FORMAT}; rebuild the index.")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{key: value for key, value in data.items() if key in names})
+        except TypeError as error:
+            raise ValueError(f"{path} is not an index description ({error}); rebuild the index.") from None
 
     def save(self, index_dir: Path) -> None:
         path = Path(index_dir) / META_FILE
@@ -88,12 +95,19 @@ class Retriever:
         self.fusion = fusion
         self.store = QdrantStore(self.index_dir, qdrant_url or self.meta.qdrant_url, self.meta.collection)
         mark("retrieval: Qdrant index opened")
+        self.num_passages = self.store.count()
+        if self.num_passages == 0 or self.num_passages != self.meta.num_passages:
+            self.store.close()
+            raise ValueError(
+                f"the index at {self.index_dir} holds {self.num_passages} passages but index.json records "
+                f"{self.meta.num_passages}: it is {'empty' if self.num_passages == 0 else 'incomplete'}. "
+                f"Rebuild it with `tandem index build --corpus CORPUS --index {self.index_dir}`."
+            )
         if self.mode != "bm25":
             from tandemrl.retrieval.encoders import Encoder
 
             self.encoder = Encoder.from_name(self.meta.encoder, device=device)
             mark("retrieval: encoder loaded")
-        self.num_passages = self.store.count()
         self.memory = None
         if in_memory if in_memory is not None else self.store.is_local:
             from tandemrl.retrieval.memory import MemoryIndex

@@ -3,11 +3,13 @@
 `POST /retrieve {"queries": [...], "topk": 3, "return_scores": true}` answers
 `{"result": [[{"document": {"id", "contents"}, "score"}, ...], ...]}` — with `return_scores` false, each
 query's entry is the bare list of documents, as in Search-R1's server — so a Search-R1 client works
-unchanged. `GET /health` reports readiness. Invariant: the server process owns the index (Qdrant local
-mode allows one process per path) and no request can take it down: bad input gets a 4xx naming the
-field, a body over `--max-request-mb` or more than MAX_QUERIES_PER_REQUEST queries a 413, a failed
-search a 500 for that request only. Bound beyond loopback it requires an API key (`Authorization:
-Bearer <key>`) on every path but /health.
+unchanged. `GET /health` reports readiness (mode, encoder, counts; never where the index lives).
+Invariant: the server process owns the index (Qdrant local mode allows one process per path) and no
+request can take it down: bad input gets a 4xx naming the field, in one shape (`{"error": message}`,
+validation errors with FastAPI's `detail` beside it), a body over `--max-request-mb` or more than
+MAX_QUERIES_PER_REQUEST queries a 413, a failed search a 500 for that request only. An empty or blank
+query is refused (it would return arbitrary documents). Bound beyond loopback it requires an API key
+(`Authorization: Bearer <key>`) on every path but /health; the port is bound before the index loads.
 """
 
 from __future__ import annotations
@@ -19,21 +21,23 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+from starlette.exceptions import HTTPException
 
 from tandemrl.engine.http_guard import (
-    LOOPBACK_HOSTS,
     OPEN_PATHS,
     RETRIEVAL_KEY_ENV,
+    bind_socket,
     is_authorized,
+    is_loopback,
     key_from_env,
+    open_beyond_loopback_message,
     too_large_message,
 )
 from tandemrl.metrics.startup import mark, mark_process_started
 from tandemrl.retrieval.batcher import MicroBatcher
-from tandemrl.retrieval.store import Hit
+from tandemrl.retrieval.store import Hit, server_errors
 
 log = logging.getLogger(__name__)
 
@@ -54,21 +58,58 @@ class RetrieveRequest(BaseModel):
 
 
 def _field_name(item: dict) -> str:
-    if item.get("type") == "json_invalid":  # its loc holds a character position, not a field
-        return "body (malformed JSON)"
     parts = [str(part) for part in item.get("loc", ()) if part != "body"]
     return ".".join(parts) or "body"
 
 
-async def _validation_error(_: Request, error: RequestValidationError) -> JSONResponse:
+def _invalid(errors: list[dict]) -> JSONResponse:
     """422 like FastAPI's, plus a one-line message that names each offending field."""
-    errors = error.errors()
     message = "; ".join(f"{_field_name(item)}: {item.get('msg', 'invalid')}" for item in errors)
     detail = [
-        {"loc": list(item.get("loc", ())), "msg": item.get("msg"), "type": item.get("type")}
+        {"loc": ["body", *item.get("loc", ())], "msg": item.get("msg"), "type": item.get("type")}
         for item in errors
     ]
     return JSONResponse(status_code=422, content={"error": f"invalid request: {message}", "detail": detail})
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse(status_code=status, content={"error": message})
+
+
+async def _http_error(_: Request, error: HTTPException) -> JSONResponse:
+    """404 / 405 in the server's one error shape (FastAPI's `detail` kept beside it)."""
+    return JSONResponse(
+        status_code=error.status_code,
+        content={"error": f"{error.detail}", "detail": error.detail},
+        headers=getattr(error, "headers", None),
+    )
+
+
+def parse_request(body: bytes) -> RetrieveRequest | JSONResponse:
+    """The request of a raw body, or the 4xx answer naming what is wrong with it. The body is parsed
+    here, whatever its content type (Search-R1's clients send JSON), so every error has one shape."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as error:
+        return _error(
+            422, f"invalid request: body (malformed JSON): byte {error.start} is not UTF-8; send JSON"
+        )
+    try:
+        raw = json.loads(text)
+    except RecursionError:
+        return _error(
+            422, "invalid request: body (malformed JSON): nested too deeply; send a flat JSON object"
+        )
+    except ValueError as error:
+        return _error(422, f"invalid request: body (malformed JSON): {error}")
+    if not isinstance(raw, dict):
+        return _error(
+            422, f"invalid request: body must be a JSON object with 'queries', not a {type(raw).__name__}"
+        )
+    try:
+        return RetrieveRequest.model_validate(raw)
+    except ValidationError as error:
+        return _invalid(error.errors(include_url=False, include_input=False))
 
 
 class RequestGuard:
@@ -122,18 +163,24 @@ async def _send_error(send, status: int, message: str) -> None:
 def refusal(request: RetrieveRequest, topk: int) -> JSONResponse | None:
     """The 4xx answer for a request that cannot be searched (naming the first bad field), or None."""
     if not 1 <= topk <= MAX_TOPK:
-        return JSONResponse(status_code=400, content={"error": f"topk={topk}: must be in 1..{MAX_TOPK}."})
+        return _error(400, f"topk={topk}: must be in 1..{MAX_TOPK}.")
     if len(request.queries) > MAX_QUERIES_PER_REQUEST:
         message = f"{len(request.queries)} queries in one request: at most {MAX_QUERIES_PER_REQUEST}; split the batch."
-        return JSONResponse(status_code=413, content={"error": message})
+        return _error(413, message)
     for index, query in enumerate(request.queries):
         try:
             query.encode("utf-8")
         except UnicodeEncodeError as error:
-            message = (
-                f"queries[{index}] is not valid Unicode text ({error.reason} at character {error.start})."
+            return _error(
+                400,
+                f"queries[{index}] is not valid Unicode text ({error.reason} at character {error.start}).",
             )
-            return JSONResponse(status_code=400, content={"error": message})
+        if not query.strip():
+            return _error(
+                400,
+                f"queries[{index}] is empty or only whitespace: it would match arbitrary documents. "
+                "Send the text to search for.",
+            )
     return None
 
 
@@ -158,7 +205,7 @@ def create_app(
             await batcher.stop()
 
     app = FastAPI(title="tandemrl retrieval", lifespan=lifespan)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=int(max_request_mb * 2**20))
 
     @app.get("/health")
@@ -172,7 +219,10 @@ def create_app(
         }
 
     @app.post("/retrieve")
-    async def retrieve(request: RetrieveRequest):
+    async def retrieve(http_request: Request):
+        request = parse_request(await http_request.body())
+        if isinstance(request, JSONResponse):
+            return request
         topk = DEFAULT_TOPK if request.topk is None else request.topk
         refused = refusal(request, topk)
         if refused is not None:
@@ -183,43 +233,61 @@ def create_app(
             hits = await batcher.submit([query[:MAX_QUERY_CHARS] for query in request.queries], topk)
         except Exception as error:  # a failed search fails this request, never the server
             log.warning("retrieval failed: %s", error)
-            return JSONResponse(status_code=500, content={"error": f"retrieval failed: {error}"})
+            return _error(500, f"retrieval failed: {error}")
         return {"result": _render(hits, request.return_scores)}
 
     return app
 
 
+def _open_retriever(args, fusion, sock):
+    """The retriever of `args.index`, or None after printing why it cannot be opened (the bound
+    socket is closed whenever it is not returned with a retriever)."""
+    from tandemrl.retrieval.retriever import Retriever
+
+    try:
+        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
+    except (ValueError, RuntimeError, *server_errors()) as error:  # wrong mode, index locked, no server
+        sock.close()
+        print(f"tandem serve-retrieval: {error}", file=sys.stderr)
+        return None
+    except BaseException:
+        sock.close()
+        raise
+    mark("retriever built (index, encoder)")
+    return retriever
+
+
 def run_serve(args) -> int:
+    """`tandem serve-retrieval`: bind the port, open the index, serve. Beyond loopback only with a key."""
     mark_process_started()
     mark("modules imported (fastapi)")
     import uvicorn
 
     from tandemrl.retrieval.fusion import default_fusion
-    from tandemrl.retrieval.retriever import Retriever
 
     api_key = getattr(args, "api_key", None) or key_from_env(RETRIEVAL_KEY_ENV)
-    if args.host not in LOOPBACK_HOSTS and not api_key:
+    if not is_loopback(args.host) and not api_key:
         print(
-            f"tandem serve-retrieval: --host {args.host} exposes the index beyond this machine; pass "
-            f"--api-key (or set ${RETRIEVAL_KEY_ENV}) so only your clients can query it",
+            open_beyond_loopback_message("serve-retrieval", args.host, "the index", RETRIEVAL_KEY_ENV),
             file=sys.stderr,
         )
         return 2
     try:
-        fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
-        retriever = Retriever(Path(args.index), mode=args.mode, qdrant_url=args.qdrant_url, fusion=fusion)
-    except (ValueError, RuntimeError) as error:  # wrong mode for the index, index locked by another process
-        print(f"tandem serve-retrieval: {error}", file=sys.stderr)
+        sock = bind_socket(args.host, args.port, "serve-retrieval")  # before the index: a clash fails now
+    except OSError as error:
+        print(str(error), file=sys.stderr)
         return 2
-    mark("retriever built (index, encoder)")
+    fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
+    retriever = _open_retriever(args, fusion, sock)
+    if retriever is None:
+        return 2
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
     mark("warm-up search done")
     info = {
         "mode": retriever.mode,
         **({"fusion": fusion.method} if retriever.mode == "hybrid" else {}),
-        "encoder": retriever.meta.encoder,
+        "encoder": Path(retriever.meta.encoder).name,  # a path names the machine's layout: its last part
         "num_passages": retriever.num_passages,
-        "index": str(retriever.index_dir),
     }
     app = create_app(MicroBatcher(retriever.search), info, api_key, getattr(args, "max_request_mb", 4.0))
     log.info(
@@ -228,10 +296,12 @@ def run_serve(args) -> int:
         retriever.mode,
         retriever.num_passages,
         args.host,
-        args.port,
+        sock.getsockname()[1],
     )
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        config = uvicorn.Config(app, log_level="warning", access_log=False)
+        uvicorn.Server(config).run(sockets=[sock])
     finally:
         retriever.close()
+        sock.close()
     return 0

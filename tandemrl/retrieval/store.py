@@ -29,6 +29,13 @@ MODES = ("dense", "bm25", "hybrid")
 POINT_NAMESPACE = uuid.UUID("6f1c2a4e-7d3b-4e59-9a51-3c2b8d0e1f47")
 
 
+def server_errors() -> tuple[type[Exception], ...]:
+    """What the Qdrant client raises when a server cannot be reached or refuses a call."""
+    from qdrant_client.http.exceptions import ApiException
+
+    return (ApiException,)
+
+
 def point_id(passage_id: str) -> str:
     return str(uuid.uuid5(POINT_NAMESPACE, passage_id))
 

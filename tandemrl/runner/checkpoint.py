@@ -105,7 +105,8 @@ async def save_checkpoint(ctx: Any, step: int) -> Path:
 
 def load_resume_state(resume_from: str) -> dict:
     """`data/data.pt` of a checkpoint directory (plain Python values only, loaded with weights_only)."""
-    import torch
+    from tandemrl.trainer.checkpoint import load_plain
+    from tandemrl.trainer.checkpoint_check import CheckpointError
 
     path = Path(resume_from) / DATA_FILE
     if not path.is_file():
@@ -113,4 +114,7 @@ def load_resume_state(resume_from: str) -> dict:
             f"runner.resume_from={resume_from!r}: {path} does not exist, so this is not a tandemrl "
             "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
         )
-    return torch.load(path, weights_only=True)
+    try:
+        return load_plain(path, str(path))
+    except CheckpointError as error:
+        raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None

@@ -228,11 +228,13 @@ def _report_interrupted(config: Any, received: list[int]) -> int:
 def run_train(args: Any) -> int:
     from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
     from tandemrl.cluster.reaper import start_reaper
+    from tandemrl.config.preflight import check_startable
     from tandemrl.runner.services import ServiceDiedError
 
     config = load_config(args.config, args.overrides)
     if getattr(args, "dry_run", False):
         return dry_run(config)
+    check_startable(config)  # what `tandem config show` also refuses, before anything starts
     global _interrupt
     interrupt = _interrupt = Interrupt()
     received = interrupt.received

@@ -7,10 +7,18 @@ the previous checkpoint untouched and no half-written `global_step_*`):
     actor/rng_rank{r}.pt   torch (CPU + CUDA) and Python RNG state of rank r
     actor/hf/        config.json, generation config and tokenizer files, for `tandem export`
     <extra files>    e.g. data/data.pt from the runner, written by torch.save before the rename
+    manifest.json    the size of every file above, written last, before the rename
+
+Loading unpickles nothing but through a restricted unpickler: DCP's `.metadata` through
+`checkpoint_check.RestrictedUnpickler` (DCP's own metadata classes only), its plain-value items and
+every .pt file through torch's `weights_only`; and a checkpoint is checked whole before it is loaded
+(`verify_checkpoint`, also run at config load for `runner.resume_from` and by `tandem export`).
 """
 
 from __future__ import annotations
 
+import io
+import pickle
 import random
 import re
 import shutil
@@ -19,8 +27,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from tandemrl.trainer.checkpoint_check import (
+    CheckpointError,
+    load_dcp_metadata,
+    verify_checkpoint,
+    write_manifest,
+)
 from tandemrl.trainer.policy import reshard
 
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
@@ -80,6 +97,7 @@ def save_checkpoint(actor, ckpt_dir: str | Path, extra: dict[str, object] | None
             torch.save(obj, tmp / rel_path)
     _barrier()
     if actor.rank == 0:
+        write_manifest(tmp)  # every rank's files are written: record their sizes, then commit
         _commit(tmp, final)
     _barrier()
     return final
@@ -107,6 +125,50 @@ def _save_hf_files(actor, out: Path) -> None:
                 shutil.copy2(Path(actor.model_path) / name, out / name)
 
 
+class SafeReader(FileSystemReader):
+    """DCP's file reader, its `.metadata` pickle read through the restricted unpickler."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as handle:
+            metadata = load_dcp_metadata(handle, str(path))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class PlainValuesPlanner(DefaultLoadPlanner):
+    """DCP's planner, except that non-tensor items (optimizer hyperparameters) are read with torch's
+    weights_only unpickler; DCP's own planner reads them with weights_only=False."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        obj = load_plain(value, f"checkpoint item {read_item.dest_index.fqn!r}")
+        again = io.BytesIO()
+        torch.save(obj, again)  # plain values only now: DCP's own load of them runs nothing
+        again.seek(0)
+        super().load_bytes(read_item, again)
+
+
+def load_plain(file, where: str):
+    """torch.load(weights_only=True), its refusal worded for a checkpoint (torch's suggests turning
+    the protection off)."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"{where} holds objects other than tensors and plain values ({str(error).splitlines()[0][:200]}); "
+            "refused, nothing was loaded. Use a checkpoint written by `tandem train`."
+        ) from None
+    except (RuntimeError, EOFError, ValueError) as error:
+        raise CheckpointError(f"{where} cannot be read ({type(error).__name__}): it is damaged.") from None
+
+
+def dcp_load(state: dict, actor_dir: Path) -> None:
+    """dcp.load of `state` from `actor_dir`, unpickling nothing unrestricted."""
+    dcp.load(state, storage_reader=SafeReader(str(actor_dir)), planner=PlainValuesPlanner())
+
+
 def load_checkpoint(actor, ckpt_dir: str | Path) -> None:
     """Restore model, optimizer, scheduler, counters and this rank's RNG from `ckpt_dir`."""
     actor_dir = Path(ckpt_dir) / "actor"
@@ -116,25 +178,26 @@ def load_checkpoint(actor, ckpt_dir: str | Path) -> None:
             "global_step_N directory written by the actor, e.g. runs/<name>/checkpoints/"
             "global_step_10."
         )
+    verify_checkpoint(ckpt_dir, need_data=False)
     reshard(actor.policy)
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(actor_dir))
+    dcp_load(state, actor_dir)
     set_state_dict(
         actor.policy, actor.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )
-    meta = torch.load(actor_dir / "meta.pt", weights_only=True)
+    meta = load_plain(actor_dir / "meta.pt", str(actor_dir / "meta.pt"))
     actor.scheduler.load_state_dict(meta["scheduler"])
     actor.num_updates = meta["num_updates"]
     actor.weight_version = meta["weight_version"]
     rng_file = actor_dir / f"rng_rank{actor.rank}.pt"
     if rng_file.is_file():  # absent when resuming on more ranks than saved: fresh RNG for the new ones
-        _set_rng_state(torch.load(rng_file, weights_only=True))
+        _set_rng_state(load_plain(rng_file, str(rng_file)))
 
 
 def load_extra(ckpt_dir: str | Path, rel_path: str) -> object:
     """An object written through `save_checkpoint(..., extra={rel_path: obj})` (plain data only)."""
-    return torch.load(Path(ckpt_dir) / rel_path, weights_only=True)
+    return load_plain(Path(ckpt_dir) / rel_path, str(Path(ckpt_dir) / rel_path))
 
 
 def _rng_state() -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -90,9 +91,10 @@ def _write_hf_dir(
 
 def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], object]:
     """Full HF-named weights and the HF config of an actor checkpoint, in this process (no ranks needed)."""
-    import torch.distributed.checkpoint as dcp
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from tandemrl.trainer.checkpoint import dcp_load
+    from tandemrl.trainer.checkpoint_check import verify_checkpoint
     from tandemrl.trainer.policy import PolicyModel
 
     actor_dir = Path(ckpt_dir) / "actor"
@@ -101,19 +103,26 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
             f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
             "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10."
         )
+    verify_checkpoint(ckpt_dir, need_data=False)  # whole and safe, before anything is unpickled
     hf_config = AutoConfig.from_pretrained(actor_dir / "hf")
     policy = PolicyModel(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
     state = {"model": policy.state_dict()}
-    dcp.load(state, checkpoint_id=str(actor_dir))
+    dcp_load(state, actor_dir)
     policy.load_state_dict(state["model"])
     weights = {name: p.detach() for name, p in policy.hf.named_parameters()}
     return weights, hf_config
 
 
 def run_export(args) -> int:
+    from tandemrl.trainer.checkpoint_check import CheckpointError
+
     ckpt = Path(args.checkpoint)
     check_replaceable(Path(args.out))  # before the weights are loaded
-    weights, hf_config = load_checkpoint_weights(ckpt)
+    try:
+        weights, hf_config = load_checkpoint_weights(ckpt)
+    except CheckpointError as error:
+        print(f"tandem export: {error}", file=sys.stderr)
+        return 2
     out = save_hf_dir(weights, hf_config, ckpt / "actor" / "hf", args.out)
     log.info("exported %s -> %s (%d tensors, float32)", ckpt, out, len(weights))
     print(f"exported {ckpt} -> {out}")

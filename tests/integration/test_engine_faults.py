@@ -8,12 +8,16 @@ weights (greedy output) and the weight version exactly as they were.
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.parse
 
 import aiohttp
 import pytest
@@ -354,3 +358,130 @@ def test_sigterm_stops_an_engine_with_a_group_join_pending(tiny_llama_dir):
 def test_bad_group_joins_are_400_naming_the_field(engine, body, field):
     status, text = call(engine, "POST", "/init_weights_update_group", body)
     assert status == 400 and field in text and "Traceback" not in text, text
+
+
+# ---- round two (docs/RELIABILITY.md rows 14-16): inputs that were accepted silently or crashed --------
+
+
+def _raw_post(url: str, path: str, headers: dict[str, bytes], body: bytes = b"{}") -> tuple[int, str]:
+    """POST with header values sent as raw bytes (aiohttp's client refuses non-ASCII values)."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=60)
+    try:
+        connection.putrequest("POST", path)
+        for name, value in {**headers, "Content-Type": b"application/json"}.items():
+            connection.putheader(name, value)
+        connection.putheader("Content-Length", str(len(body)))
+        connection.endheaders(body)
+        response = connection.getresponse()
+        return response.status, response.read().decode("utf-8", "replace")
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("value", [b"Bearer \xff\xfe", b"\xff", b"Bearer " + KEY.encode() + b"\x80"])
+def test_an_authorization_header_that_is_not_utf8_is_401(engine, value):
+    status, text = _raw_post(
+        engine.url, "/generate", {"Authorization": value}, json.dumps({"input_ids": PROMPT}).encode()
+    )
+    assert status == 401 and "API key" in text, (status, text)
+    assert "Traceback" not in engine.log_tail(20_000) and state(engine)[0]
+
+
+SILENT_GENERATE = [
+    (
+        {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [10**12]}},
+        "sampling_params.stop_token_ids",
+    ),
+    (
+        {"input_ids": [1, 2], "sampling_params": {"stop_token_ids": [2**31 - 2]}},
+        "sampling_params.stop_token_ids",
+    ),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 10**30}}, "sampling_params.top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 10**30}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ["a"] * 1000}}, "sampling_params.stop"),
+    ('{"text": "caf\\ud800"}', "text is not valid Unicode"),
+    ('{"input_ids": [1, 2], "sampling_params": {"stop": ["\\udc00"]}}', "sampling_params.stop"),
+    ({}, "send input_ids (a list of token ids) or text"),
+    ({"sampling_params": {"max_new_tokens": 2}}, "send input_ids (a list of token ids) or text"),
+]
+
+
+@pytest.mark.parametrize("body, field", SILENT_GENERATE)
+def test_generate_inputs_accepted_or_crashing_before_are_400_naming_the_field(engine, body, field):
+    status, text = call(engine, "POST", "/generate", body)
+    assert status == 400 and field in text, (status, text)
+    assert "Traceback" not in text
+
+
+def test_absurd_versions_rope_buffers_and_repeated_names_are_refused(engine, tiny_llama_dir):
+    """Each was accepted before: 10**30 then refused every normal update, inv_freq was received and
+    ignored, a repeated name let its second copy win. Refused before anything is received; a normal
+    update still lands after them."""
+    _join(engine, "silent")
+    before = state(engine)
+    norm = list(hf_state_dict(tiny_llama_dir)["model.norm.weight"].shape)
+    version = int(before[1])
+    rope = "model.layers.0.self_attn.rotary_emb.inv_freq"
+    cases = [
+        (_announce(["model.norm.weight"], [norm], version=10**30, group="silent"), "weight_version"),
+        (_announce(["model.norm.weight"], [norm], version="9" * 40, group="silent"), "weight_version"),
+        (_announce(["model.norm.weight"], [norm], version=2**31, group="silent"), "weight_version"),
+        (_announce([rope], [[4]], group="silent"), "RoPE buffer"),
+        (
+            _announce(["model.norm.weight", "model.norm.weight"], [norm, norm], group="silent"),
+            "appears twice",
+        ),
+    ]
+    for body, reason in cases:
+        status, text = call(engine, "POST", "/update_weights_from_distributed", body)
+        assert status == 400 and reason in text, (reason, status, text)
+    assert state(engine) == before
+
+    async def push_normally():
+        client = EngineClient(engine.url, api_key=KEY)
+        sender = WeightSender([client], backend="gloo", bucket_mb=1000, group_name="silent-push")
+        await sender.connect()
+        await sender.push(hf_state_dict(tiny_llama_dir).items(), weight_version=version + 1)
+        after = await client.get_weight_version()
+        await client.close()
+        return after
+
+    assert asyncio.run(push_normally()) == str(version + 1)
+
+
+def _serve_engine(model_dir, *flags: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_ENGINE_API_KEY", "SGLANG_API_KEY")}
+    env.update(env_extra or {})
+    command = [
+        sys.executable,
+        "-m",
+        "tandemrl.cli",
+        "serve-engine",
+        "--model",
+        str(model_dir),
+        "--device",
+        "cpu",
+    ]
+    # timeout: a hang guard only (before the fix, both cases served until killed)
+    return subprocess.run([*command, *flags], capture_output=True, text=True, env=env, timeout=180)
+
+
+def test_serve_engine_beyond_loopback_needs_a_key(tiny_llama_dir):
+    result = _serve_engine(tiny_llama_dir, "--host", "0.0.0.0", "--port", str(free_port()))
+    assert result.returncode == 2 and "--api-key" in result.stderr and "0.0.0.0" in result.stderr, (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_port_in_use_is_reported_before_the_model_loads(tiny_llama_dir):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _serve_engine(tiny_llama_dir, "--host", "127.0.0.1", "--port", str(port))
+    assert result.returncode == 2 and f"127.0.0.1:{port} is already in use" in result.stderr, result.stderr
+    assert (
+        "Traceback" not in result.stderr and "serving" not in result.stderr and "loaded" not in result.stderr
+    )

@@ -110,8 +110,8 @@ def test_default_index_is_rebuilt_when_the_corpus_changes(tmp_path, monkeypatch)
     meta = json.loads((index_dir / "index.json").read_text())
     assert meta["num_passages"] == num_big
     assert meta.get("sparse") == "bm25", meta  # the default index serves hybrid search
-    assert prepare_default_index(big) == index_dir  # same corpus: resumed, nothing to add
-    # a resumed build would keep the big corpus's extra passages; the stamp forces a clean rebuild
+    assert prepare_default_index(big) == index_dir  # same corpus file: left as it is
+    # a rebuild replaces the index whole: none of the big corpus's extra passages stays
     prepare_default_index(small)
     assert json.loads((index_dir / "index.json").read_text())["num_passages"] == num_small
 

@@ -21,7 +21,7 @@ from tandemrl.agent.prompt import (
     encode_text,
 )
 from tandemrl.agent.search_tool import SearchError
-from tandemrl.config.schema import AgentLoopConfig
+from tandemrl.config.schema import AgentLoopConfig, ConfigError
 from tandemrl.data.loader import Prompt
 from tandemrl.rollout.client import GenerateResult
 
@@ -239,11 +239,10 @@ def test_search_in_the_grace_turn_ends_the_trajectory(tokenizer):
     assert traj.num_turns == 4 and traj.finish_reason == "max_turns" and traj.reward == 0.0
 
 
-def test_zero_max_turns_never_searches(tokenizer):
-    traj, _, search = run(
-        tokenizer, ["<search> q </search>", "<answer> Paris </answer>"], cfg=AgentLoopConfig(max_turns=0)
-    )
-    assert search.queries == [] and traj.num_turns == 2 and traj.reward == 1.0
+def test_zero_max_turns_is_refused():
+    """A trajectory of the Search-R1 task needs a search turn: max_turns=0 was accepted silently."""
+    with pytest.raises(ConfigError, match="agentloop.max_turns=0: must be >= 1 and at most"):
+        AgentLoopConfig(max_turns=0)
 
 
 def test_retrieval_error_becomes_masked_error_text(tokenizer):

@@ -153,3 +153,98 @@ def test_loopback_needs_no_key(host, tmp_path, capsys, monkeypatch):
     with pytest.raises(FileNotFoundError, match="not a built index"):  # past the key check, at the index
         run_serve(args)
     assert "--api-key" not in capsys.readouterr().err
+
+
+# ---- round two (docs/RELIABILITY.md rows 16-17) ------------------------------------------------------
+
+
+def _fixed_hit_search(queries, topks):
+    """Stands in for the retriever: one fixed hit per query (what an empty query got before)."""
+    return [[Hit({"id": "d", "contents": "t"}, 1.0)] for _ in queries]
+
+
+def test_empty_or_blank_queries_are_400_naming_the_query():
+    async def body(client, _):
+        cases = [["", "ok"], ["ok", "   "], ["\t\n"]]
+        return [await client.post("/retrieve", json={"queries": queries}) for queries in cases]
+
+    first, second, third = serve(_fixed_hit_search, body)
+    for response, index in ((first, 0), (second, 1), (third, 0)):
+        assert response.status_code == 400, response.text
+        assert f"queries[{index}] is empty or only whitespace" in response.json()["error"]
+
+
+BAD_BODIES = {
+    "not UTF-8 inside a string": b'{"queries": ["\xff\xfe"]}',
+    "not UTF-8 at all": b"\xff\xfe\xfd",
+    "malformed JSON": b'{"queries": [',
+    "nested 100000 deep": b"[" * 100_000 + b"]" * 100_000,
+    "a JSON array": b'["q"]',
+    "a number": b"7",
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES)
+def test_every_bad_body_gets_the_one_error_shape(case):
+    """Before, a non-UTF-8 body got FastAPI's {"detail": ...} where every other error has "error"."""
+
+    async def body(client, _):
+        return await client.post(
+            "/retrieve", content=BAD_BODIES[case], headers={"content-type": "application/json"}
+        )
+
+    response = serve(_fixed_hit_search, body)
+    assert 400 <= response.status_code < 500, response.text
+    assert isinstance(response.json().get("error"), str) and "body" in response.json()["error"], response.text
+
+
+def test_a_body_without_a_content_type_is_read_as_json():
+    async def body(client, _):
+        return await client.post("/retrieve", content=b'{"queries": ["q"]}')
+
+    response = serve(_fixed_hit_search, body)
+    assert response.status_code == 200 and response.json()["result"][0][0]["id"] == "d", response.text
+
+
+def test_a_key_header_that_is_not_utf8_is_401():
+    async def body(client, _):
+        return await client.post(
+            "/retrieve", json={"queries": ["q"]}, headers={"Authorization": b"Bearer \xff\xfe"}
+        )
+
+    response = serve(_fixed_hit_search, body, api_key="k3y")
+    assert response.status_code == 401 and "API key" in response.json()["error"]
+
+
+def test_health_does_not_show_where_the_index_lives(tmp_path):
+    from tandemrl.retrieval.build import build_index
+    from tandemrl.retrieval.server_process import RetrievalServerProcess
+    from tests.unit.test_retrieval_index import PASSAGES, write_corpus
+
+    index = tmp_path / "secret-place" / "index"
+    build_index(write_corpus(tmp_path / "c.jsonl", PASSAGES[:2]), index, show_progress=False)
+    with RetrievalServerProcess(index) as server:
+        health = httpx.get(f"http://{server.addr}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["num_passages"] == 2
+    assert "secret-place" not in health.text and str(tmp_path) not in health.text, health.text
+
+
+def test_a_port_in_use_is_reported_before_the_index_is_opened(tmp_path, capsys, monkeypatch):
+    import socket
+
+    monkeypatch.delenv("TANDEM_RETRIEVAL_API_KEY", raising=False)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = argparse.Namespace(
+            index=str(tmp_path / "no-index-here"),
+            host="127.0.0.1",
+            port=port,
+            mode=None,
+            qdrant_url=None,
+            api_key=None,
+        )
+        assert run_serve(args) == 2  # the missing index would be found only after the bind
+    err = capsys.readouterr().err
+    assert f"127.0.0.1:{port} is already in use" in err and "not a built index" not in err, err

@@ -171,16 +171,16 @@ def test_queries_without_terms_and_overlong_queries(retriever):
     assert retriever.search([], []) == []
 
 
-def test_rebuild_skips_indexed_passages_and_adds_new_ones(prepared_home, tmp_path):
+def test_rebuild_of_the_same_corpus_is_a_no_op_and_a_grown_corpus_is_indexed_whole(prepared_home, tmp_path):
     small = write_corpus(tmp_path / "small.jsonl", PASSAGES[:5])
     grown = write_corpus(
         tmp_path / "grown.jsonl", PASSAGES + [("p8", "Oskarport", "Oskarport is a harbour city.")]
     )
     first = build_index(small, tmp_path / "index", sparse="bm25", show_progress=False)
     again = build_index(small, tmp_path / "index", sparse="bm25", show_progress=False)
-    resumed = build_index(grown, tmp_path / "index", sparse="bm25", show_progress=False)
+    rebuilt = build_index(grown, tmp_path / "index", sparse="bm25", show_progress=False)
     assert (first["num_indexed"], again["num_indexed"], again["num_skipped"]) == (5, 0, 5)
-    assert (resumed["num_indexed"], resumed["num_skipped"], resumed["num_in_index"]) == (4, 5, 9)
+    assert (rebuilt["num_indexed"], rebuilt["num_skipped"], rebuilt["num_in_index"]) == (9, 0, 9)
     retriever = Retriever(tmp_path / "index", mode="bm25")
     try:
         assert retriever.search(["harbour city"], [1])[0][0].document["id"] == "p8"
@@ -194,10 +194,11 @@ def test_an_open_index_cannot_be_opened_twice(retriever, index):
         QdrantStore(index[1])
 
 
-def test_rebuild_with_other_settings_is_refused(index, minilm_dir):
-    corpus, index_dir, _ = index
-    with pytest.raises(ValueError, match="--sparse bm25"):
-        build_index(corpus, index_dir, encoder=str(minilm_dir), sparse=None, show_progress=False)
+def test_rebuild_with_other_settings_replaces_the_index(prepared_home, tmp_path):
+    corpus = write_corpus(tmp_path / "c.jsonl", PASSAGES[:3])
+    build_index(corpus, tmp_path / "i", sparse="bm25", show_progress=False)
+    stats = build_index(corpus, tmp_path / "i", sparse=None, show_progress=False)
+    assert stats["num_indexed"] == 3 and IndexMeta.load(tmp_path / "i").sparse is None
 
 
 def test_dense_only_index_refuses_bm25_modes(prepared_home, tmp_path):
@@ -261,9 +262,11 @@ def test_cli_build_prints_stats_and_reports_bad_settings(prepared_home, tmp_path
         ["index", "build", "--corpus", str(corpus), "--index", str(tmp_path / "i")]
     )
     assert run_build(args) == 0
-    assert json.loads(capsys.readouterr().out)["num_indexed"] == 3
+    out, err = capsys.readouterr()
+    assert json.loads(out)["num_indexed"] == 3
+    assert "3 passages in" in err and "as many as the corpus has (3)" in err
     args = build_parser().parse_args(
-        ["index", "build", "--corpus", str(corpus), "--index", str(tmp_path / "i"), "--sparse", "bm25"]
+        ["index", "build", "--corpus", str(corpus), "--index", str(tmp_path / "i"), "--batch-size", "0"]
     )
     assert run_build(args) == 2
-    assert "was built with --encoder minilm --sparse None" in capsys.readouterr().err
+    assert "batch_size=0" in capsys.readouterr().err

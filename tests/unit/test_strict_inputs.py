@@ -26,6 +26,25 @@ def _write(tmp_path, name: str, data: bytes):
     return path
 
 
+def _link_loop(tmp_path):
+    link = tmp_path / "loop.yaml"
+    link.symlink_to(tmp_path / "loop.yaml")
+    return link
+
+
+def _alias_bomb_flow(levels: int) -> str:
+    """[&a [1 x10], &b [*a x10], ...]: each level repeats the last ten times (10**levels values)."""
+    names = "abcdefghij"
+    lists = ["&a [" + ",".join(["1"] * 10) + "]"]
+    for i in range(1, levels):
+        lists.append(f"&{names[i]} [" + ",".join([f"*{names[i - 1]}"] * 10) + "]")
+    return "[" + ", ".join(lists) + "]"
+
+
+def _alias_bomb(levels: int) -> bytes:
+    return f"agentloop:\n  task_name: {_alias_bomb_flow(levels)}\n".encode()
+
+
 CONFIG_CASES = {
     "binary file": (lambda t: _write(t, "model.bin", bytes(range(256)) * 4), [], "not UTF-8 text"),
     "a directory": (lambda t: t, [], "is a directory"),
@@ -66,6 +85,61 @@ CONFIG_CASES = {
         "config.json is not valid JSON",
     ),
     "top_k 0": (lambda t: ASYNC, ["agentloop.top_k=0"], "agentloop.top_k=0"),
+    # round two (docs/RELIABILITY.md rows 15 and 17): bounded input, and what `train` refused at once
+    "max_turns 0": (lambda t: ASYNC, ["agentloop.max_turns=0"], "agentloop.max_turns=0: must be >= 1"),
+    "vllm without server_addrs": (lambda t: ASYNC, ["rollout.backend=vllm"], "without rollout.server_addrs"),
+    "a model path that does not exist": (
+        lambda t: ASYNC,
+        ["rollout.model.model_path={missing}"],
+        "rollout.model.model_path='{missing}' is not a directory",
+    ),
+    "a symlink loop": (lambda t: _link_loop(t), [], "a link loop"),
+    "an alias bomb": (
+        lambda t: _write(t, "bomb.yaml", _alias_bomb(6)),
+        [],
+        "expands to more than 100000 values",
+    ),
+    "100000 levels of nesting": (
+        lambda t: _write(t, "deep.yaml", b"agentloop: " + b"[" * 100_000 + b"]" * 100_000 + b"\n"),
+        [],
+        "nests deeper than 32 levels",
+    ),
+    "a 2 MiB file": (
+        lambda t: _write(t, "big.yaml", b"runner:\n  max_steps: 3\n" + b"# padding\n" * 200_000),
+        [],
+        "larger than 1024 KiB",
+    ),
+    "an integer of 5000 digits": (
+        lambda t: _write(t, "long.yaml", b"runner:\n  max_steps: " + b"7" * 5000 + b"\n"),
+        [],
+        "line 2 holds an integer of 5000 digits",
+    ),
+    "an alias bomb in an override": (
+        lambda t: ASYNC,
+        ["agentloop.task_name=" + _alias_bomb_flow(6)],
+        "expands",
+    ),
+    "100000 brackets in an override": (
+        lambda t: ASYNC,
+        ["agentloop.task_name=" + "[" * 30_000 + "]" * 30_000],
+        "deeper than 32",
+    ),
+    "an integer beyond 64 bits": (
+        lambda t: ASYNC,
+        ["runner.max_steps=1" + "0" * 30],
+        "at most 9223372036854775807",
+    ),
+    "a long list where a string goes": (
+        lambda t: ASYNC,
+        ["agentloop.task_name=[" + ",".join(["1"] * 5000) + "]"],
+        "agentloop.task_name=[1, 1, 1, 1, ...] (5000 items): wrong type",
+    ),
+    "negative warm-up": (lambda t: ASYNC, ["actor.optim.warmup_steps=-1"], "actor.optim.warmup_steps=-1"),
+    "text that is not UTF-8 on the command line": (
+        lambda t: ASYNC,
+        ["runner.name=caf\udcff"],
+        "not valid UTF-8",
+    ),
 }
 
 
@@ -75,10 +149,12 @@ def test_bad_config_exits_2_with_one_paragraph_at_load(case, tmp_path, capsys):
     broken = tmp_path / "broken_model"
     broken.mkdir()
     (broken / "config.json").write_text('{"model_type": "llama",')
-    overrides = [o.format(broken=broken) for o in overrides]
+    missing = tmp_path / "no-such-model"
+    overrides = [o.format(broken=broken, missing=missing) for o in overrides]
     code, err = _tandem_config_show(tmp_path, capsys, make_path(tmp_path), *overrides)
-    assert code == 2 and expected in err, err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert code == 2 and expected.format(missing=missing) in err, err[:2000]
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err[:2000]
+    assert len(err) < 1500, f"{len(err)} characters: the value was not summarized"
 
 
 def test_config_show_wording_for_missing_paths(tmp_path, capsys):
@@ -182,3 +258,33 @@ def test_a_new_trainer_may_restart_the_version_order_once(engine):
     assert engine.load_weights([("model.norm.weight", norm)], 1) == 1
     with pytest.raises(ValueError, match="not larger"):
         engine.load_weights([("model.norm.weight", norm)], 0)
+
+
+@pytest.mark.parametrize(
+    "named, reason",
+    [
+        ("repeated", "appears twice in one update"),
+        ("rope buffer", "not a parameter"),
+    ],
+)
+def test_a_load_with_a_repeated_name_or_a_rope_buffer_changes_nothing(engine, named, reason):
+    """Before, the second copy of a repeated name won and an inv_freq tensor was silently skipped."""
+    before, version = _weights(engine), engine.weight_version
+    norm = before["model.norm.weight"]
+    extra = {
+        "repeated": ("model.norm.weight", torch.zeros_like(norm)),
+        "rope buffer": ("model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4)),
+    }[named]
+    with pytest.raises(ValueError, match=reason):
+        engine.load_weights([("model.norm.weight", norm + 1), extra], version + 1)
+    after = _weights(engine)
+    assert all(torch.equal(before[n], after[n]) for n in before) and engine.weight_version == version
+
+
+def test_an_absurd_weight_version_is_refused_and_normal_updates_go_on(engine):
+    norm = _weights(engine)["model.norm.weight"]
+    version = engine.weight_version
+    with pytest.raises(ValueError, match="above 2147483647"):
+        engine.load_weights([("model.norm.weight", norm)], 10**30)
+    assert engine.weight_version == version
+    assert engine.load_weights([("model.norm.weight", norm)], version + 1) == version + 1

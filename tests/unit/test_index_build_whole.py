@@ -17,6 +17,9 @@ from tandemrl.retrieval.retriever import IndexMeta
 from tandemrl.retrieval.store import QdrantStore
 from tests.unit.test_retrieval_index import PASSAGES, write_corpus
 
+# every build encodes with the default MiniLM of the session's prepared home (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("prepared_home")
+
 
 def _write_lines(path: Path, lines: list[str | bytes]) -> Path:
     path.write_bytes(b"".join((line if isinstance(line, bytes) else line.encode()) + b"\n" for line in lines))

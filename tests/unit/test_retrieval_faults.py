@@ -216,7 +216,7 @@ def test_a_key_header_that_is_not_utf8_is_401():
     assert response.status_code == 401 and "API key" in response.json()["error"]
 
 
-def test_health_does_not_show_where_the_index_lives(tmp_path):
+def test_health_does_not_show_where_the_index_lives(prepared_home, tmp_path):
     from tandemrl.retrieval.build import build_index
     from tandemrl.retrieval.server_process import RetrievalServerProcess
     from tests.unit.test_retrieval_index import PASSAGES, write_corpus

@@ -152,19 +152,17 @@ def _meta_matches(
 
 
 def _built_from(index_dir: Path, scan: CorpusScan, encoder: str, sparse: str | None, url: str | None):
-    """The index's metadata when it is whole and was built from this corpus with these settings."""
+    """The index's metadata when it is whole and was built from this corpus with these settings. An
+    index that a running retrieval server holds open is refused (RuntimeError): replacing it would
+    leave that server serving the old passages."""
     try:
         meta = IndexMeta.load(index_dir)
     except (FileNotFoundError, ValueError):
         return None
-    if not _meta_matches(meta, scan, encoder, sparse, url) or meta.num_passages != scan.num_passages:
-        return None
+    store = QdrantStore(index_dir, meta.qdrant_url, meta.collection)  # raises when another process has it
     try:
-        store = QdrantStore(index_dir, url, meta.collection)
-    except RuntimeError:  # open in a running retrieval server: build beside it and swap
-        return None
-    try:
-        is_whole = store.exists() and store.count() == scan.num_passages
+        matches = _meta_matches(meta, scan, encoder, sparse, url) and meta.num_passages == scan.num_passages
+        is_whole = matches and store.exists() and store.count() == scan.num_passages
     finally:
         store.close()
     if is_whole:

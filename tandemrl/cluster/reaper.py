@@ -5,13 +5,14 @@ reaper holds the read end of a pipe whose write end only the run's main process 
 process ends, however it ends (kill -9 included), the read sees end-of-file and the reaper stops every
 process of this machine that belongs to the run: SIGTERM, then SIGKILL after a grace period. Servers
 also die with their parent by themselves (child_server.py); the reaper is what catches Ray's own
-processes. Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) rewrite their command line and
-environment with their process title, so the id is gone from them: the run tells the reaper, through
-the same pipe, the session directory of the local Ray it started (`note_ray_session`); a process
-titled `ray::...` that holds a file open inside that directory (its logs), or one that passes it as a
-`--flag=` value (GCS, raylet, Ray's monitors), belongs to the run too. The session directories named on
-the command lines of the run's tagged Ray processes count as well. Invariant: it touches only this
-user's processes that carry the run's id or belong, so, to a Ray session this run started.
+processes. Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) do not reliably show the id
+(their process title rewrites the memory /proc shows as their environment), so the run tells the
+reaper, through the same pipe, the session directory of the local Ray it started
+(`note_ray_session`): a process titled `ray::...` that holds a file open inside that directory (its
+logs), or one that passes it as a `--flag=` value (GCS, raylet, Ray's monitors), belongs to the run
+too, and so do the session directories named on the command lines of the run's tagged processes.
+Invariant: it touches only this user's processes that carry the run's id or belong, so, to a Ray
+session this run started.
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ class _UniqueKeyLoader(_BaseLoader):
                 is_seen = key in seen
             except TypeError:  # `? [a, b]`: a list or a mapping as a key
                 raise ConfigError(
-                    f"the key at line {line} is {value_summary(key)}; keys are names."
+                    f"the key at line {line} is a {type(key).__name__}; keys are names."
                 ) from None
             if is_seen:
                 raise ConfigError(

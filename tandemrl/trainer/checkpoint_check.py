@@ -137,7 +137,7 @@ def load_dcp_metadata(file: BinaryIO, where: str):
         return RestrictedUnpickler(file, METADATA_GLOBALS, resolve=True).load()
     except UnsafePickleError as error:
         raise CheckpointError(_unsafe_message(where, error.qualname)) from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError) as error:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as error:
         raise CheckpointError(f"{where} is not DCP metadata ({type(error).__name__}: {error}).") from None
 
 

@@ -192,3 +192,9 @@ def test_a_corpus_that_is_a_symlink_loop_is_named_so(tmp_path, capsys):
     loop.symlink_to(loop)
     code, _, err = _tandem_build(capsys, loop, tmp_path / "index")
     assert code == 2 and "symbolic link that loops" in err and "Traceback" not in err
+
+
+def test_a_byte_order_mark_on_the_first_line_is_not_an_error(tmp_path, capsys):
+    corpus = _write_lines(tmp_path / "c.jsonl", [b"\xef\xbb\xbf" + _record("a", "Alaric Venn").encode()])
+    code, out, err = _tandem_build(capsys, corpus, tmp_path / "index")
+    assert code == 0 and json.loads(out)["num_in_index"] == 1, err

@@ -115,8 +115,19 @@ def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: fl
     timed = [row for row in trained if row["step"] > warmup] or trained  # as summarize_run does
     train = [row["time/train"] for row in timed]
     actor = [row["time/train_step"] for row in timed if "time/train_step" in row]
+    per_trajectory = {
+        f"engine_{kind}_tokens_per_trajectory": _mean(
+            [
+                r[f"rollout/engine_{kind}_tokens"] / r["rollout/total_num_sequence"]
+                for r in timed
+                if f"rollout/engine_{kind}_tokens" in r
+            ]
+        )
+        for kind in ("prefill", "decode")
+    }
     summary.update(
         {
+            **per_trajectory,
             "train_step_p50_s": percentile(train, 0.5),
             "train_step_p90_s": percentile(train, 0.9),
             "actor_train_step_p50_s": percentile(actor, 0.5),
@@ -165,6 +176,9 @@ def run_colocated(args) -> int:
         if (runs_dir / name / "metrics.jsonl").is_file():
             runs[name] = summarize(runs_dir / name, args.warmup, walls.get(name), slow_above_s)
     async_runs = [name for name in runs if name != "sync"]
+    if not async_runs:  # a part of the benchmark run on its own (benchmarks/colocated_h200.sh)
+        print(f"only sync in {runs_dir} so far: {sync['mean_step_time_s']} s per step")
+        return 0
     best = min(async_runs, key=lambda name: runs[name]["mean_step_time_s"])
     tis = f"{best}_tis"
     if not args.summarize_only and (wanted is None or tis in wanted):

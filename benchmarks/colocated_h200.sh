@@ -7,13 +7,15 @@
 # monitors, profile summaries, logs; no weights) is refreshed after every part. Parts, in order:
 #   prepare    `tandem prepare all`; tests/gpu starts beside it on an empty TANDEM_HOME (gpu_tests.log)
 #   coldstart  `tandem sft` of the H200 recipe: 200 1-hop + 1,000 2-hop demonstrations (docs/LEARNING.md)
-#   pilot      10 async time_share steps at rollout.max_running_requests 256 and 512 (no validation); the
-#              faster is the engine setting of every run of the benchmark, sync and async alike
-#   bench      benchmarks/sync_vs_async.py --colocated --steps STEPS --monitor: sync, async time_share,
-#              async concurrent, the faster async with tis; steps 5 and 6 of each run are profiled
-#              (runner.profile_steps) and left out of its means
+#   pilot      10 async time_share steps with rollout.pause_mode retract and in_place (no validation); the
+#              faster is the pause mode of every run of the benchmark, sync and async alike (sync pauses
+#              idle engines, so the mode changes nothing there); rollout.max_running_requests 512, as the
+#              first pilot chose (benchmarks/results/colocated_h200_pilot)
+#   bench      benchmarks/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
+#              after each): sync, async time_share, async concurrent, the faster async with tis; steps 5
+#              and 6 of each run are profiled (runner.profile_steps) and left out of its means
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
-# SKIP="pilot ..." leaves parts out; MAX_RUNNING=N skips the pilot's choice. SYNC_CFG, ASYNC_CFG, EXTRA
+# SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
 set -uo pipefail
 out=${1:?usage: $0 RESULTS_DIR [STEPS]}
@@ -57,39 +59,49 @@ if [ -n "${gputests:-}" ]; then
 fi
 pack
 
-max_running=${MAX_RUNNING:-}
-if [[ -z $max_running && $skip != *" pilot "* ]]; then
-    for n in 256 512; do
-        stamp "pilot: time_share, rollout.max_running_requests=$n"
-        timeout 300 python3 -m tandemrl.cli train "$async_cfg" runner.output_dir="$out/pilot/mr$n" runner.max_steps="$pilot_steps" \
-            runner.val_interval=0 runner.val_before_train=false cluster.colocated_policy=time_share \
-            rollout.max_running_requests=$n "${extra[@]}" > "$out/pilot_mr$n.log" 2>&1 || stamp "pilot $n failed"
+# the first H200 pilot (benchmarks/results/colocated_h200_pilot) found 512 running requests faster than 256
+max_running=${MAX_RUNNING:-512}
+pause_mode=${PAUSE_MODE:-}
+if [[ -z $pause_mode && $skip != *" pilot "* ]]; then
+    for mode in retract in_place; do
+        stamp "pilot: time_share, rollout.pause_mode=$mode, rollout.max_running_requests=$max_running"
+        timeout 300 python3 -m tandemrl.cli train "$async_cfg" runner.output_dir="$out/pilot/$mode" \
+            runner.max_steps="$pilot_steps" runner.val_interval=0 runner.val_before_train=false \
+            cluster.colocated_policy=time_share rollout.pause_mode=$mode rollout.max_running_requests=$max_running \
+            "${extra[@]}" > "$out/pilot_$mode.log" 2>&1 || stamp "pilot $mode failed"
+        pack
     done
-    max_running=$(python3 - "$out/pilot" <<'EOF'
+    pause_mode=$(python3 - "$out/pilot" <<'EOF'
 import json, sys
 from pathlib import Path
 means = {}
-for n in (256, 512):
-    path = Path(sys.argv[1]) / f"mr{n}" / "metrics.jsonl"
+for mode in ("retract", "in_place"):
+    path = Path(sys.argv[1]) / mode / "metrics.jsonl"
     rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
     times = [r["time/step"] for r in rows if r.get("step", 0) >= 3 and "time/step" in r]
     if times:
-        means[n] = sum(times) / len(times)
-json.dump({"mean_step_time_s_steps_3_10": means}, open(Path(sys.argv[1]) / "pilot.json", "w"), indent=2)
-print(min(means, key=means.get) if means else 256)
+        means[mode] = sum(times) / len(times)
+json.dump({"mean_step_time_s_from_step_3": means}, open(Path(sys.argv[1]) / "pilot.json", "w"), indent=2)
+print(min(means, key=means.get) if means else "retract")
 EOF
 )
-    stamp "pilot: $(cat "$out/pilot/pilot.json" | tr -d '\n ') -> rollout.max_running_requests=$max_running"
-    pack
+    stamp "pilot: $(tr -d '\n ' < "$out/pilot/pilot.json") -> rollout.pause_mode=$pause_mode"
 fi
-max_running=${max_running:-256}
+pause_mode=${pause_mode:-retract}
 
 if [[ $skip != *" bench "* ]]; then
-    stamp "benchmark: sync, async per colocated policy, best + tis; $steps steps each"
-    timeout 1500 python3 benchmarks/sync_vs_async.py --colocated --monitor --steps "$steps" --runs-dir "$out/runs" \
-        --sync-config "$sync_cfg" --async-config "$async_cfg" --out "$out/colocated_h200.json" \
-        rollout.max_running_requests="$max_running" "runner.profile_steps=$profile_steps" "${extra[@]}" \
-        > "$out/bench.log" 2>&1 || stamp "benchmark failed (see bench.log)"
+    # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
+    settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode" "runner.profile_steps=$profile_steps")
+    for part in sync async_time_share async_concurrent async_time_share_tis,async_concurrent_tis; do
+        stamp "benchmark: $part, $steps steps (${settings[*]})"
+        timeout 600 python3 benchmarks/sync_vs_async.py --colocated --monitor --steps "$steps" --runs "$part" \
+            --runs-dir "$out/runs" --sync-config "$sync_cfg" --async-config "$async_cfg" --no-plots \
+            --out "$out/colocated_h200.json" "${settings[@]}" "${extra[@]}" >> "$out/bench.log" 2>&1 \
+            || stamp "benchmark part $part failed (see bench.log)"
+        pack
+    done
+    python3 benchmarks/sync_vs_async.py --colocated --summarize-only --runs-dir "$out/runs" \
+        --out "$out/colocated_h200.json" >> "$out/bench.log" 2>&1 || stamp "summary failed (see bench.log)"
     pack
 fi
 if [[ $skip != *" ship "* ]]; then

@@ -24,6 +24,8 @@ from tandemrl.runner.rollout_driver import RolloutDriver
 
 log = logging.getLogger(__name__)
 
+BUSY_KEYS = ("busy_s", "num_prefill_tokens", "num_decode_tokens")  # cumulative, in /get_server_info
+
 
 @dataclass
 class RunContext:
@@ -37,7 +39,7 @@ class RunContext:
     start_step: int = 0
     val_prompts: list[Any] = field(default_factory=list)
     last_step_end_s: float = field(default_factory=time.monotonic)
-    busy_mark: tuple[float, float] | None = None  # (monotonic time, engines' total busy_s) when last read
+    busy_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, engines' BUSY_KEYS totals)
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
     placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on
@@ -60,16 +62,25 @@ async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple
 
 async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
     """`rollout/engine_busy_fraction`: the engines' busy seconds since the last read over (engines x wall
-    seconds); empty on the first read and for external engines, which report no `busy_s`."""
+    seconds), and the tokens they prefilled and decoded meanwhile (`rollout/engine_prefill_tokens`,
+    `rollout/engine_decode_tokens`: prefill beyond the prompts and tool outputs is KV recomputed after a
+    retract or a flushed prefix cache); empty on the first read and for external engines, which report
+    no `busy_s`."""
     if ctx.config.rollout.backend != "embedded" or not ctx.engines:
         return {}
     infos = await asyncio.gather(*(engine.server_info() for engine in ctx.engines))
-    now_s, busy_s = time.monotonic(), sum(float(info["busy_s"]) for info in infos)
-    previous, ctx.busy_mark = ctx.busy_mark, (now_s, busy_s)
+    now_s = time.monotonic()
+    totals = {key: sum(float(info.get(key, 0)) for info in infos) for key in BUSY_KEYS}
+    previous, ctx.busy_mark = ctx.busy_mark, (now_s, totals)
     if previous is None or now_s <= previous[0]:
         return {}
-    fraction = (busy_s - previous[1]) / (len(ctx.engines) * (now_s - previous[0]))
-    return {"rollout/engine_busy_fraction": min(1.0, fraction)}
+    delta = {key: totals[key] - previous[1][key] for key in BUSY_KEYS}
+    fraction = delta["busy_s"] / (len(ctx.engines) * (now_s - previous[0]))
+    return {
+        "rollout/engine_busy_fraction": min(1.0, fraction),
+        "rollout/engine_prefill_tokens": delta["num_prefill_tokens"],
+        "rollout/engine_decode_tokens": delta["num_decode_tokens"],
+    }
 
 
 async def engine_counters(ctx: RunContext) -> dict[str, float] | None:

@@ -49,16 +49,19 @@ def hold_train_step_open(monkeypatch, policy: str, seen: list[tuple[int, int]]) 
     monkeypatch.setattr(ActorWorker, "train_step", train_step)
 
 
-@pytest.mark.parametrize("policy", ["time_share", "concurrent"])
+@pytest.mark.parametrize(
+    ("policy", "pause_mode"),
+    [("time_share", "retract"), ("time_share", "in_place"), ("concurrent", "retract")],
+)
 def test_time_share_never_generates_while_the_actor_trains(
-    tmp_path, tiny_llama_dir, small_kb, monkeypatch, policy
+    tmp_path, tiny_llama_dir, small_kb, monkeypatch, policy, pause_mode
 ):
     kb_dir, index_dir = small_kb
     overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
         "runner.async_mode=true",
         "runner.val_interval=0",
         f"cluster.colocated_policy={policy}",
-        "rollout.pause_mode=retract",
+        f"rollout.pause_mode={pause_mode}",
     ]
     seen: list[tuple[int, int]] = []
     hold_train_step_open(monkeypatch, policy, seen)

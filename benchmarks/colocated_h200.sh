@@ -13,7 +13,11 @@
 #              first pilot chose (benchmarks/results/colocated_h200_pilot)
 #   bench      benchmarks/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
 #              after each): sync, async time_share, async concurrent, the faster async with tis; steps 5
-#              and 6 of each run are profiled (runner.profile_steps) and left out of its means
+#              and 6 of the parts in PROFILE_PARTS (default: async_concurrent, whose slow steps are the
+#              ones to explain) are profiled (runner.profile_steps) and left out of its means. On the
+#              H200 (2026-12-02) a 60-step run took 6.8-7.5 minutes with start-up, validation every 10
+#              steps and two profiled steps (about 25 s each): the four parts do not fit one session's
+#              30 minutes together with prepare and the cold start (about 4 minutes)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
@@ -28,6 +32,7 @@ async_cfg=${ASYNC_CFG:-examples/searchr1/config/smollm2_h200_async.yaml}
 read -r -a extra <<< "${EXTRA:-}"
 pilot_steps=${PILOT_STEPS:-10}
 profile_steps=${PROFILE_STEPS:-[5,6]}
+profile_parts=" ${PROFILE_PARTS:-async_concurrent} "
 stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
 pack() {
     (cd "$out" && find . -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune -o -path '*/trajectories' \
@@ -91,12 +96,14 @@ pause_mode=${pause_mode:-retract}
 
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
-    settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode" "runner.profile_steps=$profile_steps")
+    settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")
     for part in sync async_time_share async_concurrent async_time_share_tis,async_concurrent_tis; do
-        stamp "benchmark: $part, $steps steps (${settings[*]})"
+        profile=()
+        [[ $profile_parts == *" $part "* ]] && profile=("runner.profile_steps=$profile_steps")
+        stamp "benchmark: $part, $steps steps (${settings[*]} ${profile[*]})"
         timeout 600 python3 benchmarks/sync_vs_async.py --colocated --monitor --steps "$steps" --runs "$part" \
             --runs-dir "$out/runs" --sync-config "$sync_cfg" --async-config "$async_cfg" --no-plots \
-            --out "$out/colocated_h200.json" "${settings[@]}" "${extra[@]}" >> "$out/bench.log" 2>&1 \
+            --out "$out/colocated_h200.json" "${settings[@]}" "${profile[@]}" "${extra[@]}" >> "$out/bench.log" 2>&1 \
             || stamp "benchmark part $part failed (see bench.log)"
         pack
     done

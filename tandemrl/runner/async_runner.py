@@ -29,6 +29,7 @@ from tandemrl.runner.context import (
     end_of_step,
     engine_busy_fraction,
     stand_down,
+    start_clock,
     sync_weights,
     train_on,
     validate_before_training,
@@ -44,6 +45,7 @@ async def run_async(ctx: RunContext) -> None:
     await validate_before_training(ctx)
     await engine_busy_fraction(ctx)  # the first step's busy window starts here
     is_time_share = ctx.colocated_policy == "time_share"
+    start_clock(ctx)
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):
         handoff, wait_metrics = await wait_for_data(ctx)

@@ -6,6 +6,11 @@ measured against (docs/DESIGN.md, Weight sync); it moves only in `sync_weights`,
 Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/train,
 time/sync_weights (= its pause + push + continue parts), and, for embedded engines, the engines' busy
 fraction over the step window (from their cumulative `busy_s`); `metrics/logger.py` names the bottleneck.
+
+The clock is the wall clock (docs/DESIGN.md, The step clock): `time/step` runs from the end of one step to
+the end of the next, validation and checkpoints included (`time/validation`, `time/checkpoint` say how
+much of it they took), so the steps' times add up to the run's wall time from the first step's start
+(`time/wall`, cumulative). Both runners keep generating training rollouts while they validate.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class RunContext:
     start_step: int = 0
     val_prompts: list[Any] = field(default_factory=list)
     last_step_end_s: float = field(default_factory=time.monotonic)
+    clock_start_s: float | None = None  # monotonic start of the first step (`start_clock`)
     busy_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, engines' BUSY_KEYS totals)
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
@@ -277,11 +283,10 @@ async def validate(ctx: RunContext) -> dict[str, float]:
 
 async def validate_before_training(ctx: RunContext) -> None:
     """`runner.val_before_train`: the starting val EM, logged at the start step (0 on a fresh run)
-    before any rollout, so the step clock starts after it."""
+    before any rollout, so the step clock (`start_clock`) starts after it."""
     if not (ctx.config.runner.val_before_train and ctx.val_prompts):
         return
     ctx.logger.log(ctx.start_step, await validate(ctx), advance=False)
-    ctx.last_step_end_s = time.monotonic()
 
 
 def warn_on_search_errors(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
@@ -302,27 +307,41 @@ def warn_on_search_errors(ctx: RunContext, step: int, metrics: dict[str, float])
         )
 
 
+def start_clock(ctx: RunContext) -> None:
+    """The first step starts now: `time/wall` counts from here, and the first `time/step` too."""
+    ctx.clock_start_s = ctx.last_step_end_s = time.monotonic()
+
+
 async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
-    """Everything after the weight sync: step metrics, validation, ledger, checkpoint, logging."""
+    """Everything after the weight sync: validation, ledger, checkpoint, then the step's metrics, whose
+    `time/step` covers all of it (the time spent logging falls in the next step)."""
     from tandemrl.runner.checkpoint import save_checkpoint
 
     runner = ctx.config.runner
-    now_s = time.monotonic()
-    metrics = {
-        **rollout_metrics(handoff, now_s - ctx.last_step_end_s, ctx.config.algorithm.norm_adv_by_std),
-        **metrics,
-    }
+    metrics = dict(metrics)
     metrics.update(await engine_busy_fraction(ctx))
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     if runner.val_interval and step % runner.val_interval == 0:
+        start_s = time.monotonic()
         metrics.update(await validate(ctx))
+        metrics["time/validation"] = time.monotonic() - start_s
     write_ledger(ctx, step)
     write_trajectories(ctx, step, handoff)
     if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
+        start_s = time.monotonic()
         await save_checkpoint(ctx, step)
+        metrics["time/checkpoint"] = time.monotonic() - start_s
+    now_s = time.monotonic()
+    if ctx.clock_start_s is None:  # a caller that never started the clock: its first step starts at creation
+        ctx.clock_start_s = ctx.last_step_end_s
+    metrics = {
+        **rollout_metrics(handoff, now_s - ctx.last_step_end_s, ctx.config.algorithm.norm_adv_by_std),
+        **metrics,
+        "time/wall": now_s - ctx.clock_start_s,
+    }
+    ctx.last_step_end_s = now_s
     warn_on_search_errors(ctx, step, metrics)
     ctx.logger.log(step, metrics)
-    ctx.last_step_end_s = time.monotonic()
     if step != ctx.start_step + 1:
         return
     mark_first_step(ctx, "done")

@@ -198,3 +198,15 @@ def causal_chains(ray: bool) -> list[list[tuple[str, str]]]:
             ]
         )
     return chains
+
+
+def check_wall_clock(scalars: dict, validated_steps: list[int], saved_steps: list[int]) -> None:
+    """The honest clock (docs/DESIGN.md, The step clock): the steps' times add up to the run's wall time
+    from the first step's start (within 2 %), and the steps that validated or saved hold that time."""
+    step_s = [v for _, v in scalars["time/step"]]
+    wall_s = scalars["time/wall"][-1][1]
+    assert abs(sum(step_s) - wall_s) <= 0.02 * wall_s, (sum(step_s), wall_s)
+    for name, steps in (("time/validation", validated_steps), ("time/checkpoint", saved_steps)):
+        assert [s for s, _ in scalars[name]] == steps, name
+        by_step = dict(scalars["time/step"])
+        assert all(0 < v <= by_step[s] for s, v in scalars[name]), (name, scalars[name], by_step)

@@ -24,6 +24,7 @@ from tests.integration.runner_helpers import (
     STEP_TIME_METRICS,
     account,
     check_startup_timeline,
+    check_wall_clock,
     read_ledger,
     small_kb_once,
     tiny_overrides,
@@ -50,6 +51,7 @@ def check_run(config, ctx, expect_stale: bool):
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)
+    check_wall_clock(scalars, validated_steps=[4], saved_steps=[4])  # val_interval 4, the last step saves
     plotted = overlay_runs([load_run(output_dir)], Path(output_dir) / "overlay")  # as `tandem plot` does
     updates = next(iter(plotted["reward_vs_updates"].values()))[0]
     assert len(updates) == 4 and updates == sorted(updates) and updates[0] > 0
@@ -156,8 +158,9 @@ def test_equal_reward_drops_hit_the_safety_limit_and_fail_the_run(
     assert len(dropped) == 4 and all(e["reason"] == "equal_reward" for e in dropped)
 
 
-@pytest.mark.slow
 def test_sync_runner_has_zero_staleness(tmp_path, tiny_llama_dir, small_kb):
+    """Also the sync half of the honest clock's test (check_run): it validates and saves at step 4, and
+    its batches generate while it does."""
     config, ctx = run(tmp_path, tiny_llama_dir, small_kb, "runner.async_mode=false")
     check_run(config, ctx, expect_stale=False)
 

@@ -124,3 +124,59 @@ def test_stop_string_token_id_eos_and_length(stops):
     assert stops.check(s) is None
     s.append(5, 0.0, 0)
     assert stops.check(s) == {"type": "length", "length": 2}
+
+
+def _naive_stop(stops: StopChecker, s) -> dict | None:
+    """The check without the prefilter: decode the tail after every token."""
+    longest = max(len(x) for x in s.params.stop)
+    tail = stops.tokenizer.decode(s.output_ids[-(longest + 1) :])
+    return next(({"type": "stop", "matched": x} for x in s.params.stop if x in tail), None)
+
+
+@pytest.mark.parametrize(
+    "stop_strings",
+    [["</search>", "</answer>"], ["é!", "ü"], ["\n\n"], ["ab", "😀"], ["日本"]],
+)
+def test_stop_prefilter_matches_the_full_tail_decode(stops, stop_strings):
+    """The prefilter decodes the tail only for tokens that may complete a stop string; on text that holds
+    the stops (ASCII, accents, emoji split over byte tokens, CJK) and on random token ids it stops at the
+    same token as decoding the tail after every token, and it skips most decodes."""
+    import random
+
+    tokenizer = stops.tokenizer
+    rng = random.Random(7)
+    pieces = [
+        "plain words ",
+        "<search> q </search>",
+        " 日本語 ",
+        "😀 ",
+        "ab",
+        "é!",
+        "ü",
+        "\n\n",
+        "x</answer>",
+    ]
+    sequences = [tokenizer.encode("".join(rng.choice(pieces) for _ in range(12))) for _ in range(40)]
+    sequences += [[rng.randrange(len(tokenizer)) for _ in range(60)] for _ in range(40)]
+    num_checks, decodes_before = 0, stops.num_tail_decodes
+    for ids in sequences:
+        fast = seq("f", 2, max_new=10_000, stop=stop_strings, ignore_eos=True)
+        expected_at = next(
+            (i for i in range(len(ids)) if _naive_stop(stops, _prefix_seq(ids[: i + 1], stop_strings))), None
+        )
+        found_at = None
+        for i, token in enumerate(ids):
+            fast.append(token, 0.0, 0)
+            num_checks += 1
+            if stops.check(fast) is not None:
+                found_at = i
+                break
+        assert found_at == expected_at, (stop_strings, ids)
+    assert stops.num_tail_decodes - decodes_before < num_checks / 2
+
+
+def _prefix_seq(ids, stop_strings):
+    s = seq("n", 2, max_new=10_000, stop=stop_strings, ignore_eos=True)
+    for token in ids:
+        s.append(token, 0.0, 0)
+    return s

@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
@@ -82,6 +83,12 @@ class Trajectory:
     response_text: str = ""  # the transcript after the prompt: decoded model turns + tool text
     num_search_errors: int = 0
     num_invalid_actions: int = 0
+    # where the trajectory's wall time went (seconds): waiting on the engine (of which inside its server, where
+    # the server reports it), on searches, and in all (the rest is the agent's own host work and queuing)
+    wall_s: float = 0.0
+    generate_s: float = 0.0
+    server_s: float = 0.0
+    search_s: float = 0.0
 
     @property
     def response_length(self) -> int:
@@ -163,17 +170,21 @@ async def run_trajectory(
     )
     rid_prefix = f"{cfg.task_name or 'agent'}-{prompt.prompt_id}-{sample_index}-{uuid.uuid4().hex[:8]}"
     is_grace_turn = False
+    start_s = time.monotonic()
     while not traj.finish_reason:
         max_new_tokens = min(cfg.max_new_tokens_per_turn, _remaining(traj, cfg))
         if max_new_tokens <= 0:
             traj.finish_reason = FINISH_LENGTH
             break
+        generate_start_s = time.monotonic()
         result = await engine.generate(
             traj.prompt_ids + traj.response_ids,
             sampling_params(cfg, tokenizer, max_new_tokens, greedy),
             rid=f"{rid_prefix}-t{traj.num_turns}",
             extra={"task_name": cfg.task_name},
         )
+        traj.generate_s += time.monotonic() - generate_start_s
+        traj.server_s += getattr(result, "server_s", None) or 0.0
         turn_text = _append_model_turn(traj, result, tokenizer)
         if result.finish_reason == "abort":
             traj.finish_reason = FINISH_ABORT
@@ -182,6 +193,7 @@ async def run_trajectory(
         is_grace_turn = message == ANSWER_NOW_TEXT
         if message is not None and not _append_tool_text(traj, message, tokenizer, cfg):
             traj.finish_reason = FINISH_LENGTH
+    traj.wall_s = time.monotonic() - start_s
     _score(traj, tokenizer, cfg)
     return traj
 
@@ -271,11 +283,14 @@ async def _search(
     if budget < len(encode_text(tokenizer, INFO_OPEN + INFO_CLOSE)):
         return None
     traj.searches.append(query)
+    start_s = time.monotonic()
     try:
         docs = (await search.search([query]))[0]
     except SearchError as error:
         traj.num_search_errors += 1
         return format_message(f"{INFO_OPEN}{error}{INFO_CLOSE}", tokenizer, budget)  # "search failed: ..."
+    finally:
+        traj.search_s += time.monotonic() - start_s
     return format_information(docs, tokenizer, budget)
 
 

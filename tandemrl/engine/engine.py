@@ -92,6 +92,9 @@ class Engine:
         self.num_prefill_tokens = 0
         self.num_decode_tokens = 0
         self.num_steps = 0
+        self.num_prefill_steps = 0
+        self.num_decode_rows = 0  # rows over all decode steps: / (num_steps - num_prefill_steps) = the batch
+        self.last_step_kind = ""  # "prefill" | "decode" | "": the kind of the step launched last
         self.num_requests_added = 0
         self.num_requests_finished = 0
         self.requests: dict[str, Sequence] = {}
@@ -187,9 +190,12 @@ class Engine:
                     seq.num_pending += 1
             if is_prefill:
                 self.num_prefill_tokens += num_new
+                self.num_prefill_steps += 1
             else:
                 self.num_decode_tokens += num_new
+                self.num_decode_rows += len(seqs)
             self.num_steps += 1
+        self.last_step_kind = ("prefill" if is_prefill else "decode") if seqs else ""
         previous, self.in_flight = self.in_flight, launched
         if previous is not None:
             finished += self._postprocess(previous)
@@ -305,6 +311,8 @@ class Engine:
             num_prefill_tokens=self.num_prefill_tokens,
             num_decode_tokens=self.num_decode_tokens,
             num_steps=self.num_steps,
+            num_prefill_steps=self.num_prefill_steps,
+            num_decode_rows=self.num_decode_rows,
             num_requests_added=self.num_requests_added,
             num_requests_finished=self.num_requests_finished,
             num_running=len(self.scheduler.running),

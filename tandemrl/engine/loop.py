@@ -36,6 +36,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self.error: BaseException | None = None
         self.busy_s = 0.0
+        self.prefill_busy_s = 0.0  # the part of busy_s in steps that launched a prefill
         self._busy_since: float | None = None  # monotonic start of the step or command running now
         self.busy_with = ""
 
@@ -164,7 +165,10 @@ class EngineLoop:
                     self._mark_busy("a generation step")
                     finished = self.engine.step()
                     self._mark_busy(None)
-                    self.busy_s += time.perf_counter() - start_s
+                    step_s = time.perf_counter() - start_s
+                    self.busy_s += step_s
+                    if self.engine.last_step_kind == "prefill":
+                        self.prefill_busy_s += step_s
                     self._deliver(finished)
         except BaseException as error:
             logger.exception("engine loop crashed")

@@ -159,12 +159,14 @@ class EngineServer:
         rid = str(body.get("rid") or uuid.uuid4().hex)
         extra = {k: body[k] for k in ("task_name", "metadata") if k in body}
         return_logprob = body.get("return_logprob", False)
+        received_s = time.monotonic()
         aio_loop = asyncio.get_running_loop()
         done: asyncio.Future = aio_loop.create_future()
         engine = self.loop.engine
 
         def on_finish(seq: Sequence) -> None:  # loop thread: build the answer there, hand it over
             result = response_body(seq, engine.stops.output_text(seq), engine.weight_version, return_logprob)
+            result["meta_info"]["e2e_latency"] = time.monotonic() - received_s  # SGLang's name: in the server
             aio_loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
         try:
@@ -248,6 +250,7 @@ class EngineServer:
                 **stats,
                 "is_paused": self.loop.is_paused,
                 "busy_s": self.loop.busy_s,  # cumulative seconds with requests running
+                "prefill_busy_s": self.loop.prefill_busy_s,  # the part of it in steps that launched a prefill
                 "model_path": self.model_path,
                 "uptime_s": time.time() - self.started_s,
             }

@@ -43,6 +43,7 @@ class GenerateResult:
     weight_versions: list[int] | None  # per output token (None when neither engine nor timeline gave them)
     weight_version: str | None  # meta_info["weight_version"]
     prompt_tokens: int
+    server_s: float | None = None  # meta_info["e2e_latency"]: the request's time inside the server
 
     @classmethod
     def from_response(cls, body: dict) -> GenerateResult:
@@ -69,7 +70,12 @@ class GenerateResult:
             weight_versions=versions,
             weight_version=None if weight_version is None else str(weight_version),
             prompt_tokens=int(meta.get("prompt_tokens", 0)),
+            server_s=_seconds(meta.get("e2e_latency")),
         )
+
+
+def _seconds(value) -> float | None:
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
 class HttpClient:

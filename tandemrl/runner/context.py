@@ -29,7 +29,15 @@ from tandemrl.runner.rollout_driver import RolloutDriver
 
 log = logging.getLogger(__name__)
 
-BUSY_KEYS = ("busy_s", "num_prefill_tokens", "num_decode_tokens")  # cumulative, in /get_server_info
+BUSY_KEYS = (  # cumulative, in /get_server_info
+    "busy_s",
+    "prefill_busy_s",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_steps",
+    "num_prefill_steps",
+    "num_decode_rows",
+)
 
 
 @dataclass
@@ -82,11 +90,30 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
         return {}
     delta = {key: totals[key] - previous[1][key] for key in BUSY_KEYS}
     fraction = delta["busy_s"] / (len(ctx.engines) * (now_s - previous[0]))
-    return {
+    metrics = {
         "rollout/engine_busy_fraction": min(1.0, fraction),
         "rollout/engine_prefill_tokens": delta["num_prefill_tokens"],
         "rollout/engine_decode_tokens": delta["num_decode_tokens"],
     }
+    return {**metrics, **engine_step_metrics(delta)}
+
+
+def engine_step_metrics(delta: dict[str, float]) -> dict[str, float]:
+    """Where the engines' busy time went over a step window (deltas of BUSY_KEYS): how many steps of each
+    kind, the mean decode batch, and the mean wall time of a step of each kind (an overlapped step's time
+    also holds the postprocessing of the step before it). Engines that report no step counters give none."""
+    if delta.get("num_steps", 0) <= 0:
+        return {}
+    num_prefill = delta.get("num_prefill_steps", 0.0)
+    num_decode = delta["num_steps"] - num_prefill
+    prefill_s = delta.get("prefill_busy_s", 0.0)
+    metrics = {"rollout/engine_steps": delta["num_steps"], "rollout/engine_prefill_steps": num_prefill}
+    if num_decode > 0:
+        metrics["rollout/engine_decode_batch_mean"] = delta.get("num_decode_rows", 0.0) / num_decode
+        metrics["rollout/engine_decode_step_ms"] = 1000 * (delta["busy_s"] - prefill_s) / num_decode
+    if num_prefill > 0:
+        metrics["rollout/engine_prefill_step_ms"] = 1000 * prefill_s / num_prefill
+    return metrics
 
 
 async def engine_counters(ctx: RunContext) -> dict[str, float] | None:
@@ -199,6 +226,26 @@ def rollout_metrics(handoff: HandOff, step_s: float, norm_adv_by_std: bool = Tru
         }
     )
     metrics.update(per_source_metrics(handoff, norm_adv_by_std))
+    metrics.update(trajectory_time_metrics(trajectories))
+    return metrics
+
+
+def trajectory_time_metrics(trajectories: list[Any]) -> dict[str, float]:
+    """Where a trained trajectory's wall time went, mean seconds (`rollout/traj/*`): in all, waiting on the
+    engine (`generate_s`; `server_s` of it inside the engine's server, so `generate_s - server_s` is HTTP
+    and the client's own queuing), on searches, and the rest (the agent loop's host work)."""
+    timed = [t for t in trajectories if getattr(t, "wall_s", 0.0) > 0]
+    if not timed:
+        return {}
+    num = len(timed)
+    means = {
+        key: sum(getattr(t, key) for t in timed) / num
+        for key in ("wall_s", "generate_s", "server_s", "search_s")
+    }
+    metrics = {f"rollout/traj/{key}": value for key, value in means.items()}
+    if means["server_s"] > 0:
+        metrics["rollout/traj/http_s"] = means["generate_s"] - means["server_s"]
+    metrics["rollout/traj/agent_s"] = means["wall_s"] - means["generate_s"] - means["search_s"]
     return metrics
 
 

@@ -268,6 +268,10 @@ def test_busy_seconds_grow_only_while_requests_run(engine):
     assert idle_after == idle_before  # nothing running: the counter stands still
     assert info["busy_s"] > idle_after
     assert info["busy_s"] <= info["uptime_s"]
+    # the step counters behind rollout/engine_decode_batch_mean and the step times by kind
+    assert 0 < info["num_prefill_steps"] < info["num_steps"]
+    assert info["num_decode_rows"] >= info["num_steps"] - info["num_prefill_steps"]
+    assert 0 < info["prefill_busy_s"] < info["busy_s"]
 
 
 def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, tmp_path, reference):

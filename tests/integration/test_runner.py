@@ -52,6 +52,13 @@ def check_run(config, ctx, expect_stale: bool):
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)
     check_wall_clock(scalars, validated_steps=[4], saved_steps=[4])  # val_interval 4, the last step saves
+    for (_, wall), (_, generate), (_, server) in zip(
+        scalars["rollout/traj/wall_s"],
+        scalars["rollout/traj/generate_s"],
+        scalars["rollout/traj/server_s"],
+        strict=True,
+    ):
+        assert 0 < server <= generate <= wall  # the embedded server reports its own time (e2e_latency)
     plotted = overlay_runs([load_run(output_dir)], Path(output_dir) / "overlay")  # as `tandem plot` does
     updates = next(iter(plotted["reward_vs_updates"].values()))[0]
     assert len(updates) == 4 and updates == sorted(updates) and updates[0] > 0

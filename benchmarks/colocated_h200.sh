@@ -18,7 +18,11 @@
 #              H200 (2026-12-02) a 60-step run took 6.8-7.5 minutes with start-up, validation every 10
 #              steps and two profiled steps (about 25 s each): the four parts do not fit one session's
 #              30 minutes together with prepare and the cold start (about 4 minutes)
+#   decode     benchmarks/engine_decode_steps.py on the cold-started model: decode step time against the
+#              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
+# PARTS="sync async_time_share ..." picks the benchmark's runs (default: sync, async_time_share, async_concurrent);
+# PART_EXTRA_<part>="key=value ..." adds overrides to one run (e.g. a variant's buffer sizes).
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
 set -uo pipefail
@@ -63,6 +67,12 @@ if [ -n "${gputests:-}" ]; then
     stamp "tests/gpu: $(tail -3 "$out/gpu_tests.log" | tr '\n' ' ')"
 fi
 pack
+if [[ $skip != *" decode "* ]]; then
+    stamp "decode step times against the batch"
+    timeout 300 python3 benchmarks/engine_decode_steps.py --model-dir "${TANDEM_HOME:-$HOME/.cache/tandemrl}/models/SmolLM2-135M-Instruct-coldstart" \
+        --out "$out/engine_decode_steps_h200.json" > "$out/decode_steps.log" 2>&1 || stamp "decode step benchmark failed"
+    pack
+fi
 
 # the first H200 pilot (benchmarks/results/colocated_h200_pilot) found 512 running requests faster than 256
 max_running=${MAX_RUNNING:-512}
@@ -97,13 +107,15 @@ pause_mode=${pause_mode:-retract}
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
     settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")
-    for part in sync async_time_share async_concurrent async_time_share_tis,async_concurrent_tis; do
+    for part in ${PARTS:-sync async_time_share async_concurrent}; do
         profile=()
         [[ $profile_parts == *" $part "* ]] && profile=("runner.profile_steps=$profile_steps")
-        stamp "benchmark: $part, $steps steps (${settings[*]} ${profile[*]})"
+        part_var="PART_EXTRA_$part"
+        read -r -a part_extra <<< "${!part_var:-}"
+        stamp "benchmark: $part, $steps steps (${settings[*]} ${profile[*]} ${part_extra[*]})"
         timeout 600 python3 benchmarks/sync_vs_async.py --colocated --monitor --steps "$steps" --runs "$part" \
             --runs-dir "$out/runs" --sync-config "$sync_cfg" --async-config "$async_cfg" --no-plots \
-            --out "$out/colocated_h200.json" "${settings[@]}" "${profile[@]}" "${extra[@]}" >> "$out/bench.log" 2>&1 \
+            --out "$out/colocated_h200.json" "${settings[@]}" "${profile[@]}" "${extra[@]}" "${part_extra[@]}" >> "$out/bench.log" 2>&1 \
             || stamp "benchmark part $part failed (see bench.log)"
         pack
     done

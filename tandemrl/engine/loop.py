@@ -156,8 +156,11 @@ class EngineLoop:
                 return
 
     def _run(self) -> None:
+        profile = StepProfile.from_env()
         try:
             while not self._stop.is_set():
+                if profile is not None:
+                    profile.tick(self.engine.num_steps)
                 is_idle = self.is_paused or not self.engine.has_work()
                 self._run_commands(block=is_idle)
                 if not self.is_paused and self.engine.has_work():
@@ -175,3 +178,36 @@ class EngineLoop:
             self.error = error
             self._deliver(self.engine.abort_all(f"engine loop crashed: {error!r}"))
             raise
+
+
+class StepProfile:
+    """`TANDEM_ENGINE_PROFILE=PATH:FIRST:COUNT`: cProfile of the loop thread from engine step FIRST for COUNT
+    steps, its stats written to PATH (a diagnostic for benchmarks: where a step's host time goes in a real
+    run, commands and HTTP hand-offs included; the profiler slows the steps it records)."""
+
+    def __init__(self, path: str, first: int, count: int):
+        import cProfile
+
+        self.path, self.first, self.last = path, first, first + count
+        self.profiler = cProfile.Profile()
+        self.state = "waiting"
+
+    @classmethod
+    def from_env(cls) -> StepProfile | None:
+        import os
+
+        spec = os.environ.get("TANDEM_ENGINE_PROFILE")
+        if not spec:
+            return None
+        path, first, count = spec.rsplit(":", 2)
+        return cls(path, int(first), int(count))
+
+    def tick(self, num_steps: int) -> None:
+        if self.state == "waiting" and num_steps >= self.first:
+            self.state = "recording"
+            self.profiler.enable()
+        elif self.state == "recording" and num_steps >= self.last:
+            self.profiler.disable()
+            self.state = "done"
+            self.profiler.dump_stats(self.path)
+            logger.info("engine profile of steps %d-%d written to %s", self.first, self.last, self.path)

@@ -50,3 +50,25 @@ def test_trajectory_time_metrics_split_the_wall_time():
     no_server = [SimpleNamespace(wall_s=1.0, generate_s=0.5, server_s=0.0, search_s=0.0)]
     assert "rollout/traj/http_s" not in trajectory_time_metrics(no_server)
     assert trajectory_time_metrics([SimpleNamespace(wall_s=0.0)]) == {}
+
+
+def test_engine_step_profile_records_the_steps_asked_for(tmp_path, monkeypatch):
+    import pstats
+
+    from tandemrl.engine.loop import StepProfile
+
+    path = tmp_path / "engine.prof"
+    monkeypatch.setenv("TANDEM_ENGINE_PROFILE", f"{path}:2:3")
+    profile = StepProfile.from_env()
+
+    def work():
+        return sum(range(1000))
+
+    for step in range(8):
+        profile.tick(step)
+        work()
+    assert profile.state == "done" and path.is_file()
+    calls = [v[0] for k, v in pstats.Stats(str(path)).stats.items() if k[2] == "work"]
+    assert calls == [3]  # steps 2, 3 and 4
+    monkeypatch.delenv("TANDEM_ENGINE_PROFILE")
+    assert StepProfile.from_env() is None

@@ -97,11 +97,12 @@ def check_index_free(config: Any) -> None:
     let go at once."""
     import fcntl
 
+    from tandemrl.data.home import default_index_dir
     from tandemrl.retrieval.store import LOCAL_DIR
 
     if not config.retrieval.launch:
         return
-    index = Path(index_dir(config))
+    index = Path(config.retrieval.index_dir or default_index_dir())  # a missing one: index_dir() says so
     try:
         qdrant_url = json.loads((index / "index.json").read_text()).get("qdrant_url")
     except (OSError, ValueError, AttributeError):

@@ -2,7 +2,7 @@
 
 - every byte checked (1): NaN, garbage and zeros inside the largest tensor, a changed byte in a file
   nothing parses (tokenizer.json), in config.json, meta.pt and an RNG file, `.metadata` entries
-  swapped (the manifest's sizes made to match, or the whole manifest rewritten), the manifest removed,
+  swapped (the manifest's sizes made to match, or the whole manifest rewritten), or removed, the manifest removed,
   a sizes-only manifest, a file added after the save, a nested-JSON and a 70 MB manifest;
 - runs that cannot collide (2, 3): a second `tandem train` on a running run's output directory, and on
   the index its retrieval server has open; a run killed with -9, then a new run on its directory;
@@ -122,6 +122,16 @@ def _swap(first: str, second: str, manifest):
     return damage
 
 
+def _drop_entry(fqn: str):
+    def damage(ckpt: Path) -> None:
+        metadata = base._metadata(ckpt)
+        del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == fqn)]
+        (ckpt / "actor" / ".metadata").write_bytes(pickle.dumps(metadata))
+        _manifest_as_now(ckpt)
+
+    return damage
+
+
 def _sizes_to_match(ckpt: Path) -> None:
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for rel, entry in manifest["files"].items():
@@ -163,6 +173,7 @@ BYTE_CASES = {
         ),
         "records shape",
     ),
+    "a tensor's entry removed, whole manifest rewritten": (_drop_entry(EMBED), "has no stored item"),
     "manifest removed, a tensor damaged": (_no_manifest, "manifest.json"),
     "sizes-only manifest, a tensor damaged": (_sizes_only, "manifest.json"),
     "a file added after the save": (
@@ -466,6 +477,7 @@ def main() -> None:
     report = base.summary()
     report["silent_accepts"] = report.pop("accepted")
     report["losses"] = losses
+    report["cases"] = {name: outcome for name, (outcome, _) in base.cases.items()}
     report["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(report, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

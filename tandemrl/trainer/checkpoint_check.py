@@ -228,6 +228,7 @@ def _check_metadata_and_shards(actor_dir: Path) -> None:
         raise CheckpointError(f"{where} is not DCP metadata (no storage table).")
     tensors = fields.get("state_dict_metadata")
     tensors = tensors if isinstance(tensors, dict) else {}
+    stored: set[tuple] = set()  # (fqn, chunk index) of every storage entry
     for index, info in fields["storage_data"].items():
         index_fields = index.fields() if isinstance(index, _Stub) else {}
         fqn = index_fields.get("fqn")
@@ -252,6 +253,15 @@ def _check_metadata_and_shards(actor_dir: Path) -> None:
                 _Slice(handle, offset, length), f"{shard} ({fqn})", check_crc=length < 1 << 20
             )
         _check_item_matches(item, tensors.get(fqn), index_fields.get("index"), f"{shard} ({fqn})", where)
+        stored.add((fqn, index_fields.get("index")))
+    for fqn, meta in tensors.items():  # every value the metadata describes has its bytes somewhere
+        chunks = meta.fields().get("chunks") if isinstance(meta, _Stub) else None
+        wanted = [(fqn, i) for i in range(len(chunks))] if isinstance(chunks, list) else [(fqn, None)]
+        if not all(key in stored for key in wanted):
+            raise CheckpointError(
+                f"{where}: {fqn!r} has no stored item in the shards: the metadata is incomplete or altered. "
+                "Resume from another global_step_N directory."
+            )
 
 
 # torch.save names a tensor's storage by its legacy typed-storage class

@@ -297,6 +297,17 @@ def test_swapped_metadata_entries_are_refused(case, copy, capsys):
     assert code == 2 and named in err and len(err.strip().splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("fqn", [EMBED, "optim.param_groups.0.lr"])
+def test_a_value_without_stored_bytes_is_refused(fqn, copy, tmp_path, capsys):
+    metadata = _dcp_metadata(copy)
+    del metadata.storage_data[next(i for i in metadata.storage_data if i.fqn == fqn)]
+    _rewrite(copy / "actor" / ".metadata", pickle.dumps(metadata))
+    _write_manifest(copy)  # the whole manifest made to match
+    code = main(["export", str(copy), "--out", str(tmp_path / "exported")])
+    err = capsys.readouterr().err
+    assert code == 2 and f"{fqn!r} has no stored item" in err and "Traceback" not in err, err
+
+
 def _old_manifest(ckpt: Path) -> None:
     import json
 

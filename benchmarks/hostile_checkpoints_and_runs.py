@@ -410,7 +410,7 @@ def run_cases(model_dir: Path, tmp: Path, minilm_dir: Path) -> None:
     from tests.integration.runner_helpers import build_small_kb, tiny_overrides
 
     kb_dir, index_dir = build_small_kb(tmp / "kb", minilm_dir)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}  # an older tree: its own
 
     def overrides(output_dir: Path, steps: int) -> list[str]:
         return [

@@ -37,23 +37,27 @@ def _refusal(output_dir: Path, fd: int) -> ConfigError:
     )
 
 
+def _open_lock_file(output_dir: Path) -> int:
+    return os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+
+
 @contextlib.contextmanager
 def hold_output_dir(output_dir: str | Path) -> Iterator[Path]:
     """Hold `output_dir` (created if needed) for the duration; ConfigError at once if another process
     holds it. Re-entrant within one process."""
     output_dir = Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    key = str(output_dir.resolve())
-    if key in _held:
-        yield output_dir
-        return
     try:
-        fd = os.open(output_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        key = str(output_dir.resolve())
+        fd = None if key in _held else _open_lock_file(output_dir)
     except OSError as error:
         raise ConfigError(
-            f"runner.output_dir={str(output_dir)!r}: cannot create its lock file {LOCK_FILE} "
-            f"({error.strerror}); give a directory this user can write."
+            f"runner.output_dir={str(output_dir)!r} cannot hold the run ({error.strerror or error}: "
+            f"{error.filename or output_dir}); give a directory this user can create and write."
         ) from None
+    if fd is None:  # this process holds it already
+        yield output_dir
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -118,3 +118,21 @@ def test_a_second_run_on_an_index_another_process_serves_is_refused_at_start_up(
     kb_dir, _ = small_kb
     config = load_config(CONFIG, tiny_overrides(tiny_llama_dir, kb_dir, index_dir, output_dir))
     check_index_free(config)  # free again once its holder is gone
+
+
+@pytest.mark.parametrize("where", ["a file", "under a file", "a link loop"])
+def test_an_output_dir_that_cannot_hold_a_run_is_refused_in_one_line(where, tmp_path):
+    import tandemrl.runner.output_lock as output_lock
+    from tandemrl.config.schema import ConfigError
+
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    path = {
+        "a file": tmp_path / "file",
+        "under a file": tmp_path / "file" / "run",
+        "a link loop": tmp_path / "loop",
+    }
+    with pytest.raises(ConfigError, match="runner.output_dir=.* cannot hold the run") as error:
+        with output_lock.hold_output_dir(path[where]):
+            pass
+    assert "\n" not in str(error.value)

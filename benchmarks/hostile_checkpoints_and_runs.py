@@ -64,7 +64,12 @@ def _tree_digest(directory: Path) -> dict[str, str]:
 
 
 def _manifest_as_now(ckpt: Path) -> None:
-    """The attacker's manifest: every file as it reads now (links followed), hashes included."""
+    """The attacker's manifest: every file as it reads now (links followed), hashes included, in the
+    format the tree under test writes (an older one records sizes only)."""
+    try:
+        is_sizes_only = json.loads((ckpt / "manifest.json").read_text()).get("format") == 1
+    except (OSError, ValueError):
+        is_sizes_only = False
     files = {}
     for path in sorted(ckpt.rglob("*")):
         if path.name == "manifest.json" or not (path.is_file() or path.is_symlink()):
@@ -74,7 +79,12 @@ def _manifest_as_now(ckpt: Path) -> None:
         except OSError:
             data = b""
         files[str(path.relative_to(ckpt))] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (ckpt / "manifest.json").write_text(json.dumps({"format": 2, "hash": "sha256", "files": files}))
+    if is_sizes_only:
+        manifest = {"format": 1, "files": {rel: entry["size"] for rel, entry in files.items()}}
+    else:
+        manifest = {"format": 2, "hash": "sha256", "files": files}
+    (ckpt / "manifest.json").unlink(missing_ok=True)
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
 def _item(ckpt: Path, fqn: str):
@@ -135,7 +145,10 @@ def _drop_entry(fqn: str):
 def _sizes_to_match(ckpt: Path) -> None:
     manifest = json.loads((ckpt / "manifest.json").read_text())
     for rel, entry in manifest["files"].items():
-        entry["size"] = (ckpt / rel).stat().st_size
+        if isinstance(entry, dict):
+            entry["size"] = (ckpt / rel).stat().st_size
+        else:  # an older tree's sizes-only manifest
+            manifest["files"][rel] = (ckpt / rel).stat().st_size
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,13 +63,24 @@ class ChildServer:
         self.port = port or free_port(host)
         self.startup_timeout_s = startup_timeout_s
         self.env = env
-        self._owns_log = log_path is None
-        self.log_path = (
-            Path(log_path) if log_path else Path(tempfile.mkdtemp(prefix=f"tandem-{self.name}-")) / "log"
-        )
+        self._log_path = Path(log_path) if log_path else None
+        self._temp_log_dir: Path | None = None  # made on first use when no log path was given
         self.proc: subprocess.Popen | None = None
         self._launched_s = 0.0
         self.timeline_name: str | None = None  # its name on the start-up timeline (default: `name`)
+
+    @property
+    def log_path(self) -> Path:
+        """The server's log: the path given (a run's servers log under its output directory,
+        cluster/server_supervisor.py), else a private temp directory removed at a clean stop."""
+        if self._log_path is None:
+            self._temp_log_dir = Path(tempfile.mkdtemp(prefix=f"tandem-{self.name.replace(' ', '-')}-"))
+            self._log_path = self._temp_log_dir / "log"
+        return self._log_path
+
+    @log_path.setter
+    def log_path(self, path: str | Path) -> None:
+        self._log_path = Path(path)
 
     def server_args(self) -> list[str]:
         raise NotImplementedError
@@ -145,15 +157,21 @@ class ChildServer:
             return "(no log)"
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server; a temp log goes with it when the stop was ours (a server that died by
+        itself keeps its log, which its error message names)."""
         if self.proc is None:
             return
-        if self.proc.poll() is None:
+        is_clean = self.proc.poll() is None
+        if is_clean:
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if is_clean and self._temp_log_dir is not None:
+            shutil.rmtree(self._temp_log_dir, ignore_errors=True)
+            self._temp_log_dir, self._log_path = None, None
 
     def __enter__(self):
         return self.start()

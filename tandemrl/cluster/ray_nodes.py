@@ -57,8 +57,9 @@ def _connect(config: Any) -> None:
     import ray
 
     address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
+    runtime_env = pinned_package_env()
     if address:  # join the cluster started by `ray start` on every node
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        ray.init(address=address, include_dashboard=False, log_to_driver=True, runtime_env=runtime_env)
     else:  # local Ray: this machine only, bound to loopback, its token private
         from tandemrl.cluster.ray_security import harden_local_ray, local_ray_kwargs
 
@@ -67,10 +68,45 @@ def _connect(config: Any) -> None:
             num_cpus=max(2, os.cpu_count() or 2),
             include_dashboard=False,
             log_to_driver=True,
+            runtime_env=runtime_env,
             **local_ray_kwargs(),
         )
         harden_local_ray()  # the token this start may have written
         note_ray_session(_session_dir())  # the reaper ends this session's agents after a kill -9
+
+
+# Ray puts the driver's working directory first on every worker's sys.path (its `py_driver_sys_path`),
+# so a `tandemrl` folder there (another checkout) would be what the workers import. Each worker runs
+# this before its first task: it imports `tandemrl` from the driver's package directory, after which
+# `tandemrl.*` resolves through that package whatever sys.path says. It is compiled outside any
+# importable module so that Ray ships it by value (a function of tandemrl would be imported by name,
+# from the very directory it is meant to avoid).
+_PIN_SOURCE = """
+def pin_tandemrl(root=ROOT):
+    import importlib.machinery, importlib.util, os, sys
+
+    loaded = sys.modules.get("tandemrl")
+    if loaded is not None and os.path.dirname(os.path.dirname(loaded.__file__ or "")) == root:
+        return
+    spec = importlib.machinery.PathFinder.find_spec("tandemrl", [root])
+    if spec is None:  # no such directory on this node: Ray's own search order stands
+        return
+    for name in [m for m in sys.modules if m == "tandemrl" or m.startswith("tandemrl.")]:
+        del sys.modules[name]
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tandemrl"] = module
+    spec.loader.exec_module(module)
+"""
+
+
+def pinned_package_env() -> dict:
+    """The job's runtime_env: every worker imports the `tandemrl` the driver imported (see above)."""
+    import tandemrl
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(tandemrl.__file__)))
+    namespace: dict = {"__name__": "tandem_ray_worker_setup", "ROOT": root}
+    exec(compile(_PIN_SOURCE, "<tandem ray worker setup>", "exec"), namespace)
+    return {"worker_process_setup_hook": namespace["pin_tandemrl"]}
 
 
 def _session_dir() -> str | None:

@@ -11,8 +11,10 @@ reaper, through the same pipe, the session directory of the local Ray it started
 (`note_ray_session`): a process titled `ray::...` that holds a file open inside that directory (its
 logs), or one that passes it as a `--flag=` value (GCS, raylet, Ray's monitors), belongs to the run
 too, and so do the session directories named on the command lines of the run's tagged processes.
-Invariant: it touches only this user's processes that carry the run's id or belong, so, to a Ray
-session this run started.
+Once the run's processes are gone it removes the API key files its SGLang servers were given
+(rollout/sglang_process.py), and those of any run of this user with no process left. Invariant: it
+touches only this user's processes that carry the run's id or belong, so, to a Ray session this run
+started, and only this user's key directories whose owner has no process left.
 """
 
 from __future__ import annotations
@@ -141,6 +143,35 @@ def reap(run_id: str, session_dirs: set[str] = frozenset(), grace_s: float = GRA
     return found
 
 
+def remove_key_dirs(run_id: str | None = None) -> list[Path]:
+    """Remove the SGLang key directories (rollout/sglang_process.py) of `run_id`, or, without one, of
+    every owner that has no process left (a run with no tagged process, a `pid<N>` that is gone). Only
+    this user's directories in this machine's temp directory; returns those removed."""
+    import shutil
+    import tempfile
+
+    from tandemrl.rollout.sglang_process import KEY_DIR_PREFIX
+
+    removed = []
+    for path in Path(tempfile.gettempdir()).glob(f"{KEY_DIR_PREFIX}*-*"):
+        owner = path.name[len(KEY_DIR_PREFIX) :].rsplit("-", 1)[0]
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+        except OSError:
+            continue
+        if run_id is not None:
+            is_dead = owner == run_id
+        elif owner.startswith("pid") and owner[3:].isdigit():
+            is_dead = not Path(f"/proc/{owner[3:]}").exists()
+        else:
+            is_dead = owner.isalnum() and not tagged_pids(owner)
+        if is_dead:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _wait_exit(pid: int) -> None:
     """The pipe closes while the run's process finalizes: sweep only once it is gone (it may carry
     the run id itself, when it was started with one)."""
@@ -164,6 +195,7 @@ def _signal(pid: int, signum: int) -> None:
 
 def main(run_id: str, parent_pid: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    remove_key_dirs()  # left by runs whose reaper was killed too
     sessions = set()
     for line in sys.stdin.buffer:  # ends when the run's main process has ended
         kind, _, value = line.decode(errors="replace").strip().partition(" ")
@@ -171,6 +203,8 @@ def main(run_id: str, parent_pid: int) -> None:
             sessions.add(value)
     _wait_exit(parent_pid)
     reaped = reap(run_id, sessions)
+    remove_key_dirs(run_id)  # its servers are gone: their key files go too
+    remove_key_dirs()  # and those left by runs that ended without their reaper
     if reaped:
         print(f"tandem reaper: stopped {len(reaped)} leftover process(es) of run {run_id}", file=sys.stderr)
 

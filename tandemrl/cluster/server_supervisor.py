@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tandemrl.metrics.startup import log_path as startup_log_path
@@ -48,6 +49,12 @@ def node_address() -> str:
             return sock.getsockname()[0]
         except OSError:
             return "127.0.0.1"
+
+
+def server_log_path(spec: ServerSpec) -> Path:
+    """A run's server logs under its output directory (`logs/rollout_engine_0.log`, ...), kept with
+    the run: never in the temp directory, where they would pile up after every kill."""
+    return Path(spec.config.runner.output_dir) / "logs" / f"{spec.name.replace(' ', '_')}.log"
 
 
 def build_server(spec: ServerSpec, host: str) -> Any:
@@ -98,6 +105,8 @@ class ServerSupervisor:
             adopt(spec.startup_log, f"{spec.name} supervisor")
             mark_process_started()
         self.server = build_server(spec, node_address() if multi_node else "127.0.0.1")
+        if spec.config.runner.output_dir:
+            self.server.log_path = server_log_path(spec)
         self.server.env = {**(self.server.env or {}), **spec.env}
         self.server.timeline_name = spec.name
         if remote:

@@ -254,7 +254,7 @@ def _validate_paths(config: TandemConfig) -> None:
         from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
 
         state = Path(resume_from) / DATA_FILE
-        if not state.is_file():
+        if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
             raise ConfigError(
                 f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
                 "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."

@@ -46,6 +46,9 @@ class Hit:
     score: float
 
 
+LOCAL_DIR = "qdrant"  # the local-mode collection inside an index directory (Qdrant locks its `.lock`)
+
+
 class QdrantStore:
     def __init__(
         self, index_dir: Path | None = None, qdrant_url: str | None = None, collection: str = COLLECTION
@@ -56,7 +59,7 @@ class QdrantStore:
             raise ValueError("QdrantStore needs an index directory (local mode) or a Qdrant server URL.")
         self.collection = collection
         self.is_local = qdrant_url is None
-        self.location = qdrant_url or str(Path(index_dir) / "qdrant")
+        self.location = qdrant_url or str(Path(index_dir) / LOCAL_DIR)
         try:
             self.client = QdrantClient(url=qdrant_url) if qdrant_url else QdrantClient(path=self.location)
         except RuntimeError as error:

@@ -9,7 +9,9 @@ on its PYTHONPATH (an engine installed aside, for that process only).
 
 The run's API key reaches SGLang as `--api-key` inside a YAML file named by `--config` (SGLang's
 `ConfigArgumentMerger` turns its keys into flags), in a directory only this user can read, removed at
-stop: never on the command line, which `ps` and error messages show. Start/health/stop semantics are
+stop: never on the command line, which `ps` and error messages show. The directory is named after the
+run (`tandem-sglang-key-<run id>-*`): after a kill -9 the run's reaper removes it, and any run's reaper
+removes those whose run has no process left (cluster/reaper.py). Start/health/stop semantics are
 `ChildServer`'s (SGLang answers `/health` too).
 """
 
@@ -22,6 +24,16 @@ import tempfile
 from pathlib import Path
 
 from tandemrl.cluster.child_server import ChildServer
+
+KEY_DIR_PREFIX = "tandem-sglang-key-"  # then the owner (cluster/reaper.py removes those of dead owners)
+
+
+def key_owner() -> str:
+    """Who a key directory belongs to: the run (its TANDEM_RUN_ID), else this process (`pid<N>`)."""
+    from tandemrl.cluster.reaper import RUN_ID_ENV
+
+    run_id = os.environ.get(RUN_ID_ENV, "")
+    return run_id if run_id.isalnum() else f"pid{os.getpid()}"
 
 
 def engine_env(pythonpath: list[str]) -> dict[str, str]:
@@ -56,8 +68,8 @@ class SglangServerProcess(ChildServer):
         """The key file (None without a key); its private directory is made on first use."""
         if self.api_key is None:
             return None
-        if self._secret_dir is None:
-            self._secret_dir = Path(tempfile.mkdtemp(prefix="tandem-sglang-"))  # mode 0700
+        if self._secret_dir is None:  # mode 0700, named by its run so the reaper finds it after a kill -9
+            self._secret_dir = Path(tempfile.mkdtemp(prefix=f"{KEY_DIR_PREFIX}{key_owner()}-"))
         return self._secret_dir / "args.yaml"
 
     def command(self) -> list[str]:

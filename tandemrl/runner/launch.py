@@ -73,7 +73,15 @@ def process_age_s() -> float:
 def train(config: Any, write_plots: bool = True, started_s: float | None = None) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
     (time.monotonic() at the process start) makes the run log its time to the first step, and starts
-    the start-up timeline's clock (else it starts at this call)."""
+    the start-up timeline's clock (else it starts at this call). The run holds `runner.output_dir`
+    throughout (runner/output_lock.py): ConfigError at once, nothing started, if another run holds it."""
+    from tandemrl.runner.output_lock import hold_output_dir
+
+    with hold_output_dir(config.runner.output_dir):
+        return _train_in_output_dir(config, write_plots, started_s)
+
+
+def _train_in_output_dir(config: Any, write_plots: bool, started_s: float | None) -> Any:
     from tandemrl.cluster.mps import LOG_ENV, PIPE_ENV, SM_PERCENT_ENV, start_for_run
     from tandemrl.metrics import startup
 
@@ -226,15 +234,24 @@ def _report_interrupted(config: Any, received: list[int]) -> int:
 
 
 def run_train(args: Any) -> int:
-    from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
-    from tandemrl.cluster.reaper import start_reaper
     from tandemrl.config.preflight import check_startable
-    from tandemrl.runner.services import ServiceDiedError
+    from tandemrl.runner.output_lock import hold_output_dir
+    from tandemrl.runner.services import check_index_free
 
     config = load_config(args.config, args.overrides)
     if getattr(args, "dry_run", False):
         return dry_run(config)
     check_startable(config)  # what `tandem config show` also refuses, before anything starts
+    with hold_output_dir(config.runner.output_dir):  # one run per output directory
+        check_index_free(config)  # one run per local index, unless they share one retrieval server
+        return _run_held(config)
+
+
+def _run_held(config: Any) -> int:
+    from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
+    from tandemrl.cluster.reaper import start_reaper
+    from tandemrl.runner.services import ServiceDiedError
+
     global _interrupt
     interrupt = _interrupt = Interrupt()
     received = interrupt.received

@@ -12,8 +12,10 @@ tool's to retry, then to report to the agent). See docs/DESIGN.md (processes and
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +88,40 @@ def index_dir(config: Any) -> str:
             "tools.search.server_addr to a running retrieval server."
         )
     return str(path)
+
+
+def check_index_free(config: Any) -> None:
+    """ConfigError at once if the index a launched retrieval server would open (Qdrant local mode, one
+    process per index) is open in another process, typically another run's retrieval server: without
+    this the server dies at start-up and the run with it, a minute later. The lock is only tried, and
+    let go at once."""
+    import fcntl
+
+    from tandemrl.data.home import default_index_dir
+    from tandemrl.retrieval.store import LOCAL_DIR
+
+    if not config.retrieval.launch:
+        return
+    index = Path(config.retrieval.index_dir or default_index_dir())  # a missing one: index_dir() says so
+    try:
+        qdrant_url = json.loads((index / "index.json").read_text()).get("qdrant_url")
+    except (OSError, ValueError, AttributeError):
+        qdrant_url = None  # the server reports a broken index itself
+    lock = index / LOCAL_DIR / ".lock"
+    if qdrant_url or not lock.is_file():
+        return  # an index on a Qdrant server is shared by design; a fresh one has no lock yet
+    fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ConfigError(
+            f"retrieval.index_dir={str(index)!r} is already open in another process (another run's retrieval "
+            f"server, or `tandem serve-retrieval`: it holds {lock}), and Qdrant local mode opens an index in "
+            "one process only. To share it, serve it once with `tandem serve-retrieval` and set "
+            "retrieval.launch=false tools.search.server_addr=HOST:PORT in each run; or wait for that run to end."
+        ) from None
+    finally:
+        os.close(fd)  # closing drops the lock, if it was taken
 
 
 def external_engine_api_key(rollout: Any) -> str | None:
@@ -180,6 +216,7 @@ class Services:
         use_ray = config.cluster.use_ray
         local, remote = [], []
         if plan.retrieval is not None:
+            check_index_free(config)
             self.retrieval_api_key = new_api_key()
             spec = ServerSpec(
                 "retrieval", 0, config, index_dir=index_dir(config), api_key=self.retrieval_api_key

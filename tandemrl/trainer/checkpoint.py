@@ -7,7 +7,8 @@ the previous checkpoint untouched and no half-written `global_step_*`):
     actor/rng_rank{r}.pt   torch (CPU + CUDA) and Python RNG state of rank r
     actor/hf/        config.json, generation config and tokenizer files, for `tandem export`
     <extra files>    e.g. data/data.pt from the runner, written by torch.save before the rename
-    manifest.json    the size of every file above, written last, before the rename
+    manifest.json    the size and SHA-256 of every file above, written last, before the rename
+                     (trainer/checkpoint_manifest.py)
 
 Loading unpickles nothing but through a restricted unpickler: DCP's `.metadata` through
 `checkpoint_check.RestrictedUnpickler` (DCP's own metadata classes only), its plain-value items and

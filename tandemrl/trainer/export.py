@@ -94,7 +94,7 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from tandemrl.trainer.checkpoint import dcp_load
-    from tandemrl.trainer.checkpoint_check import verify_checkpoint
+    from tandemrl.trainer.checkpoint_check import CheckpointError, verify_checkpoint
     from tandemrl.trainer.policy import PolicyModel
 
     actor_dir = Path(ckpt_dir) / "actor"
@@ -104,13 +104,57 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
             "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10."
         )
     verify_checkpoint(ckpt_dir, need_data=False)  # whole and safe, before anything is unpickled
-    hf_config = AutoConfig.from_pretrained(actor_dir / "hf")
+    config_path = actor_dir / "hf" / "config.json"
+    try:
+        hf_config = AutoConfig.from_pretrained(actor_dir / "hf")
+        with torch.device("meta"):  # shapes only: a config of absurd sizes allocates nothing
+            skeleton = PolicyModel(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
+    except Exception as error:  # transformers fails on a bad config in many ways, all of them the file's
+        raise CheckpointError(
+            f"{config_path} does not describe a model transformers can build ({type(error).__name__}: "
+            f"{str(error).splitlines()[0][:200] if str(error) else ''}). Refused; export with the config.json "
+            "written at save."
+        ) from None
+    _check_config_matches_weights(
+        {f"model.{k}": tuple(v.shape) for k, v in skeleton.state_dict().items()}, actor_dir
+    )
     policy = PolicyModel(AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32))
     state = {"model": policy.state_dict()}
     dcp_load(state, actor_dir)
     policy.load_state_dict(state["model"])
     weights = {name: p.detach() for name, p in policy.hf.named_parameters()}
     return weights, hf_config
+
+
+def _check_config_matches_weights(expected: dict[str, tuple], actor_dir: Path) -> None:
+    """The model `actor/hf/config.json` builds has exactly the tensors, of the same shapes, that the
+    checkpoint's weights hold (CheckpointError naming the first difference otherwise)."""
+    from tandemrl.trainer.checkpoint_check import CheckpointError, load_dcp_metadata
+
+    with open(actor_dir / ".metadata", "rb") as handle:
+        metadata = load_dcp_metadata(handle, str(actor_dir / ".metadata"))
+    saved = {
+        fqn: tuple(meta.size)
+        for fqn, meta in metadata.state_dict_metadata.items()
+        if fqn.startswith("model.") and hasattr(meta, "size")
+    }
+    problems = [f"{k.removeprefix('model.')} is missing from the weights" for k in expected if k not in saved]
+    problems += [
+        f"{k.removeprefix('model.')} is in the weights but not in the model"
+        for k in saved
+        if k not in expected
+    ]
+    problems += [
+        f"{k.removeprefix('model.')} is {list(saved[k])} in the weights but {list(shape)} by the config"
+        for k, shape in expected.items()
+        if k in saved and saved[k] != shape
+    ]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise CheckpointError(
+            f"{actor_dir / 'hf' / 'config.json'} disagrees with the checkpoint's weights: {problems[0]}{more}. "
+            "Refused; export with the config.json written at save."
+        )
 
 
 def run_export(args) -> int:

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
-from tandemrl.config.schema import AgentLoopConfig, TandemConfig
+from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +105,11 @@ def run_eval(args) -> int:
     config = load_config(args.config, args.overrides)
     from tandemrl.data.loader import load_prompts
 
-    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: evaluate at least one question (--limit >= 1), or omit it.")
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
+    check_out_path(out)  # before any service starts: the trajectories must have somewhere to go
+    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
     start_s = time.monotonic()
     with Services(config) as services:
         urls, addr = services.engine_urls, services.search_addr
@@ -132,6 +135,17 @@ def run_eval(args) -> int:
         f"summary to {summary_path}"
     )
     return 0
+
+
+def check_out_path(out: Path) -> None:
+    """Refuse an `--out` that could not be written once the evaluation has run (its work would be lost)."""
+    if out.is_dir():
+        raise ConfigError(f"--out {str(out)!r} is a directory; pass the path of a .jsonl file to write.")
+    if out.exists() and not out.is_file():
+        raise ConfigError(f"--out {str(out)!r} is not a regular file (a pipe or device); pass a .jsonl path.")
+    parent = next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise ConfigError(f"--out {str(out)!r}: {str(parent)!r} is a file, so the folder cannot be made.")
 
 
 async def _evaluate(

@@ -12,6 +12,7 @@ import math
 import time
 from pathlib import Path
 
+from tandemrl.config.errors import value_summary
 from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,8 @@ def _validate_cross_section(config: TandemConfig) -> None:
             "agentloop.task_name, e.g. agentloop.task_name=searchr1."
         )
     _validate_colocated_policy(config)
+    _validate_sync_runner_keys(config)
+    _validate_runner_steps(config)
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
@@ -209,6 +212,52 @@ def _validate_colocated_policy(config: TandemConfig) -> None:
             "turn, each on the whole GPU. Remove cluster.mps_sm_percent, or set "
             "cluster.colocated_policy=concurrent."
         )
+
+
+def _validate_sync_runner_keys(config: TandemConfig) -> None:
+    """Keys of the async runner that the sync runner never reads: set with it, they would be silently
+    ignored. The sync runner generates exactly one step's groups and trains on them before generating
+    again, so nothing overlaps (no GPU to time-share) and every group is on-policy (staleness 0)."""
+    if config.runner.async_mode:
+        return
+    cluster, buffer = config.cluster, config.rollout_buffer
+    if cluster.colocated_policy == "time_share":
+        raise ConfigError(
+            "cluster.colocated_policy=time_share with runner.async_mode=false: the sync runner already runs "
+            "rollout and training in turn, so there is nothing to time-share and the key would be ignored. "
+            "Remove it (or set cluster.colocated_policy=auto), or set runner.async_mode=true."
+        )
+    if buffer.max_head_offpolicyness is not None:
+        raise ConfigError(
+            f"rollout_buffer.max_head_offpolicyness={buffer.max_head_offpolicyness} with "
+            "runner.async_mode=false: the sync runner trains each batch under the weights that generated it "
+            "(staleness 0), so this admission limit never binds and would be ignored. Remove it, or set "
+            "runner.async_mode=true."
+        )
+
+
+def _validate_runner_steps(config: TandemConfig) -> None:
+    """Step numbers and probe lengths that name work the run will never do."""
+    runner = config.runner
+    late = [step for step in runner.profile_steps if step > runner.max_steps]
+    if late:
+        raise ConfigError(
+            f"runner.profile_steps={value_summary(runner.profile_steps)}: step(s) {value_summary(late)} are past "
+            f"runner.max_steps={runner.max_steps}, so they never run and nothing would be profiled. List steps "
+            f"from 1 to {runner.max_steps}."
+        )
+    if runner.weights_check_tokens:
+        # the probes are at most a few dozen tokens; the check's output must fit the engine's context
+        room = config.rollout.max_context_len - PROBE_PROMPT_TOKENS
+        if runner.weights_check_tokens > room:
+            raise ConfigError(
+                f"runner.weights_check_tokens={runner.weights_check_tokens} does not fit "
+                f"rollout.max_context_len={config.rollout.max_context_len} after the probe prompts (up to "
+                f"{PROBE_PROMPT_TOKENS} tokens). Use at most {max(room, 0)}, e.g. 16."
+            )
+
+
+PROBE_PROMPT_TOKENS = 64  # runner/weights_check.py's PROBES are shorter than this in any tokenizer
 
 
 def _validate_sizes(config: TandemConfig) -> None:

@@ -112,6 +112,7 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
+    from tandemrl.config.preflight import check_before_services
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.metrics.startup import mark
@@ -122,6 +123,7 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
         os.environ.update(sm_percent_env(config, "actor"))  # the actor trains in this very process
     resolve_auto_devices(config)
     plan = plan_placement(config)
+    check_before_services(config)  # what `tandem config show --check` also runs
     for line in describe_plan(config, plan):
         log.info("%s", line)
     log.info(

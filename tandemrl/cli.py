@@ -173,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `tandem` command; `argv` None: this process is the command (not a caller's), so a second
+    Ctrl-C may end it whatever it waits on (runner/exit_guard.py)."""
+    if argv is None:
+        from tandemrl.runner import exit_guard
+
+        exit_guard.enable()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides after a flag (`train CONFIG --dry-run a=1`): argparse leaves them over
@@ -199,7 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # `tandem train` reports its own (runner/launch.py); the others have unwound their services
     except KeyboardInterrupt:
+        from tandemrl.runner import exit_guard
+
         print(f"tandem {args.command}: interrupted; what it started is stopped.", file=sys.stderr)
+        exit_guard.arm(130, "stopped, but a thread was still running")
         return 130
 
 

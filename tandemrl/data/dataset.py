@@ -22,6 +22,7 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
     order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
+    open_regular(path, WHAT).close()  # a missing file, a directory or a pipe named before its suffix
     if path.suffix not in SUPPORTED_SUFFIXES:
         raise InputFileError(
             f"{WHAT} {str(path)!r} has an unsupported suffix {path.suffix!r}; use one of "
@@ -52,7 +53,6 @@ def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    open_regular(path, WHAT).close()  # regular and bounded before pyarrow opens it
     try:
         rows = pq.read_table(path).to_pylist()
     except (pa.ArrowException, OSError, ValueError) as error:

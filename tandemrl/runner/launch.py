@@ -40,12 +40,21 @@ class Interrupt:
         self.task: asyncio.Task | None = None
 
     def handle(self, signum: int, frame: Any) -> None:
+        from tandemrl.runner import exit_guard
+
         self.received.append(signum)
         task = self.task
         if task is not None and not task.done() and len(self.received) == 1:
             task.cancel()
             task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop from its select
             return
+        if len(self.received) > 1 and exit_guard.arm(
+            EXIT_INTERRUPTED, f"second {signal.Signals(signum).name}"
+        ):
+            # whatever the unwinding waits on, the process ends (exit_guard.py); a later signal must not
+            # interrupt the stop line
+            if len(self.received) > 2:
+                return
         signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
 
     async def run(self, session: Any) -> Any:
@@ -210,7 +219,10 @@ def interrupted_line(config: Any, signum: int) -> str:
     from tandemrl.trainer.checkpoint import latest_checkpoint
 
     output_dir = Path(config.runner.output_dir)
-    history = read_history(output_dir / "metrics.jsonl")
+    try:
+        history = read_history(output_dir / "metrics.jsonl", skipped=[])
+    except ValueError:  # a damaged metrics.jsonl must not hide the stop line
+        history = []
     last_step = int(history[-1]["step"]) if history else 0
     checkpoint = latest_checkpoint(output_dir)
     resume = f"resume with runner.resume_from={checkpoint}" if checkpoint else "no checkpoint to resume from"
@@ -223,7 +235,12 @@ def interrupted_line(config: Any, signum: int) -> str:
 
 
 def _report_interrupted(config: Any, received: list[int]) -> int:
+    from tandemrl.runner import exit_guard
+
     print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
+    sys.stderr.flush()
+    # everything is stopped: a thread still computing (asyncio's executor) must not keep the process
+    exit_guard.arm(EXIT_INTERRUPTED, "stopped, but a thread was still running")
     return EXIT_INTERRUPTED
 
 

@@ -22,7 +22,12 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
     order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
-    open_regular(path, WHAT).close()  # a missing file, a directory or a pipe named before its suffix
+    if not path.exists() and not path.is_symlink():
+        raise FileNotFoundError(
+            f"data file {path} does not exist. Check data.train_data_paths / "
+            "data.val_data_paths, or run `tandem prepare kb` to generate the default data."
+        )
+    open_regular(path, WHAT).close()  # a directory or a pipe is named before its suffix
     if path.suffix not in SUPPORTED_SUFFIXES:
         raise InputFileError(
             f"{WHAT} {str(path)!r} has an unsupported suffix {path.suffix!r}; use one of "

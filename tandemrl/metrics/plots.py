@@ -175,9 +175,11 @@ def load_run(run_dir: str | Path, label: str | None = None, skipped: list[str] |
     if not rows:
         rows = _rows_from_tensorboard(run_dir)
     if not rows:
+        jsonl = run_dir / "metrics.jsonl"
+        what = f"its {str(jsonl)!r} holds no rows" if jsonl.exists() else "has no metrics.jsonl"
         raise InputFileError(
-            f"run directory {str(run_dir)!r} has no rows in metrics.jsonl and no TensorBoard event files; "
-            "pass the runner.output_dir of a `tandem train` run that has logged a step."
+            f"run directory {str(run_dir)!r}: {what} and no TensorBoard event files; pass the "
+            "runner.output_dir of a `tandem train` run that has logged a step."
         )
     return RunLog(label or run_dir.resolve().name, rows, _n_minibatches(run_dir / "config.yaml"))
 

@@ -83,7 +83,7 @@ def _bad_run_layouts(tmp_path: Path) -> dict[str, tuple[Path, list[str]]]:
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text("")
-    layouts["an empty metrics.jsonl"] = (empty, ["no rows in metrics.jsonl"])
+    layouts["an empty metrics.jsonl"] = (empty, ["metrics.jsonl' holds no rows"])
     as_dir = tmp_path / "as_dir"
     (as_dir / "metrics.jsonl").mkdir(parents=True)
     layouts["metrics.jsonl a directory"] = (as_dir, ["metrics.jsonl", "is a directory"])

@@ -182,6 +182,14 @@ def _validate_cross_section(config: TandemConfig) -> None:
         )
     _validate_colocated_policy(config)
     _validate_sync_runner_keys(config)
+    rollout = config.rollout
+    if rollout.backend == "embedded" and rollout.tensor_parallel_size > 1 and not rollout.server_addrs:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} with rollout.backend=embedded: the "
+            "embedded engine runs a model on one device and has no tensor parallelism. Set "
+            "rollout.tensor_parallel_size=1 (more engines: give the rollout more GPUs), or use "
+            "rollout.backend=sglang."
+        )
     _validate_runner_steps(config)
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(

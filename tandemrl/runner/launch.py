@@ -188,7 +188,8 @@ def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
 
 
 def dry_run(config: Any) -> int:
-    """Print the plan: processes with node and GPUs, derived limits, weight-sync route; start nothing."""
+    """Print the plan: processes with node and GPUs, derived limits, weight-sync route, and each launched
+    server's command as the launch runs it (its interpreter, PYTHONPATH and key file); start nothing."""
     from tandemrl.cluster.placement import describe_plan, plan_placement
 
     plan = plan_placement(config)
@@ -208,9 +209,31 @@ def dry_run(config: Any) -> int:
                 server.host = f"<node {placement.node} address>"
             if section.port is None:
                 server.port = "<a free port>"  # chosen on its node at launch
-            lines.append(f"rollout engine {index} command: python {' '.join(server.command()[1:])}")
+            lines.append(f"rollout engine {index} command: {_launch_command(config, server)}")
     print("\n".join(["tandem train --dry-run: nothing started", *lines]))
     return 0
+
+
+def _launch_command(config: Any, server: Any) -> str:
+    """The command line a launch runs: every launched server gets the run's fresh API key, which SGLang
+    reads from a private `--config` file (made at launch) and vLLM from VLLM_API_KEY."""
+    args = server.command()
+    backend = config.rollout.backend
+    extra = list(getattr(config.rollout, backend).extra_args)
+    if backend == "sglang":
+        at = len(args) - len(extra)
+        args[at:at] = ["--config", "<args.yaml with the run's API key, in a private temp dir made at launch>"]
+    env = {k: v for k, v in (server.env or {}).items() if k == "PYTHONPATH"}
+    if backend == "vllm":
+        env["VLLM_API_KEY"] = "<the run's API key>"
+    words = [f"{key}={_quoted(value)}" for key, value in env.items()] + [_quoted(str(a)) for a in args]
+    return " ".join(words)
+
+
+def _quoted(word: str) -> str:
+    import shlex
+
+    return word if word.startswith("<") else shlex.quote(word)  # <...>: what the launch fills in
 
 
 def interrupted_line(config: Any, signum: int) -> str:

@@ -118,7 +118,11 @@ def test_plot_refuses_runs_whose_files_are_wrong_in_kind(tmp_path, capsys):
 
 # question files: name -> (file name, bytes, needles besides the path)
 BAD_QUESTIONS = {
-    "a truncated line": ("q.jsonl", b'{"question": "a?", "golden_answers": ["b"]}\n{"question": "c\n', ["line 2"]),
+    "a truncated line": (
+        "q.jsonl",
+        b'{"question": "a?", "golden_answers": ["b"]}\n{"question": "c\n',
+        ["line 2"],
+    ),
     "a line that is not JSON": ("q.jsonl", b"question,answer\n", ["line 1", "not valid JSON"]),
     "a line that is a list": ("q.jsonl", b'["a?", ["b"]]\n', ["line 1", "not an object"]),
     "no question": ("q.jsonl", b'{"golden_answers": ["b"]}\n', ["line 1", "no `question`"]),
@@ -126,7 +130,11 @@ BAD_QUESTIONS = {
     "answers that are a dict": ("q.jsonl", b'{"question": "a?", "golden_answers": {"b": 1}}\n', ["line 1"]),
     "answers that are empty": ("q.jsonl", b'{"question": "a?", "golden_answers": []}\n', ["line 1"]),
     "answers that are lists": ("q.jsonl", b'{"question": "a?", "golden_answers": [["b"]]}\n', ["line 1"]),
-    "an id that is a list": ("q.jsonl", b'{"id": [1], "question": "a?", "golden_answers": ["b"]}\n', ["`id`"]),
+    "an id that is a list": (
+        "q.jsonl",
+        b'{"id": [1], "question": "a?", "golden_answers": ["b"]}\n',
+        ["`id`"],
+    ),
     "a Search-R1 target of the wrong shape": (
         "q.jsonl",
         b'{"prompt": [{"role": "user", "content": "Question: a?"}], "reward_model": {"ground_truth": [1]}}\n',

@@ -77,7 +77,9 @@ def test_a_second_ctrl_c_ends_a_run_blocked_on_a_thread(tmp_path):
 def test_weights_check_tokens_is_bounded():
     with pytest.raises(ConfigError, match=r"runner.weights_check_tokens=5000: must be from 0 to 256"):
         load_config(CONFIG, ["runner.weights_check_tokens=5000"])
-    with pytest.raises(ConfigError, match=r"weights_check_tokens=200 does not fit rollout.max_context_len=240"):
+    with pytest.raises(
+        ConfigError, match=r"weights_check_tokens=200 does not fit rollout.max_context_len=240"
+    ):
         load_config(
             CONFIG,
             [

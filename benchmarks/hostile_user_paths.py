@@ -353,15 +353,16 @@ import sys, threading
 from tandemrl.runner import launch
 
 def fake_train(config, started_s=None):
-    '''Fake of a run stuck after its last step: a thread that never ends, a teardown that joins it.'''
-    stuck = threading.Thread(target=threading.Event().wait)
+    '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
+    never = threading.Event()
+    stuck = threading.Thread(target=never.wait)
     stuck.start()
     try:
         print("blocked", flush=True)
-        stuck.join()
+        never.wait()  # as the run waits for the decode
     finally:
         print("tearing down", flush=True)
-        stuck.join()
+        never.wait()
 
 launch.train = fake_train
 import tandemrl.cluster.reaper

@@ -38,11 +38,15 @@ class Interrupt:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.task: asyncio.Task | None = None
+        self.is_reporting = False  # the stop line is being written: a further signal must not cut it
 
     def handle(self, signum: int, frame: Any) -> None:
         from tandemrl.runner import exit_guard
 
         self.received.append(signum)
+        if self.is_reporting:
+            exit_guard.arm(EXIT_INTERRUPTED, f"second {signal.Signals(signum).name}")
+            return
         task = self.task
         if task is not None and not task.done() and len(self.received) == 1:
             task.cancel()
@@ -285,8 +289,10 @@ def run_train(args: Any) -> int:
     try:
         ctx = train(config, started_s=time.monotonic() - process_age_s())
     except KeyboardInterrupt:
+        interrupt.is_reporting = True
         return _report_interrupted(config, received)
     except Exception as error:
+        interrupt.is_reporting = bool(received)
         if received:
             # a signal outside the loop that library code turned into another error (see Interrupt)
             log.debug("after %s the run ended with %r", signal.Signals(received[0]).name, error)

@@ -27,16 +27,19 @@ import sys, threading
 from tandemrl.runner import launch
 
 def fake_train(config, started_s=None):
-    '''Fake of a run stuck after its last step: a thread that never ends, a teardown that joins it.'''
-    stuck = threading.Thread(target=threading.Event().wait, name="reference-decode")
+    '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
+    never = threading.Event()
+    stuck = threading.Thread(target=never.wait, name="reference-decode")
     stuck.start()
     try:
         print("blocked", flush=True)
-        stuck.join()
+        never.wait()  # as the run waits for the decode
     finally:
         print("tearing down", flush=True)
-        stuck.join()  # the teardown waits for it too
+        if TEARDOWN_WAITS:
+            never.wait()  # the teardown waits for it too
 
+TEARDOWN_WAITS = sys.argv[3] == "waits"
 launch.train = fake_train
 launch.check_startable = lambda config: None
 import tandemrl.cluster.reaper
@@ -47,10 +50,10 @@ sys.exit(main())
 """
 
 
-def _blocked_run(tmp_path: Path) -> subprocess.Popen:
+def _blocked_run(tmp_path: Path, teardown: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
-        [sys.executable, "-c", FAKE_STUCK_RUN, str(CONFIG), str(tmp_path / "run")],
+        [sys.executable, "-c", FAKE_STUCK_RUN, str(CONFIG), str(tmp_path / "run"), teardown],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -61,7 +64,7 @@ def _blocked_run(tmp_path: Path) -> subprocess.Popen:
 
 
 def test_a_second_ctrl_c_ends_a_run_blocked_on_a_thread(tmp_path):
-    proc = _blocked_run(tmp_path)
+    proc = _blocked_run(tmp_path, "waits")
     try:
         proc.send_signal(signal.SIGINT)
         assert proc.stdout.readline().strip() == "tearing down"  # the first one was taken
@@ -72,6 +75,32 @@ def test_a_second_ctrl_c_ends_a_run_blocked_on_a_thread(tmp_path):
     assert proc.returncode == 130, err
     assert "tandem train: stopped by SIGINT after step 0 of 3" in err
     assert "Traceback" not in err
+
+
+def test_a_run_that_printed_its_stop_line_ends_though_a_thread_still_runs(tmp_path):
+    """One Ctrl-C: the teardown finishes and the stop line is printed, but a non-daemon thread would
+    keep the interpreter from exiting (as asyncio's executor thread did)."""
+    proc = _blocked_run(tmp_path, "returns")
+    try:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "tandem train: stopped by SIGINT after step 0 of 3" in err and "Traceback" not in err
+
+
+def test_a_signal_while_the_stop_line_is_written_does_not_cut_it():
+    from tandemrl.runner.launch import Interrupt
+
+    interrupt = Interrupt()
+    interrupt.received.append(signal.SIGINT)
+    interrupt.is_reporting = True
+    try:
+        interrupt.handle(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pytest.fail("a signal while the stop line is written raised KeyboardInterrupt, cutting the line")
+    assert interrupt.received == [signal.SIGINT, signal.SIGINT]
 
 
 def test_weights_check_tokens_is_bounded():

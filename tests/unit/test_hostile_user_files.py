@@ -218,3 +218,16 @@ def test_pipes_and_devices_are_refused_in_a_real_process(tmp_path, kind):
     assert len(lines) == 2 and "Traceback" not in result.stderr, result.stderr
     assert "metrics.jsonl" in lines[0] and "not a regular file" in lines[0]
     assert "q.jsonl" in lines[1] and "not a regular file" in lines[1]
+
+
+def test_a_corpus_line_without_end_is_refused_before_it_is_held(tmp_path):
+    """`tandem index build`'s corpus reader holds at most 16 MiB of one line (a file of one huge line, or
+    one that never ends, would otherwise fill memory)."""
+    from tandemrl.retrieval.corpus import read_corpus
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_bytes(
+        b'{"id": "a", "contents": "ok"}\n{"id": "b", "contents": "' + b"w " * (9 << 20) + b'"}\n'
+    )
+    with pytest.raises(ValueError, match=r"corpus.jsonl:2: a line longer than 16 MiB"):
+        list(read_corpus(corpus))

@@ -231,3 +231,32 @@ def test_a_corpus_line_without_end_is_refused_before_it_is_held(tmp_path):
     )
     with pytest.raises(ValueError, match=r"corpus.jsonl:2: a line longer than 16 MiB"):
         list(read_corpus(corpus))
+
+
+def test_sft_inputs_and_index_descriptions_are_read_bounded_and_line_numbered(tmp_path):
+    """`tandem sft`'s demonstrations and `actor.sft.rendered_path`, and an index's `index.json`, get the
+    same treatment as the other files the user names."""
+    from tandemrl.data.demos import load_demos
+    from tandemrl.data.files import InputFileError
+    from tandemrl.retrieval.retriever import IndexMeta
+    from tandemrl.trainer.sft import read_rendered
+
+    demos = tmp_path / "demos.jsonl"
+    demos.write_text('{"question": "a?"}\n{"question": \n')
+    with pytest.raises(InputFileError, match=r"demonstrations file .*demos.jsonl' line 2 is not valid JSON"):
+        load_demos(demos)
+    rendered = tmp_path / "rendered.jsonl"
+    rendered.write_text(
+        '{"input_ids": [1, 2], "loss_mask": [0, 1]}\n{"input_ids": [1, 2], "loss_mask": [1]}\n'
+    )
+    with pytest.raises(InputFileError, match=r"rendered.jsonl' line 2: needs `input_ids` and `loss_mask`"):
+        read_rendered(rendered)
+    index = tmp_path / "index"
+    index.mkdir()
+    os.mkfifo(index / "index.json")  # is_file() is False for a FIFO: refused before any open
+    with pytest.raises(FileNotFoundError, match="not a built index"):
+        IndexMeta.load(index)
+    (index / "index.json").unlink()
+    (index / "index.json").write_bytes(b" " * (2 << 20))
+    with pytest.raises(ValueError, match="more than the 1 MiB"):
+        IndexMeta.load(index)

@@ -421,6 +421,7 @@ def summary() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results/hostile_user_paths.json")
+    parser.add_argument("--label", default=None, help="what tree was measured (default: its PYTHONPATH)")
     args = parser.parse_args()
     start = time.monotonic()
     with tempfile.TemporaryDirectory() as name:
@@ -431,7 +432,7 @@ def main() -> None:
         question_probe(tmp)
     report = summary()
     report["seconds"] = round(time.monotonic() - start, 1)
-    report["tandemrl"] = os.environ.get("PYTHONPATH", str(ROOT))
+    report["tandemrl"] = args.label or os.environ.get("PYTHONPATH", str(ROOT))
     print(json.dumps(report, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")

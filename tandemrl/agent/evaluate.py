@@ -84,11 +84,12 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
     if configured:
         return list(configured)
+    from tandemrl.data.files import is_missing
     from tandemrl.data.home import default_kb_dir
 
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
-    if not path.is_file():
+    if is_missing(path):
         raise FileNotFoundError(
             f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
             "default knowledge base, or set retrieval.corpus_path next to your split files."

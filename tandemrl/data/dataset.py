@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.data.convert import searchr1_answers, searchr1_question
-from tandemrl.data.files import InputFileError, iter_json_lines, open_regular, read_json_document
+from tandemrl.data.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 WHAT = "data file"
@@ -22,7 +22,7 @@ def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
     order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
-    if not path.exists() and not path.is_symlink():
+    if is_missing(path):
         raise FileNotFoundError(
             f"data file {path} does not exist. Check data.train_data_paths / "
             "data.val_data_paths, or run `tandem prepare kb` to generate the default data."

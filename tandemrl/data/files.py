@@ -36,8 +36,8 @@ def open_regular(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTES) -
     where = f"{what} {str(path)!r}"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as error:
-        raise InputFileError(_open_error(where, error)) from None
+    except (OSError, ValueError) as error:  # ValueError: a NUL byte in the name
+        raise InputFileError(os_error_message(where, error)) from None
     try:
         info = os.fstat(fd)
         if stat.S_ISDIR(info.st_mode):
@@ -59,7 +59,33 @@ def open_regular(path: str | Path, what: str, max_bytes: int = MAX_FILE_BYTES) -
         raise
 
 
-def _open_error(where: str, error: OSError) -> str:
+def is_missing(path: str | Path) -> bool:
+    """True only when nothing is at `path` (a name the system refuses, too long or with a NUL byte, is not
+    missing: opening it says what is wrong)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except (OSError, ValueError):
+        return False
+    return False
+
+
+def check_directory(path: str | Path, what: str) -> None:
+    """Refuse, naming it, a `path` that is not a directory (missing, a file, a name the system refuses)."""
+    where = f"{what} {str(path)!r}"
+    try:
+        info = os.stat(path)
+    except (OSError, ValueError) as error:
+        raise InputFileError(os_error_message(where, error)) from None
+    if not stat.S_ISDIR(info.st_mode):
+        raise InputFileError(f"{where} is not a directory.")
+
+
+def os_error_message(where: str, error: OSError | ValueError) -> str:
+    """One line for what the system said about a path."""
+    if not isinstance(error, OSError):
+        return f"{where} is not a usable path ({error})."
     if error.errno in (errno.ENOENT, errno.ENOTDIR):
         return f"{where} does not exist."
     if error.errno == errno.ELOOP:

@@ -106,10 +106,10 @@ def read_history(jsonl_path: str | Path, skipped: list[str] | None = None) -> li
     step replaces an earlier. Every row must be a JSON object with an integer `step` >= 0 and numbers for
     values, else `InputFileError` names the line. With `skipped`, an incomplete last line (a run still
     writing) is skipped and described there (data/files.py)."""
-    from tandemrl.data.files import InputFileError, iter_json_lines
+    from tandemrl.data.files import InputFileError, is_missing, iter_json_lines
 
     path = Path(jsonl_path)
-    if not path.exists() and not path.is_symlink():
+    if is_missing(path):
         return []
     rows: dict[int, dict[str, float]] = {}
     for line_number, row in iter_json_lines(path, "metrics file", skipped=skipped):

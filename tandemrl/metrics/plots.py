@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandemrl.config.errors import ConfigError
-from tandemrl.data.files import InputFileError, read_text
+from tandemrl.data.files import InputFileError, check_directory, is_missing, read_text
 from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 
 PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
@@ -168,15 +168,16 @@ def load_run(run_dir: str | Path, label: str | None = None, skipped: list[str] |
     an `InputFileError` naming the file and line; with `skipped`, an incomplete last line of a run still
     writing is skipped and described there."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        what = "is not a directory" if run_dir.exists() else "does not exist"
-        raise InputFileError(f"run directory {str(run_dir)!r} {what}; pass the runner.output_dir of a run.")
+    try:
+        check_directory(run_dir, "run directory")
+    except InputFileError as error:
+        raise InputFileError(f"{str(error).rstrip('.')}; pass the runner.output_dir of a run.") from None
     rows = read_history(run_dir / "metrics.jsonl", skipped=skipped)
     if not rows:
         rows = _rows_from_tensorboard(run_dir)
     if not rows:
         jsonl = run_dir / "metrics.jsonl"
-        what = f"its {str(jsonl)!r} holds no rows" if jsonl.exists() else "has no metrics.jsonl"
+        what = "has no metrics.jsonl" if is_missing(jsonl) else f"its {str(jsonl)!r} holds no rows"
         raise InputFileError(
             f"run directory {str(run_dir)!r}: {what} and no TensorBoard event files; pass the "
             "runner.output_dir of a `tandem train` run that has logged a step."
@@ -204,7 +205,7 @@ MAX_CONFIG_YAML_BYTES = 1 << 20  # as the config loader's bound
 def _n_minibatches(config_path: Path) -> int | None:
     from tandemrl.config.loader import load_bounded_yaml
 
-    if not config_path.exists() and not config_path.is_symlink():
+    if is_missing(config_path):
         return None
     where = f"run config {str(config_path)!r}"
     try:
@@ -303,6 +304,6 @@ def run_plot(args: argparse.Namespace) -> int:
 
 
 def _one_line(error: BaseException) -> str:
-    if isinstance(error, OSError) and error.strerror:  # --out unwritable, a file, a full disk
-        return f"cannot write the plots to {error.filename!r}: {error.strerror}."
+    if isinstance(error, OSError) and error.strerror:  # --out unwritable, a file, a full disk; a bad name
+        return f"{error.filename!r}: {error.strerror}."
     return " ".join(str(error).split())

@@ -260,3 +260,30 @@ def test_sft_inputs_and_index_descriptions_are_read_bounded_and_line_numbered(tm
     (index / "index.json").write_bytes(b" " * (2 << 20))
     with pytest.raises(ValueError, match="more than the 1 MiB"):
         IndexMeta.load(index)
+
+
+def test_names_the_system_refuses_are_one_line(tmp_path, capsys):
+    """A component longer than the file system allows (ENAMETOOLONG) where a run, a metrics file or a
+    question file should be."""
+    long_name = tmp_path / ("a" * 300)
+    code, err = _tandem(capsys, "plot", str(long_name), "--out", str(tmp_path / "plots"))
+    _assert_one_line(code, err, "run directory", "File name too long")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").symlink_to(long_name)
+    code, err = _tandem(capsys, "plot", str(run), "--out", str(tmp_path / "plots"))
+    _assert_one_line(code, err, "metrics.jsonl", "File name too long")
+    code, err = _tandem(
+        capsys, "eval", str(CONFIG), f"data.val_data_paths=[{long_name}.jsonl]", "--split", "val"
+    )
+    _assert_one_line(code, err, "data file", "File name too long")
+
+
+def test_eval_refuses_an_out_path_it_could_not_write_before_it_starts(tmp_path, capsys):
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "a?", "golden_answers": ["b"]}\n')
+    base = ["eval", str(CONFIG), f"data.val_data_paths=[{questions}]", "--split", "val"]
+    code, err = _tandem(capsys, *base, "--out", str(tmp_path))
+    _assert_one_line(code, err, "--out", "is a directory")
+    code, err = _tandem(capsys, *base, "--limit", "0")
+    _assert_one_line(code, err, "--limit 0")

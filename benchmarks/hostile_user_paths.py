@@ -187,6 +187,8 @@ def plot_probe(tmp: Path) -> None:
     }
     for name, (prepare, needles) in layouts.items():
         plot_case(tmp, name, prepare, needles)
+    code, text = run(["plot", str(tmp / ("r" * 300)), "--out", str(tmp / "plots" / "z")])
+    classify("plot: a run name too long", code, text, ["run directory", "too long"])
     code, text = run(["plot", str(tmp / "no-such-run"), "--out", str(tmp / "plots" / "x")])
     classify("plot: missing run directory", code, text, ["no-such-run", "does not exist"])
     (tmp / "a-file").write_text("x")
@@ -308,6 +310,7 @@ def question_probe(tmp: Path) -> None:
         ("a link loop", special / "loop.jsonl", ["loop"]),
         ("a directory", special / "dir.jsonl", ["directory"]),
         ("missing", special / "missing.jsonl", ["does not exist"]),
+        ("a name too long", special / ("q" * 300 + ".jsonl"), ["too long"]),
     ):
         both(name, path, needles)
 

@@ -140,13 +140,28 @@ def run_eval(args) -> int:
 
 def check_out_path(out: Path) -> None:
     """Refuse an `--out` that could not be written once the evaluation has run (its work would be lost)."""
-    if out.is_dir():
-        raise ConfigError(f"--out {str(out)!r} is a directory; pass the path of a .jsonl file to write.")
-    if out.exists() and not out.is_file():
-        raise ConfigError(f"--out {str(out)!r} is not a regular file (a pipe or device); pass a .jsonl path.")
-    parent = next((p for p in out.parents if p.exists()), Path("."))
-    if not parent.is_dir():
-        raise ConfigError(f"--out {str(out)!r}: {str(parent)!r} is a file, so the folder cannot be made.")
+    import os
+    import stat
+
+    from tandemrl.data.files import is_missing, os_error_message
+
+    for path in (out, *out.parents):
+        if is_missing(path):
+            continue
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError) as error:
+            where = f"--out {str(out)!r}" + ("" if path == out else f": {str(path)!r}")
+            raise ConfigError(os_error_message(where, error)) from None
+        if path == out and stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"--out {str(out)!r} is a directory; pass the path of a .jsonl file to write.")
+        if path == out and not stat.S_ISREG(info.st_mode):
+            raise ConfigError(
+                f"--out {str(out)!r} is not a regular file (a pipe or device); pass a .jsonl path."
+            )
+        if path != out and not stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"--out {str(out)!r}: {str(path)!r} is a file, so the folder cannot be made.")
+        return
 
 
 async def _evaluate(

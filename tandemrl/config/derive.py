@@ -366,9 +366,34 @@ def _warnings(config: TandemConfig) -> list[str]:
             "rollout_buffer.max_buffered_groups, or bound admission with "
             f"rollout_buffer.max_head_offpolicyness <= {staleness}."
         )
+    warnings += _ignored_keys(config)
     for warning in warnings:
         log.warning(warning)
     return warnings
+
+
+def _ignored_keys(config: TandemConfig) -> list[str]:
+    """Keys whose value nothing reads in this config: warned about, not refused (each is harmless)."""
+    runner, cluster, retrieval = config.runner, config.cluster, config.retrieval
+    ignored = []
+    if runner.val_interval > runner.max_steps:
+        ignored.append(
+            f"runner.val_interval={runner.val_interval} is past runner.max_steps={runner.max_steps}: no "
+            "validation runs during training. Lower it, or set runner.val_before_train=true for one at the start."
+        )
+    if cluster.mps_sm_percent and not runner.async_mode:
+        ignored.append(
+            f"cluster.mps_sm_percent={value_summary(cluster.mps_sm_percent)} with runner.async_mode=false: the "
+            "sync runner never overlaps the actor and the engines, so each gets the whole GPU and the caps are "
+            "ignored."
+        )
+    if not retrieval.launch and retrieval.index_dir is not None:
+        ignored.append(
+            f"retrieval.index_dir={retrieval.index_dir!r} with retrieval.launch=false: the run searches the "
+            f"server at tools.search.server_addr={config.tools.search.server_addr} and opens no index. Remove "
+            "it, or set retrieval.launch=true."
+        )
+    return ignored
 
 
 def describe_derived(config: TandemConfig) -> list[str]:

@@ -62,6 +62,26 @@ def test_mps_without_nvidia_tools_is_refused_at_config_show(capsys, monkeypatch,
     _refused(code, err, "cluster.mps=true", "nvidia-cuda-mps-control")
 
 
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        (
+            ["runner.max_steps=4", "runner.val_interval=10"],
+            "runner.val_interval=10 is past runner.max_steps=4",
+        ),
+        (["cluster.mps=true", "cluster.mps_sm_percent.actor=60"], "cluster.mps_sm_percent={'actor': 60}"),
+        (["retrieval.launch=false", "retrieval.index_dir=/data/idx"], "retrieval.index_dir='/data/idx'"),
+    ],
+)
+def test_keys_nothing_reads_are_warned_about_in_one_line(overrides, needle):
+    from tandemrl.config.derive import derive_and_validate
+    from tandemrl.config.loader import load_config
+
+    config = load_config(SYNC, overrides)
+    (warning,) = [w for w in derive_and_validate(config) if needle in w]
+    assert "\n" not in warning
+
+
 # ---- item 12: config show --check runs what train checks before it starts a service --------------------
 
 

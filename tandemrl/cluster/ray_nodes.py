@@ -3,7 +3,8 @@
 Node ranks: the driver's node (the head, where `tandem train` runs) is node 0 unless
 `TANDEM_NODE_RANK` says otherwise; every other node takes the `TANDEM_NODE_RANK` it was started with
 (`TANDEM_NODE_RANK=1 ray start --address=...`, read by a probe task on that node, since Ray workers
-inherit the raylet's environment); nodes without one fill the free ranks in Ray's node order.
+inherit the raylet's environment; RLinf's `RLINF_NODE_RANK` is an alias); nodes without one fill the
+free ranks in Ray's node order.
 
 Invariant: `NodeMap` holds exactly `cluster.num_nodes` ranks, each a live Ray node with at least
 the GPUs (`cluster.gpu_resource`) the plan puts there, or construction raises `ConfigError` saying
@@ -25,6 +26,7 @@ from tandemrl.config.schema import ConfigError
 log = logging.getLogger(__name__)
 
 NODE_RANK_ENV = "TANDEM_NODE_RANK"
+RLINF_NODE_RANK_ENV = "RLINF_NODE_RANK"  # an alias: RLinf's name for the same thing
 NODE_ID_LABEL = "ray.io/node-id"
 
 
@@ -198,11 +200,16 @@ class NodeMap:
 
 
 def _node_rank_from_env() -> str | None:
-    return os.environ.get(NODE_RANK_ENV)
+    """This node's rank: TANDEM_NODE_RANK, or RLinf's RLINF_NODE_RANK (the seed's users start Ray with it);
+    both set and different: "<a> vs <b>", which the driver refuses."""
+    tandem, rlinf = os.environ.get(NODE_RANK_ENV), os.environ.get(RLINF_NODE_RANK_ENV)
+    if tandem is not None and rlinf is not None and tandem.strip() != rlinf.strip():
+        return f"{tandem} vs {rlinf}"
+    return tandem if tandem is not None else rlinf
 
 
 def _probe_ranks(node_ids: list[str], driver_node: str) -> dict[str, int]:
-    """Ask each node for the TANDEM_NODE_RANK its raylet was started with."""
+    """Ask each node for the TANDEM_NODE_RANK (or RLINF_NODE_RANK) its raylet was started with."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -215,6 +222,11 @@ def _probe_ranks(node_ids: list[str], driver_node: str) -> dict[str, int]:
     )
     ranks: dict[str, int] = {}
     for node_id, answer in zip(node_ids, answers, strict=True):
+        if answer is not None and " vs " in answer:
+            raise ConfigError(
+                f"a Ray node was started with {NODE_RANK_ENV} and {RLINF_NODE_RANK_ENV} that differ "
+                f"({answer.replace(' vs ', ' and ')}): they name the same rank. Restart Ray there with one of them."
+            )
         if answer is not None:
             try:
                 ranks[node_id] = int(answer)

@@ -12,6 +12,7 @@ import math
 import time
 from pathlib import Path
 
+from tandemrl.config.errors import value_summary
 from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
@@ -180,6 +181,16 @@ def _validate_cross_section(config: TandemConfig) -> None:
             "agentloop.task_name, e.g. agentloop.task_name=searchr1."
         )
     _validate_colocated_policy(config)
+    _validate_sync_runner_keys(config)
+    rollout = config.rollout
+    if rollout.backend == "embedded" and rollout.tensor_parallel_size > 1 and not rollout.server_addrs:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={rollout.tensor_parallel_size} with rollout.backend=embedded: the "
+            "embedded engine runs a model on one device and has no tensor parallelism. Set "
+            "rollout.tensor_parallel_size=1 (more engines: give the rollout more GPUs), or use "
+            "rollout.backend=sglang."
+        )
+    _validate_runner_steps(config)
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
@@ -209,6 +220,52 @@ def _validate_colocated_policy(config: TandemConfig) -> None:
             "turn, each on the whole GPU. Remove cluster.mps_sm_percent, or set "
             "cluster.colocated_policy=concurrent."
         )
+
+
+def _validate_sync_runner_keys(config: TandemConfig) -> None:
+    """Keys of the async runner that the sync runner never reads: set with it, they would be silently
+    ignored. The sync runner generates exactly one step's groups and trains on them before generating
+    again, so nothing overlaps (no GPU to time-share) and every group is on-policy (staleness 0)."""
+    if config.runner.async_mode:
+        return
+    cluster, buffer = config.cluster, config.rollout_buffer
+    if cluster.colocated_policy == "time_share":
+        raise ConfigError(
+            "cluster.colocated_policy=time_share with runner.async_mode=false: the sync runner already runs "
+            "rollout and training in turn, so there is nothing to time-share and the key would be ignored. "
+            "Remove it (or set cluster.colocated_policy=auto), or set runner.async_mode=true."
+        )
+    if buffer.max_head_offpolicyness is not None:
+        raise ConfigError(
+            f"rollout_buffer.max_head_offpolicyness={buffer.max_head_offpolicyness} with "
+            "runner.async_mode=false: the sync runner trains each batch under the weights that generated it "
+            "(staleness 0), so this admission limit never binds and would be ignored. Remove it, or set "
+            "runner.async_mode=true."
+        )
+
+
+def _validate_runner_steps(config: TandemConfig) -> None:
+    """Step numbers and probe lengths that name work the run will never do."""
+    runner = config.runner
+    late = [step for step in runner.profile_steps if step > runner.max_steps]
+    if late:
+        raise ConfigError(
+            f"runner.profile_steps={value_summary(runner.profile_steps)}: step(s) {value_summary(late)} are past "
+            f"runner.max_steps={runner.max_steps}, so they never run and nothing would be profiled. List steps "
+            f"from 1 to {runner.max_steps}."
+        )
+    if runner.weights_check_tokens:
+        # the probes are at most a few dozen tokens; the check's output must fit the engine's context
+        room = config.rollout.max_context_len - PROBE_PROMPT_TOKENS
+        if runner.weights_check_tokens > room:
+            raise ConfigError(
+                f"runner.weights_check_tokens={runner.weights_check_tokens} does not fit "
+                f"rollout.max_context_len={config.rollout.max_context_len} after the probe prompts (up to "
+                f"{PROBE_PROMPT_TOKENS} tokens). Use at most {max(room, 0)}, e.g. 16."
+            )
+
+
+PROBE_PROMPT_TOKENS = 64  # runner/weights_check.py's PROBES are shorter than this in any tokenizer
 
 
 def _validate_sizes(config: TandemConfig) -> None:
@@ -309,9 +366,34 @@ def _warnings(config: TandemConfig) -> list[str]:
             "rollout_buffer.max_buffered_groups, or bound admission with "
             f"rollout_buffer.max_head_offpolicyness <= {staleness}."
         )
+    warnings += _ignored_keys(config)
     for warning in warnings:
         log.warning(warning)
     return warnings
+
+
+def _ignored_keys(config: TandemConfig) -> list[str]:
+    """Keys whose value nothing reads in this config: warned about, not refused (each is harmless)."""
+    runner, cluster, retrieval = config.runner, config.cluster, config.retrieval
+    ignored = []
+    if runner.val_interval > runner.max_steps:
+        ignored.append(
+            f"runner.val_interval={runner.val_interval} is past runner.max_steps={runner.max_steps}: no "
+            "validation runs during training. Lower it, or set runner.val_before_train=true for one at the start."
+        )
+    if cluster.mps_sm_percent and not runner.async_mode:
+        ignored.append(
+            f"cluster.mps_sm_percent={value_summary(cluster.mps_sm_percent)} with runner.async_mode=false: the "
+            "sync runner never overlaps the actor and the engines, so each gets the whole GPU and the caps are "
+            "ignored."
+        )
+    if not retrieval.launch and retrieval.index_dir is not None:
+        ignored.append(
+            f"retrieval.index_dir={retrieval.index_dir!r} with retrieval.launch=false: the run searches the "
+            f"server at tools.search.server_addr={config.tools.search.server_addr} and opens no index. Remove "
+            "it, or set retrieval.launch=true."
+        )
+    return ignored
 
 
 def describe_derived(config: TandemConfig) -> list[str]:

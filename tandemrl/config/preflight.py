@@ -1,13 +1,23 @@
-"""What `tandem train` would refuse as soon as it starts, checked by `tandem config show` too.
+"""What `tandem train` refuses before it starts a service, in two levels.
 
-`load_config` checks the keys and their combinations; these checks need the machine: the engines tandem
-can launch, and the model directories this node reads (the driver loads the tokenizer from the model
-path, the actor its weights). Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths
-live on the nodes and are not checked here, nor is `coldstart`, the model `tandem sft` is about to write.
+`check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
+their combinations; these checks need the machine: the engines tandem can launch, the MPS control
+daemon `cluster.mps` needs, and the model directories this node reads (the driver loads the tokenizer from
+the model path, the actor its weights). Files only, no torch. On a cluster (`cluster.num_nodes > 1`)
+model paths live on the nodes and are not checked here, nor is `coldstart`, the model `tandem sft` is
+about to write.
+
+`check_before_services` (run by `tandem train` after its placement plan, and by `tandem config show
+--check`): every other check `train` makes before it starts anything: placeholder paths, the model
+directory the driver reads its tokenizer from (on node 0 also for a cluster), the retrieval index a
+launched server would open, and every question file read whole (data/dataset.py). Plain `config show`
+leaves these out on purpose: it shows a config for another machine (a cluster's paths) and the defaults,
+and reading a large training set takes seconds.
 """
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +37,7 @@ def check_startable(config: Any) -> None:
             "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray actors on "
             "their GPUs. Set cluster.use_ray=true, or start them yourself (rollout.server_addrs)."
         )
+    _check_mps(config)
     if config.cluster.num_nodes > 1:
         return
     from tandemrl.data.home import default_coldstart_dir
@@ -41,3 +52,78 @@ def check_startable(config: Any) -> None:
                 f"{key}={path!r} is not a directory. Run `tandem prepare model` for the embedded "
                 "SmolLM2, or point it at a Hugging Face model directory."
             )
+
+
+def _check_mps(config: Any) -> None:
+    """`cluster.mps` starts NVIDIA's MPS control daemon for the run; without it (no NVIDIA driver, so no
+    GPU for MPS to share) or on CPU devices the key means nothing, and train would fail on it."""
+    from tandemrl.cluster.mps import CONTROL
+
+    if not config.cluster.mps:
+        return
+    cpu_only = [
+        key
+        for key, device in (("actor.device", config.actor.device), ("rollout.device", config.rollout.device))
+        if device == "cpu"
+    ]
+    if len(cpu_only) == 2:
+        raise ConfigError(
+            "cluster.mps=true with actor.device=cpu and rollout.device=cpu: MPS lets processes share a GPU, "
+            "and this run uses none. Set cluster.mps=false."
+        )
+    if shutil.which(CONTROL) is None:
+        raise ConfigError(
+            f"cluster.mps=true, but {CONTROL} is not on PATH here (it comes with the NVIDIA driver's "
+            "utilities: this machine has no NVIDIA GPU for MPS to share, or its tools are not installed). Set "
+            "cluster.mps=false, or install the driver's utilities."
+        )
+
+
+PLACEHOLDER_PREFIXES = ("/path/to/", "path/to/")
+
+
+def check_before_services(config: Any) -> None:
+    """Raise ConfigError for what `tandem train` would refuse before it starts a service (see above)."""
+    from tandemrl.runner.services import index_dir, model_path
+
+    _check_placeholders(config)
+    if config.retrieval.launch:
+        index_dir(config)
+    if config.rollout.backend != "sglang" or config.rollout.model.model_path is not None:
+        model_path(config)  # the driver's tokenizer, on this node
+    _check_data_files(config)
+
+
+def _check_placeholders(config: Any) -> None:
+    keys = {
+        "rollout.model.model_path": config.rollout.model.model_path,
+        "actor.model.model_path": config.actor.model.model_path,
+        "retrieval.index_dir": config.retrieval.index_dir,
+        "retrieval.corpus_path": config.retrieval.corpus_path,
+        "runner.resume_from": config.runner.resume_from,
+    }
+    for name in ("train_data_paths", "val_data_paths"):
+        for index, path in enumerate(getattr(config.data, name)):
+            keys[f"data.{name}[{index}]"] = path
+    for key, value in keys.items():
+        if isinstance(value, str) and (value.startswith(PLACEHOLDER_PREFIXES) or "<" in value):
+            raise ConfigError(
+                f"{key}={value!r} is a placeholder from an example config: replace it with the real path "
+                "(set it in your copy of the config, or as an override KEY=PATH)."
+            )
+
+
+def _check_data_files(config: Any) -> None:
+    """Every question file the run reads, read and checked whole (the driver reads them at start-up)."""
+    from tandemrl.agent.evaluate import split_paths
+    from tandemrl.data.loader import load_prompts
+
+    splits = ["train"]
+    if config.runner.val_interval or config.runner.val_before_train:
+        splits.append("val")
+    for split in splits:
+        key = f"data.{split}_data_paths"
+        try:
+            load_prompts(split_paths(config, split))
+        except (ValueError, FileNotFoundError) as error:  # InputFileError is a ValueError
+            raise ConfigError(f"{key}: {' '.join(str(error).split())}") from None

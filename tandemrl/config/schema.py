@@ -51,6 +51,9 @@ def _check_finite_positive(key: str, value: float | None, allow_none: bool = Fal
     )
 
 
+MAX_WEIGHTS_CHECK_TOKENS = 256  # runner.weights_check_tokens: see its comment
+
+
 @dataclass
 class RunnerConfig:
     name: str = "searchr1"
@@ -70,7 +73,9 @@ class RunnerConfig:
     # trace and the top kernels), e.g. [4, 5]: what a slow step spent its time on
     profile_steps: list[int] = field(default_factory=list)
     # > 0: after the last weight sync, every engine's greedy output (this many tokens) on probe prompts
-    # must equal the actor's (runner/weights_check.py); the run fails otherwise
+    # must equal the actor's (runner/weights_check.py); the run fails otherwise. At most
+    # MAX_WEIGHTS_CHECK_TOKENS: a wrong weight changes the greedy output within a few tokens, and the
+    # actor's reference decode recomputes the whole sequence per token (its cost grows with the square)
     weights_check_tokens: int = 0
 
     def __post_init__(self):
@@ -84,10 +89,12 @@ class RunnerConfig:
                 "Use e.g. runner.profile_steps=[4,5].",
             )
         _check(
-            self.weights_check_tokens >= 0,
+            0 <= self.weights_check_tokens <= MAX_WEIGHTS_CHECK_TOKENS,
             "runner.weights_check_tokens",
             self.weights_check_tokens,
-            "must be >= 0",
+            f"must be from 0 to {MAX_WEIGHTS_CHECK_TOKENS}: a wrong weight shows within a few greedy tokens, and "
+            "the actor's reference decode (no KV cache) costs the square of the length, so 5000 tokens ran on "
+            "for more than 14 minutes after the last step",
             "Use 0 for no check, or e.g. 16.",
         )
         _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)

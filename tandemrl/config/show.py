@@ -1,10 +1,15 @@
-"""`tandem config show`: the resolved configuration as YAML, derived values marked with a comment, API
-keys shown only as `<set>`. It refuses (exit 2) what `tandem train` would refuse at start-up
-(config/preflight.py), so a config that shows is one that starts."""
+"""`tandem config show [--check]`: the resolved configuration as YAML, derived values marked with a
+comment, API keys shown only as `<set>`. It refuses (exit 2) bad keys and combinations and what this
+machine could not start (config/preflight.py `check_startable`); `--check` also runs every other check
+`tandem train` makes before it starts a service (`check_before_services`: data files read whole, the
+index, the model directory, placeholder paths), so a config that passes `config show --check` gets past
+`train`'s start-up checks. Plain `config show` does not read the data: it shows configs meant for
+another machine, and the defaults."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import yaml
 
@@ -35,5 +40,17 @@ def run_show(args: argparse.Namespace) -> int:
 
     config = load_config(args.config, args.overrides)
     check_startable(config)
+    if getattr(args, "check", False):
+        from tandemrl.cluster.placement import plan_placement
+        from tandemrl.config.preflight import check_before_services
+        from tandemrl.runner.services import resolve_auto_devices
+
+        resolve_auto_devices(config)  # as train does before it plans
+        plan_placement(config)
+        check_before_services(config)
     print(render(config))
+    if getattr(args, "check", False):
+        print(
+            "# --check: every check `tandem train` makes before it starts a service passed", file=sys.stderr
+        )
     return 0

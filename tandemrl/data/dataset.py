@@ -7,76 +7,136 @@ Invariant: every record comes out as {"id", "question", "golden_answers" (non-em
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tandemrl.data.convert import searchr1_answers, searchr1_question
+from tandemrl.data.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+WHAT = "data file"
 
 
-def read_raw_records(path: str | Path) -> list[dict]:
-    """The rows of a jsonl / json-lines / parquet file as dicts, in file order."""
+def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
+    """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
+    order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
-    if not path.is_file():
+    if is_missing(path):
         raise FileNotFoundError(
             f"data file {path} does not exist. Check data.train_data_paths / "
             "data.val_data_paths, or run `tandem prepare kb` to generate the default data."
         )
+    open_regular(path, WHAT).close()  # a directory or a pipe is named before its suffix
+    if path.suffix not in SUPPORTED_SUFFIXES:
+        raise InputFileError(
+            f"{WHAT} {str(path)!r} has an unsupported suffix {path.suffix!r}; use one of "
+            f"{', '.join(SUPPORTED_SUFFIXES)}."
+        )
     if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        return pq.read_table(path).to_pylist()
-    if path.suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
-        return list(json.loads(path.read_text(encoding="utf-8")))  # one JSON array of records
-    if path.suffix in (".jsonl", ".json"):
-        records = []
-        with open(path, encoding="utf-8") as f:
-            for line_number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as error:
-                    raise ValueError(
-                        f"{path}:{line_number} is not valid JSON ({error}); the file must hold "
-                        "one JSON object per line."
-                    ) from error
-        return records
-    raise ValueError(
-        f"data file {path} has an unsupported suffix {path.suffix!r}; use one of "
-        f"{', '.join(SUPPORTED_SUFFIXES)}."
-    )
+        yield from _parquet_rows(path)
+        return
+    if path.suffix == ".json" and _starts_with_bracket(path):
+        records = read_json_document(path, WHAT)  # one JSON array of records
+        if not isinstance(records, list):
+            raise InputFileError(f"{WHAT} {str(path)!r} must hold a JSON array of records or one per line.")
+        for row, raw in enumerate(records, start=1):
+            if not isinstance(raw, dict):
+                raise InputFileError(f"{WHAT} {str(path)!r} row {row} is not a JSON object.")
+            yield f"row {row}", raw
+        return
+    for line_number, raw in iter_json_lines(path, WHAT):
+        yield f"line {line_number}", raw
 
 
-def normalize_record(raw: dict, path: Path, row: int) -> dict:
-    """One row as {"id", "question", "golden_answers", "data_source"} (our or Search-R1's layout)."""
-    question = raw.get("question") or searchr1_question(raw)
-    answers = raw.get("golden_answers")
-    if answers is None:
-        answers = searchr1_answers(raw)
+def _starts_with_bracket(path: Path) -> bool:
+    with open_regular(path, WHAT) as stream:
+        return stream.read(4096).lstrip().startswith(b"[")
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except (pa.ArrowException, OSError, ValueError) as error:
+        raise InputFileError(
+            f"{WHAT} {str(path)!r} is not a readable parquet file ({' '.join(str(error).split())[:200]})."
+        ) from None
+    for row, raw in enumerate(rows, start=1):
+        yield f"row {row}", raw
+
+
+def read_raw_records(path: str | Path) -> list[dict]:
+    """The rows of a jsonl / json-lines / parquet file as dicts, in file order."""
+    return [raw for _, raw in iter_raw_records(path)]
+
+
+def normalize_record(raw: dict, path: Path, row: int, where: str | None = None) -> dict:
+    """One row as {"id", "question", "golden_answers", "data_source"} (our or Search-R1's layout); `row`
+    (0-based) is the id of a record without one. A field of the wrong type is refused naming the file
+    and `where` the record is ("line N", "row N")."""
+    where = f"{WHAT} {str(path)!r} {where or f'row {row + 1}'}"
+    try:
+        question = raw.get("question") or searchr1_question(raw)
+        answers = raw.get("golden_answers")
+        if answers is None:
+            answers = searchr1_answers(raw)
+    except (AttributeError, TypeError):  # a Search-R1 field of the wrong shape
+        raise InputFileError(
+            f"{where}: `prompt` / `reward_model.ground_truth.target` do not have Search-R1's layout."
+        ) from None
     if isinstance(answers, str):
         answers = [answers]
-    answers = [str(answer) for answer in (answers or [])]
-    if not question or not answers:
-        raise ValueError(
-            f"{path} row {row}: a question and at least one gold answer are required (fields "
-            "`question` + `golden_answers`, or Search-R1's `prompt` + "
+    if not isinstance(question, str) or not question.strip():
+        raise InputFileError(
+            f"{where}: {_what_is_wrong('question', question)}; a question and at least one gold answer are "
+            "required (fields `question` + `golden_answers`, or Search-R1's `prompt` + "
             "`reward_model.ground_truth.target`)."
+        )
+    if not isinstance(answers, list) or not answers or not all(_is_answer(a) for a in answers):
+        raise InputFileError(
+            f"{where}: {_what_is_wrong('golden_answers', answers)}; it must be a non-empty list of strings "
+            "(or one string)."
         )
     record_id = raw.get("id")
     if record_id is None:
         extra = raw.get("extra_info") or {}
         record_id = extra.get("index", row) if isinstance(extra, dict) else row
+    if not isinstance(record_id, (str, int)) or isinstance(record_id, bool):
+        raise InputFileError(f"{where}: `id` is {_summary(record_id)}, not a string or an integer.")
+    source = raw.get("data_source")
+    if source is not None and not isinstance(source, str):
+        raise InputFileError(f"{where}: `data_source` is {_summary(source)}, not a string.")
     return {
         "id": str(record_id),
-        "question": str(question).strip(),
-        "golden_answers": answers,
-        "data_source": str(raw.get("data_source") or path.stem),
+        "question": question.strip(),
+        "golden_answers": [str(answer) for answer in answers],
+        "data_source": source or path.stem,
     }
 
 
+def _is_answer(value: Any) -> bool:
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value).strip() != ""
+
+
+def _what_is_wrong(field: str, value: Any) -> str:
+    return f"no `{field}`" if value in (None, "", []) else f"`{field}` is {_summary(value)}"
+
+
+def _summary(value: Any) -> str:
+    from tandemrl.config.errors import value_summary
+
+    return value_summary(value)
+
+
 def read_records(path: str | Path) -> list[dict]:
-    """Normalised records of one question file."""
+    """Normalised records of one question file; an empty file is refused naming it."""
     path = Path(path)
-    return [normalize_record(raw, path, row) for row, raw in enumerate(read_raw_records(path))]
+    records = [
+        normalize_record(raw, path, row, where) for row, (where, raw) in enumerate(iter_raw_records(path))
+    ]
+    if not records:
+        raise InputFileError(f"{WHAT} {str(path)!r} holds no records.")
+    return records

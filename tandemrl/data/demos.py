@@ -14,7 +14,6 @@ the prompt and information blocks come from `tandemrl.agent.prompt`, so SFT sees
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -85,8 +84,9 @@ def load_demos(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
-    with open(path, encoding="utf-8") as f:
-        demos = [json.loads(line) for line in f if line.strip()]
+    from tandemrl.data.files import iter_json_lines  # bounded, each bad line named (data/files.py)
+
+    demos = [demo for _, demo in iter_json_lines(path, "demonstrations file")]
     if per_source:
         return _per_source(demos, per_source, random.Random(seed), path)
     if num_demos is not None:

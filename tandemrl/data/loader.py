@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandemrl.data.dataset import read_records
+from tandemrl.data.files import InputFileError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def _file_keys(paths: list[Path]) -> list[str]:
 def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prompt]:
     """All prompts of the files, in file order (the first `limit` only, when given)."""
     if not paths:
-        raise ValueError(
+        raise InputFileError(
             "no data files given: set data.train_data_paths (or data.val_data_paths) to one or "
             "more jsonl/parquet files, e.g. the default KB's train.jsonl from `tandem prepare kb`."
         )
@@ -47,7 +48,7 @@ def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prom
         for record in read_records(path):
             prompt_id = f"{key}:{record['id']}"
             if prompt_id in seen:
-                raise ValueError(
+                raise InputFileError(
                     f"duplicate prompt id {prompt_id!r} in {path}: record ids must be unique "
                     "within a file (and a file must not be listed twice)."
                 )
@@ -56,7 +57,7 @@ def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prom
                 Prompt(prompt_id, record["question"], record["golden_answers"], record["data_source"])
             )
     if not prompts:
-        raise ValueError(f"the data files {[str(p) for p in paths]} hold no questions.")
+        raise InputFileError(f"the data files {[str(p) for p in paths]} hold no questions.")
     return prompts[:limit] if limit is not None else prompts
 
 

@@ -101,16 +101,38 @@ def console_line(step: int, max_steps: int, metrics: dict[str, float], is_async:
     return " | ".join(parts)
 
 
-def read_history(jsonl_path: str | Path) -> list[dict[str, float]]:
-    """The rows of `metrics.jsonl`; a resumed run appends, so a later row for a step replaces an earlier."""
-    rows: dict[int, dict[str, float]] = {}
+def read_history(jsonl_path: str | Path, skipped: list[str] | None = None) -> list[dict[str, float]]:
+    """The rows of `metrics.jsonl` (none if it does not exist); a resumed run appends, so a later row for a
+    step replaces an earlier. Every row must be a JSON object with an integer `step` >= 0 and numbers for
+    values, else `InputFileError` names the line. With `skipped`, an incomplete last line (a run still
+    writing) is skipped and described there (data/files.py)."""
+    from tandemrl.data.files import InputFileError, is_missing, iter_json_lines
+
     path = Path(jsonl_path)
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                row = json.loads(line)
-                rows[int(row["step"])] = row
+    if is_missing(path):
+        return []
+    rows: dict[int, dict[str, float]] = {}
+    for line_number, row in iter_json_lines(path, "metrics file", skipped=skipped):
+        problem = _row_problem(row)
+        if problem:
+            raise InputFileError(
+                f"metrics file {str(path)!r} line {line_number}: {problem}; each line is one step's row as "
+                "`tandem train` writes it."
+            )
+        rows[row["step"]] = row
     return [rows[step] for step in sorted(rows)]
+
+
+def _row_problem(row: dict) -> str | None:
+    step = row.get("step")
+    if "step" not in row:
+        return "no `step` field"
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        return f"`step` is {json.dumps(step)[:40]}, not an integer >= 0"
+    for key, value in row.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return f"`{key[:80]}` is {json.dumps(value)[:40]}, not a number"
+    return None
 
 
 def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, float]]]:
@@ -119,6 +141,8 @@ def read_tensorboard_scalars(logdir: str | Path) -> dict[str, list[tuple[int, fl
 
     scalars: dict[str, list[tuple[int, float]]] = {}
     for events_file in sorted(Path(logdir).rglob("events.out.tfevents.*")):
+        if not events_file.is_file():  # a pipe or device by that name would block or never end
+            continue
         acc = EventAccumulator(str(events_file), size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:

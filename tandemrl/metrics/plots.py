@@ -13,6 +13,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tandemrl.config.errors import ConfigError
+from tandemrl.data.files import InputFileError, check_directory, is_missing, read_text
 from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 
 PLOTS = {  # file stem -> (title, y label, [(metric, legend)])
@@ -161,38 +163,64 @@ class RunLog:
         return [row["step"] * self.n_minibatches for row in self.rows]
 
 
-def load_run(run_dir: str | Path, label: str | None = None) -> RunLog:
-    """A run's per-step metrics from `metrics.jsonl`, else from its TensorBoard event files."""
+def load_run(run_dir: str | Path, label: str | None = None, skipped: list[str] | None = None) -> RunLog:
+    """A run's per-step metrics from `metrics.jsonl`, else from its TensorBoard event files. Bad input is
+    an `InputFileError` naming the file and line; with `skipped`, an incomplete last line of a run still
+    writing is skipped and described there."""
     run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise FileNotFoundError(f"run directory {str(run_dir)!r} does not exist")
-    rows = read_history(run_dir / "metrics.jsonl")
+    try:
+        check_directory(run_dir, "run directory")
+    except InputFileError as error:
+        raise InputFileError(f"{str(error).rstrip('.')}; pass the runner.output_dir of a run.") from None
+    rows = read_history(run_dir / "metrics.jsonl", skipped=skipped)
     if not rows:
         rows = _rows_from_tensorboard(run_dir)
     if not rows:
-        raise FileNotFoundError(
-            f"run directory {str(run_dir)!r} has no metrics.jsonl and no TensorBoard event files; pass the "
-            "runner.output_dir of a `tandem train` run."
+        jsonl = run_dir / "metrics.jsonl"
+        what = "has no metrics.jsonl" if is_missing(jsonl) else f"its {str(jsonl)!r} holds no rows"
+        raise InputFileError(
+            f"run directory {str(run_dir)!r}: {what} and no TensorBoard event files; pass the "
+            "runner.output_dir of a `tandem train` run that has logged a step."
         )
     return RunLog(label or run_dir.resolve().name, rows, _n_minibatches(run_dir / "config.yaml"))
 
 
 def _rows_from_tensorboard(run_dir: Path) -> list[dict[str, float]]:
     by_step: dict[int, dict[str, float]] = {}
-    for tag, points in read_tensorboard_scalars(run_dir).items():
+    try:
+        scalars = read_tensorboard_scalars(run_dir)
+    except Exception as error:  # tensorboard's parser on a file the user gave: any failure is bad input
+        raise InputFileError(
+            f"run directory {str(run_dir)!r}: its TensorBoard event files cannot be read ({error!r:.200})."
+        ) from None
+    for tag, points in scalars.items():
         for step, value in points:  # a resumed run logs a step again: the later value wins
             by_step.setdefault(step, {"step": step})[tag] = value
     return [by_step[step] for step in sorted(by_step)]
 
 
-def _n_minibatches(config_path: Path) -> int | None:
-    import yaml
+MAX_CONFIG_YAML_BYTES = 1 << 20  # as the config loader's bound
 
-    if not config_path.is_file():
+
+def _n_minibatches(config_path: Path) -> int | None:
+    from tandemrl.config.loader import load_bounded_yaml
+
+    if is_missing(config_path):
         return None
-    raw = yaml.safe_load(config_path.read_text()) or {}
-    value = (raw.get("algorithm") or {}).get("n_minibatches")
-    return int(value) if value is not None else None
+    where = f"run config {str(config_path)!r}"
+    try:
+        raw = load_bounded_yaml(read_text(config_path, "run config", MAX_CONFIG_YAML_BYTES), where)
+    except ConfigError as error:
+        raise InputFileError(str(error)) from None
+    except Exception as error:  # a YAML syntax error, with its line
+        raise InputFileError(f"{where} is not valid YAML: {' '.join(str(error).split())[:300]}") from None
+    algorithm = raw.get("algorithm") if isinstance(raw, dict) else None
+    value = algorithm.get("n_minibatches") if isinstance(algorithm, dict) else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InputFileError(f"{where}: algorithm.n_minibatches is {value!r:.40}, not an integer >= 1.")
+    return value
 
 
 def run_labels(run_dirs: list[Path]) -> list[str]:
@@ -258,11 +286,24 @@ def overlay_runs(runs: list[RunLog], out_dir: str | Path) -> dict[str, dict[str,
 def run_plot(args: argparse.Namespace) -> int:
     """`tandem plot RUN_DIR [RUN_DIR ...] [--out DIR]`."""
     run_dirs = [Path(d) for d in args.run_dirs]
-    runs = [load_run(d, label) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
+    skipped: list[str] = []
     try:
+        runs = [load_run(d, label, skipped) for d, label in zip(run_dirs, run_labels(run_dirs), strict=True)]
+        for note in skipped:
+            print(f"tandem plot: {note}", file=sys.stderr)
         plotted = overlay_runs(runs, args.out)
-    except ValueError as error:
-        print(f"tandem plot: {error}", file=sys.stderr)
+    except (
+        ValueError,
+        OSError,
+        RuntimeError,
+    ) as error:  # InputFileError is a ValueError; RuntimeError: a link loop
+        print(f"tandem plot: {_one_line(error)}", file=sys.stderr)
         return 2
     print(f"tandem plot: {len(plotted)} plots of {len(runs)} run(s) in {args.out}: " + ", ".join(plotted))
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    if isinstance(error, OSError) and error.strerror:  # --out unwritable, a file, a full disk; a bad name
+        return f"{error.filename!r}: {error.strerror}."
+    return " ".join(str(error).split())

@@ -22,6 +22,7 @@ import numpy as np
 from tandemrl.retrieval import bm25
 
 MAX_ID_CHARS = 1024
+MAX_LINE_BYTES = 16 << 20  # wiki-18's passages are ~100 words
 
 
 @dataclass
@@ -42,8 +43,12 @@ def numbered_records(path: Path) -> Iterator[tuple[int, dict]]:
     """(1-based line number, record) of every record of `read_corpus`."""
     has_ids: bool | None = None  # decided by the first record
     with open(path, "rb") as handle:
-        for line_no, raw in enumerate(handle):
+        for line_no, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b"")):
             where = f"{path}:{line_no + 1}"
+            if len(raw) > MAX_LINE_BYTES:  # never hold a line without end (a file of one huge line)
+                raise ValueError(
+                    f"{where}: a line longer than {MAX_LINE_BYTES >> 20} MiB; a passage is one line of a few KB."
+                )
             record = _parse_line(raw, where)
             if record is None:
                 continue

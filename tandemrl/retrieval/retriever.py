@@ -44,8 +44,10 @@ class IndexMeta:
                 f"{path} not found: {index_dir} is not a built index. "
                 f"Build it with `tandem index build --corpus CORPUS --index {index_dir}`."
             )
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+        from tandemrl.data.files import read_text
+
+        try:  # bounded: an index description is a few hundred bytes
+            data = json.loads(read_text(path, "index description", 1 << 20))
         except (OSError, ValueError) as error:
             raise ValueError(f"{path} cannot be read as JSON ({error}); rebuild the index.") from None
         if not isinstance(data, dict) or data.get("format") != META_FORMAT:

@@ -38,14 +38,27 @@ class Interrupt:
     def __init__(self) -> None:
         self.received: list[int] = []
         self.task: asyncio.Task | None = None
+        self.is_reporting = False  # the stop line is being written: a further signal must not cut it
 
     def handle(self, signum: int, frame: Any) -> None:
+        from tandemrl.runner import exit_guard
+
         self.received.append(signum)
+        if self.is_reporting:
+            exit_guard.arm(EXIT_INTERRUPTED, f"second {signal.Signals(signum).name}")
+            return
         task = self.task
         if task is not None and not task.done() and len(self.received) == 1:
             task.cancel()
             task.get_loop().call_soon_threadsafe(lambda: None)  # wake the loop from its select
             return
+        if len(self.received) > 1 and exit_guard.arm(
+            EXIT_INTERRUPTED, f"second {signal.Signals(signum).name}"
+        ):
+            # whatever the unwinding waits on, the process ends (exit_guard.py); a later signal must not
+            # interrupt the stop line
+            if len(self.received) > 2:
+                return
         signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
 
     async def run(self, session: Any) -> Any:
@@ -120,6 +133,7 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
+    from tandemrl.config.preflight import check_before_services
     from tandemrl.config.show import render
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.metrics.startup import mark
@@ -130,6 +144,7 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
         os.environ.update(sm_percent_env(config, "actor"))  # the actor trains in this very process
     resolve_auto_devices(config)
     plan = plan_placement(config)
+    check_before_services(config)  # what `tandem config show --check` also runs
     for line in describe_plan(config, plan):
         log.info("%s", line)
     log.info(
@@ -185,7 +200,8 @@ def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
 
 
 def dry_run(config: Any) -> int:
-    """Print the plan: processes with node and GPUs, derived limits, weight-sync route; start nothing."""
+    """Print the plan: processes with node and GPUs, derived limits, weight-sync route, and each launched
+    server's command as the launch runs it (its interpreter, PYTHONPATH and key file); start nothing."""
     from tandemrl.cluster.placement import describe_plan, plan_placement
 
     plan = plan_placement(config)
@@ -205,9 +221,31 @@ def dry_run(config: Any) -> int:
                 server.host = f"<node {placement.node} address>"
             if section.port is None:
                 server.port = "<a free port>"  # chosen on its node at launch
-            lines.append(f"rollout engine {index} command: python {' '.join(server.command()[1:])}")
+            lines.append(f"rollout engine {index} command: {_launch_command(config, server)}")
     print("\n".join(["tandem train --dry-run: nothing started", *lines]))
     return 0
+
+
+def _launch_command(config: Any, server: Any) -> str:
+    """The command line a launch runs: every launched server gets the run's fresh API key, which SGLang
+    reads from a private `--config` file (made at launch) and vLLM from VLLM_API_KEY."""
+    args = server.command()
+    backend = config.rollout.backend
+    extra = list(getattr(config.rollout, backend).extra_args)
+    if backend == "sglang":
+        at = len(args) - len(extra)
+        args[at:at] = ["--config", "<args.yaml with the run's API key, in a private temp dir made at launch>"]
+    env = {k: v for k, v in (server.env or {}).items() if k == "PYTHONPATH"}
+    if backend == "vllm":
+        env["VLLM_API_KEY"] = "<the run's API key>"
+    words = [f"{key}={_quoted(value)}" for key, value in env.items()] + [_quoted(str(a)) for a in args]
+    return " ".join(words)
+
+
+def _quoted(word: str) -> str:
+    import shlex
+
+    return word if word.startswith("<") else shlex.quote(word)  # <...>: what the launch fills in
 
 
 def interrupted_line(config: Any, signum: int) -> str:
@@ -216,7 +254,10 @@ def interrupted_line(config: Any, signum: int) -> str:
     from tandemrl.trainer.checkpoint import latest_checkpoint
 
     output_dir = Path(config.runner.output_dir)
-    history = read_history(output_dir / "metrics.jsonl")
+    try:
+        history = read_history(output_dir / "metrics.jsonl", skipped=[])
+    except ValueError:  # a damaged metrics.jsonl must not hide the stop line
+        history = []
     last_step = int(history[-1]["step"]) if history else 0
     checkpoint = latest_checkpoint(output_dir)
     resume = f"resume with runner.resume_from={checkpoint}" if checkpoint else "no checkpoint to resume from"
@@ -229,7 +270,12 @@ def interrupted_line(config: Any, signum: int) -> str:
 
 
 def _report_interrupted(config: Any, received: list[int]) -> int:
+    from tandemrl.runner import exit_guard
+
     print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
+    sys.stderr.flush()
+    # everything is stopped: a thread still computing (asyncio's executor) must not keep the process
+    exit_guard.arm(EXIT_INTERRUPTED, "stopped, but a thread was still running")
     return EXIT_INTERRUPTED
 
 
@@ -260,8 +306,10 @@ def _run_held(config: Any) -> int:
     try:
         ctx = train(config, started_s=time.monotonic() - process_age_s())
     except KeyboardInterrupt:
+        interrupt.is_reporting = True
         return _report_interrupted(config, received)
     except Exception as error:
+        interrupt.is_reporting = bool(received)
         if received:
             # a signal outside the loop that library code turned into another error (see Interrupt)
             log.debug("after %s the run ended with %r", signal.Signals(received[0]).name, error)

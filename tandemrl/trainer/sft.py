@@ -91,12 +91,22 @@ def read_rendered(path: str | Path) -> list[TrainSample]:
             f"actor.sft.rendered_path={str(path)!r} does not exist; write a jsonl of "
             '{"input_ids": [...], "loss_mask": [...]} or unset it to render the demos.'
         )
+    from tandemrl.data.files import InputFileError, iter_json_lines
+
     samples = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            row = json.loads(line)
-            samples.append(TrainSample(row["input_ids"], row["loss_mask"], [0.0] * len(row["input_ids"])))
+    for line_number, row in iter_json_lines(path, "actor.sft.rendered_path"):
+        ids, mask = row.get("input_ids"), row.get("loss_mask")
+        if not _is_int_list(ids) or not _is_int_list(mask) or len(ids) != len(mask) or not ids:
+            raise InputFileError(
+                f"actor.sft.rendered_path {str(path)!r} line {line_number}: needs `input_ids` and `loss_mask`, "
+                "non-empty lists of integers of the same length."
+            )
+        samples.append(TrainSample(ids, mask, [0.0] * len(ids)))
     return samples
+
+
+def _is_int_list(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def write_rendered(path: Path, samples: list[TrainSample]) -> None:

@@ -176,7 +176,10 @@ def test_bad_values_name_key_and_fix(override, key):
 
 
 def test_staleness_warning(caplog):
-    config = load_config(None, ["data.rollout_batch_size=4", "rollout_buffer.max_buffered_groups=12"])
+    overrides = ["runner.async_mode=true", "agentloop.task_name=t"]  # max_head_offpolicyness is async's
+    config = load_config(
+        None, ["data.rollout_batch_size=4", "rollout_buffer.max_buffered_groups=12", *overrides]
+    )
     config.agentloop.max_actor_accept_staleness = 2  # < ceil(12 / 4) = 3
     with caplog.at_level(logging.WARNING):
         warnings = derive_and_validate(config)

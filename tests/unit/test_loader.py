@@ -151,5 +151,5 @@ def test_missing_file_and_empty_paths_say_what_to_do(tmp_path):
 def test_record_without_answers_is_refused(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"id": "1", "question": "q?"}) + "\n")
-    with pytest.raises(ValueError, match="row 0"):
+    with pytest.raises(ValueError, match="line 1"):
         load_prompts([path])

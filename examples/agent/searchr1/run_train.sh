@@ -1,0 +1,1 @@
+../../searchr1/run_train.sh

@@ -41,7 +41,9 @@ def load_callable(spec: str, key: str) -> Callable:
             )
         target = getattr(target, part)
     if not callable(target):
-        raise ConfigError(f"{where}: {attr!r} is a {type(target).__name__}, not a function. Name a callable.")
+        raise ConfigError(
+            f"{where}: {attr!r} is not callable (it is of type {type(target).__name__}). Name a function."
+        )
     return target
 
 

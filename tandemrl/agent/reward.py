@@ -212,13 +212,14 @@ def load_reward(config) -> RewardFunction:
     return reward
 
 
-def reward_extra_means(source: str, trajectories: list) -> dict[str, float]:
-    """`rollout/reward_extra/<name>/<source>`: the mean of each extra metric the reward returned."""
-    sums: dict[str, list[float]] = {}
+def reward_extra_means(trajectories: list) -> dict[str, float]:
+    """Per extra metric a reward function returned, its mean over the trajectories that have it (logged
+    as `rollout/reward_extra/<name>/<source>`, and in `tandem eval`'s summary as `reward_extra/<name>`)."""
+    values: dict[str, list[float]] = {}
     for traj in trajectories:
         for name, value in getattr(traj, "reward_extra", {}).items():
-            sums.setdefault(name, []).append(value)
-    return {f"rollout/reward_extra/{name}/{source}": sum(v) / len(v) for name, v in sorted(sums.items())}
+            values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
 
 
 def _accepted_args(fn: Callable, key: str) -> tuple[str, ...]:

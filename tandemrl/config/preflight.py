@@ -16,6 +16,11 @@ from tandemrl.config.errors import ConfigError
 
 def check_startable(config: Any) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
+    from tandemrl.agent.tools import check_plugins
+    from tandemrl.metrics.trackers import check_installed
+
+    check_installed(config.metrics.trackers)  # the optional extras, with their install line
+    check_plugins(config)  # reward.function and tools.<name>.function import, and the reward's dry call
     rollout = config.rollout
     if not rollout.server_addrs and rollout.backend not in ("embedded", "sglang"):
         raise ConfigError(

@@ -625,7 +625,11 @@ class ToolsConfig:
             taken[tool.tag] = f"tools.{name}.tag"
         for name, tool in self.custom.items():  # results may share a tag, never with a tool or the format
             _check_tag(f"tools.{name}.result_tag", tool.result_tag)
-            owner = "the Search-R1 format" if tool.result_tag in RESERVED_TOOL_TAGS else taken.get(tool.result_tag)
+            owner = (
+                "the Search-R1 format"
+                if tool.result_tag in RESERVED_TOOL_TAGS
+                else taken.get(tool.result_tag)
+            )
             _check(
                 owner is None,
                 f"tools.{name}.result_tag",

@@ -1,0 +1,124 @@
+"""The experiment trackers behind MetricsLogger: TensorBoard, wandb (offline) and MLflow (a local file
+store) each get every metric under its name at its step, with the resolved config; a tracker that cannot
+start fails in one line; one that raises later is dropped with one warning while the others go on."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from tandemrl.config.loader import load_config
+from tandemrl.metrics.logger import MetricsLogger, read_history, read_tensorboard_scalars
+from tandemrl.metrics.trackers import MlflowTracker, TrackerError, check_installed, resolved_config
+from tests.tracker_readback import mlflow_run, offline_wandb, wandb_offline_run
+
+STEPS = {
+    1: {"rollout/reward/mean": 0.25, "time/step": 3.5, "val/em/kb_1hop": 0.5},
+    2: {"rollout/reward/mean": 0.75, "time/step": 2.0, "train/actor/lr": 1e-6},
+}
+
+
+def make_logger(tmp_path, *overrides):
+    config = load_config(None, [f"runner.output_dir={tmp_path / 'run'}", *overrides])
+    return config, MetricsLogger(
+        config.runner.output_dir,
+        max_steps=2,
+        show_progress=False,
+        metrics_cfg=config.metrics,
+        config=resolved_config(config),
+    )
+
+
+def test_every_metric_reaches_every_tracker_at_its_step(tmp_path, monkeypatch):
+    offline_wandb(monkeypatch, tmp_path)
+    config, logger = make_logger(
+        tmp_path,
+        "metrics.trackers=[tensorboard,wandb,mlflow]",
+        "metrics.wandb.project=proj",
+        "rollout.api_key=secret-engine-key",
+    )
+    for step, metrics in STEPS.items():
+        logger.log(step, metrics)
+    logger.close()
+    expected = {}
+    for step, metrics in STEPS.items():
+        for key, value in metrics.items():
+            expected.setdefault(key, []).append((step, value))
+    output_dir = tmp_path / "run"
+    tensorboard = read_tensorboard_scalars(output_dir / "tensorboard")
+    wandb_run = wandb_offline_run(output_dir)
+    mlflow = mlflow_run(output_dir)
+    for name, history in (
+        ("tensorboard", tensorboard),
+        ("wandb", wandb_run["history"]),
+        ("mlflow", mlflow["history"]),
+    ):
+        got = {key: [(s, pytest.approx(v, rel=1e-6)) for s, v in values] for key, values in history.items()}
+        assert got == expected, name
+    assert wandb_run["project"] == "proj" and wandb_run["name"] == "run"
+    assert wandb_run["config"]["data"]["rollout_batch_size"] == config.data.rollout_batch_size
+    assert mlflow["params"]["data.rollout_batch_size"] == str(config.data.rollout_batch_size)
+    assert mlflow["status"] == "FINISHED"
+    for attached in (wandb_run["config"]["rollout"]["api_key"], mlflow["params"]["rollout.api_key"]):
+        assert attached == "<set>"  # a secret is never sent to a dashboard
+    assert [row["step"] for row in read_history(output_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_a_tracker_raising_mid_run_is_dropped_with_one_warning(tmp_path, monkeypatch, caplog):
+    """MlflowTracker.log raising stands in for the tracking store failing (disk full, server gone)."""
+    offline_wandb(monkeypatch, tmp_path)
+    _, logger = make_logger(tmp_path, "metrics.trackers=[tensorboard,mlflow]")
+    calls = []
+
+    def failing_log(self, step, metrics):
+        calls.append(step)
+        raise OSError("No space left on device")
+
+    logger.log(1, STEPS[1])
+    monkeypatch.setattr(MlflowTracker, "log", failing_log)
+    with caplog.at_level(logging.WARNING):
+        logger.log(2, STEPS[2])
+        logger.log(3, {"rollout/reward/mean": 1.0})
+        logger.close()
+    warnings = [r.message for r in caplog.records if "metrics.trackers" in r.message]
+    assert (
+        len(warnings) == 1
+        and "mlflow logging step 2 failed" in warnings[0]
+        and "No space left" in warnings[0]
+    )
+    assert calls == [2]  # dropped after its first failure
+    assert [
+        s for s, _ in read_tensorboard_scalars(tmp_path / "run" / "tensorboard")["rollout/reward/mean"]
+    ] == [1, 2, 3]
+    assert [r["step"] for r in read_history(tmp_path / "run" / "metrics.jsonl")] == [1, 2, 3]
+    assert [s for s, _ in mlflow_run(tmp_path / "run")["history"]["rollout/reward/mean"]] == [1]
+
+
+def test_a_tracker_that_cannot_start_fails_in_one_line(tmp_path, monkeypatch):
+    offline_wandb(monkeypatch, tmp_path)
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    with pytest.raises(TrackerError) as error:
+        make_logger(
+            tmp_path,
+            "metrics.trackers=[tensorboard,mlflow]",
+            f"metrics.mlflow.tracking_uri=file://{not_a_dir}/mlruns",
+        )
+    message = str(error.value)
+    assert message.startswith("metrics.trackers: mlflow failed to start: ") and "\n" not in message
+
+
+def test_a_tracker_that_is_not_installed_is_refused_with_the_install_line(monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a)
+    )
+    with pytest.raises(
+        Exception,
+        match=r"metrics.trackers names wandb, which is not installed. Install it with `pip install 'tandemrl\[wandb\]'`",
+    ):
+        check_installed(["tensorboard", "wandb"])
+    check_installed(["tensorboard", "mlflow"])

@@ -1,6 +1,6 @@
-"""Read metrics back from what the trackers wrote: the wandb offline run files and the MLflow file store.
+"""Read metrics back from what the trackers wrote: the wandb offline run files and the MLflow local store.
 
-A `.wandb` file is wandb's transaction log: a 7-byte header, then LevelDB-log records (32 KiB blocks,
+MLflow: its client over the store. A `.wandb` file is wandb's transaction log: a 7-byte header, then LevelDB-log records (32 KiB blocks,
 each record a 7-byte header: CRC32, length, type FULL/FIRST/MIDDLE/LAST) holding `Record` protobufs of
 wandb's own schema (`wandb.proto.wandb_internal_pb2`). wandb 0.31 ships no Python reader for it.
 """
@@ -8,7 +8,6 @@ wandb's own schema (`wandb.proto.wandb_internal_pb2`). wandb 0.31 ships no Pytho
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 
@@ -63,11 +62,10 @@ def _log_records(data: bytes) -> list[bytes]:
 
 def mlflow_run(output_dir: Path, experiment_name: str = "tandemrl") -> dict:
     """{"params": {...}, "history": {metric: [(step, value)]}, "status"} of the one run of the MLflow
-    file store at `<output_dir>/mlruns`."""
-    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    store a run writes by default, `sqlite:///<output_dir>/mlflow.db`."""
     from mlflow.tracking import MlflowClient
 
-    client = MlflowClient(tracking_uri=(Path(output_dir) / "mlruns").resolve().as_uri())
+    client = MlflowClient(tracking_uri=f"sqlite:///{(Path(output_dir) / 'mlflow.db').resolve()}")
     experiment = client.get_experiment_by_name(experiment_name)
     runs = client.search_runs([experiment.experiment_id])
     assert len(runs) == 1, f"expected one mlflow run, found {len(runs)}"
@@ -93,6 +91,5 @@ def offline_wandb(monkeypatch, root: Path) -> None:
         "WANDB_CACHE_DIR": str(root / "wandb_cache"),
         "WANDB_DATA_DIR": str(root / "wandb_data"),
         "WANDB_DISABLE_GIT": "true",
-        "MLFLOW_ALLOW_FILE_STORE": "true",
     }.items():
         monkeypatch.setenv(name, value)

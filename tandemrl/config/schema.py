@@ -659,10 +659,23 @@ class WandbConfig:
 
 @dataclass
 class MlflowConfig:
-    # None: a local file store, file:<output_dir>/mlruns; or a server (http://host:5000), sqlite:///...
+    # None: a local store in the run directory, sqlite:///<output_dir>/mlflow.db; or a server
+    # (http://host:5000), or another database (sqlite:///path/mlflow.db, postgresql://...)
     tracking_uri: str | None = None
     experiment_name: str = "tandemrl"
     run_name: str | None = None  # None: the name of runner.output_dir
+
+    def __post_init__(self):
+        uri = self.tracking_uri
+        _check(
+            uri is None or ("://" in uri and not uri.startswith("file:")),
+            "metrics.mlflow.tracking_uri",
+            uri,
+            "is MLflow's file-system store, which cannot hold a metric named like the prefix of another "
+            "(time/sync_weights and time/sync_weights/pause)",
+            "Use a database (sqlite:///path/to/mlflow.db), a tracking server (http://host:5000), or leave it "
+            "unset for sqlite:///<runner.output_dir>/mlflow.db.",
+        )
 
 
 @dataclass

@@ -94,10 +94,9 @@ class MlflowTracker:
     name = "mlflow"
 
     def __init__(self, cfg: Any, output_dir: Path, config: dict | None, run_id: str | None):
-        uri = cfg.tracking_uri
-        if uri is None:  # the local file store; MLflow 3 asks for an explicit opt-in to it
-            uri = (output_dir / "mlruns").resolve().as_uri()
-            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        # None: a local SQLite store in the run directory (MLflow's file-system store cannot hold a metric
+        # whose name is also the prefix of another, such as time/sync_weights and time/sync_weights/pause)
+        uri = cfg.tracking_uri or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
         from mlflow.tracking import MlflowClient
 
         self._client = client = MlflowClient(tracking_uri=uri)

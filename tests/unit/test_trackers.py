@@ -9,13 +9,24 @@ import logging
 import pytest
 
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tandemrl.metrics.logger import MetricsLogger, read_history, read_tensorboard_scalars
 from tandemrl.metrics.trackers import MlflowTracker, TrackerError, check_installed, resolved_config
 from tests.tracker_readback import mlflow_run, offline_wandb, wandb_offline_run
 
-STEPS = {
-    1: {"rollout/reward/mean": 0.25, "time/step": 3.5, "val/em/kb_1hop": 0.5},
-    2: {"rollout/reward/mean": 0.75, "time/step": 2.0, "train/actor/lr": 1e-6},
+STEPS = {  # a name that is also the prefix of others, as in SPEC §7 (time/sync_weights and its parts)
+    1: {
+        "rollout/reward/mean": 0.25,
+        "time/sync_weights": 3.5,
+        "time/sync_weights/pause": 0.5,
+        "val/em/kb_1hop": 0.5,
+    },
+    2: {
+        "rollout/reward/mean": 0.75,
+        "time/sync_weights": 2.0,
+        "time/sync_weights/pause": 0.25,
+        "train/actor/lr": 1e-6,
+    },
 }
 
 
@@ -103,10 +114,15 @@ def test_a_tracker_that_cannot_start_fails_in_one_line(tmp_path, monkeypatch):
         make_logger(
             tmp_path,
             "metrics.trackers=[tensorboard,mlflow]",
-            f"metrics.mlflow.tracking_uri=file://{not_a_dir}/mlruns",
+            f"metrics.mlflow.tracking_uri=sqlite:///{not_a_dir}/mlflow.db",
         )
     message = str(error.value)
     assert message.startswith("metrics.trackers: mlflow failed to start: ") and "\n" not in message
+
+
+def test_the_mlflow_file_store_is_refused_for_its_metric_names():
+    with pytest.raises(ConfigError, match="cannot hold a metric named like the prefix of another"):
+        load_config(None, ["metrics.mlflow.tracking_uri=file:///tmp/mlruns"])
 
 
 def test_a_tracker_that_is_not_installed_is_refused_with_the_install_line(monkeypatch):

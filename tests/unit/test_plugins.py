@@ -251,3 +251,9 @@ def test_the_example_reward(plugins):
     reward = load_reward(load_config(None, [f"reward.function={EXAMPLE_REWARD}"]))
     score, extra = reward("Paris", ["Paris"], "", ["a", "b", "c"], "kb")
     assert score == pytest.approx(1.0 - 2 * 0.05) and extra == {"f1": 1.0, "searches": 3.0}
+
+
+def test_tandem_eval_refuses_a_broken_reward_before_starting_anything(plugins, capsys):
+    code = main(["eval", str(CONFIG), f"reward.function={plugins / 'my_rewards.py'}:as_text"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "returned str '1.0'" in err, err

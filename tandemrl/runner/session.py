@@ -157,14 +157,20 @@ async def run_session(
         engine.mark_weight_version(weight_version)
     driver = build_driver(config, engines, search, tokenizer, weight_version, resume_state, prepared.loader)
     val_prompts = prepared.val_prompts
-    logger = MetricsLogger(
-        output_dir,
-        runner.max_steps,
-        start_step=start_step,
-        is_async=runner.async_mode,
-        metrics_cfg=config.metrics,
-        config=resolved_config(config),
-    )
+    try:  # the trackers start here: one that cannot fails the run in one line (TrackerError)
+        logger = MetricsLogger(
+            output_dir,
+            runner.max_steps,
+            start_step=start_step,
+            is_async=runner.async_mode,
+            metrics_cfg=config.metrics,
+            config=resolved_config(config),
+        )
+    except BaseException:
+        await search.close()
+        for engine in engines:
+            await engine.close()
+        raise
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )

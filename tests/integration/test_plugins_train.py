@@ -137,3 +137,27 @@ def test_the_custom_reward_is_the_logged_reward(run):
             golds = [len(r["golden_answers"][0]) for r in rows if r["data_source"] == source]
             logged = dict(tensorboard[f"rollout/reward_extra/gold_chars/{source}"])[step]
             assert logged == pytest.approx(sum(golds) / len(golds), rel=1e-6)
+
+
+def test_a_tracker_that_cannot_start_fails_tandem_train_in_one_line(
+    tmp_path, tmp_path_factory, minilm_dir, tiny_llama_dir, capsys
+):
+    """MLflow pointed at a database under a regular file: `tandem train` starts the services, the tracker
+    fails as the runner begins, and the CLI prints one line (no traceback) and exits 2, services stopped."""
+    from tandemrl.cli import main
+
+    kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
+    not_a_dir = tmp_path / "a_file"
+    not_a_dir.write_text("")
+    overrides = tiny_overrides(tiny_llama_dir, kb_dir, index_dir, tmp_path / "run") + [
+        "runner.max_steps=1",
+        "metrics.trackers=[tensorboard,mlflow]",
+        f"metrics.mlflow.tracking_uri=sqlite:///{not_a_dir}/mlflow.db",
+    ]
+    code = main(["train", "examples/searchr1/config/embedded_cpu_sync.yaml", *overrides])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err, err
+    errors = [line for line in err.splitlines() if line.startswith("tandem:")]
+    assert len(errors) == 1, err
+    assert errors[0].startswith("tandem: configuration error: metrics.trackers: mlflow failed to start: ")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # no step ran

@@ -138,3 +138,24 @@ def test_a_tracker_that_is_not_installed_is_refused_with_the_install_line(monkey
     ):
         check_installed(["tensorboard", "wandb"])
     check_installed(["tensorboard", "mlflow"])
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """The wandb and mlflow run ids are kept in trackers.json; a second logger on the same output_dir
+    (what a resume does) logs into the same runs."""
+    import json
+
+    offline_wandb(monkeypatch, tmp_path)
+    _, first = make_logger(tmp_path, "metrics.trackers=[wandb,mlflow]")
+    first.log(1, STEPS[1])
+    first.close()
+    ids = json.loads((tmp_path / "run" / "trackers.json").read_text())
+    _, resumed = make_logger(tmp_path, "metrics.trackers=[wandb,mlflow]")
+    assert {t.name: t.run_id for t in resumed.trackers} == ids
+    resumed.log(2, STEPS[2])
+    resumed.close()
+    mlflow = mlflow_run(tmp_path / "run")  # one run, both steps
+    assert mlflow["run_id"] == ids["mlflow"] and [s for s, _ in mlflow["history"]["rollout/reward/mean"]] == [
+        1,
+        2,
+    ]

@@ -257,3 +257,19 @@ def test_tandem_eval_refuses_a_broken_reward_before_starting_anything(plugins, c
     code = main(["eval", str(CONFIG), f"reward.function={plugins / 'my_rewards.py'}:as_text"])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "returned str '1.0'" in err, err
+
+
+def test_tandem_demo_refuses_a_broken_reward_before_the_cold_start(plugins, capsys, monkeypatch):
+    """`tandem demo reward.function=...`: the demo scores with the same function, so it checks it before
+    its cold start and RL run (preparing the embedded defaults is skipped here; it is idempotent)."""
+    import tandemrl.runner.demo as demo
+
+    cold_starts = []
+    monkeypatch.setattr(demo, "ensure_prepared", lambda: None)
+    monkeypatch.setattr(demo, "ensure_cold_start", lambda config, mode: cold_starts.append(mode))
+    code = main(
+        ["demo", "--cold-start", "never", f"reward.function={plugins / 'my_rewards.py'}:not_a_number"]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "reward.function=" in err and "returned nan" in err, err
+    assert cold_starts == []

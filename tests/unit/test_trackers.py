@@ -5,6 +5,7 @@ start fails in one line; one that raises later is dropped with one warning while
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 
@@ -125,19 +126,28 @@ def test_the_mlflow_file_store_is_refused_for_its_metric_names():
         load_config(None, ["metrics.mlflow.tracking_uri=file:///tmp/mlruns"])
 
 
-def test_a_tracker_that_is_not_installed_is_refused_with_the_install_line(monkeypatch):
+def test_a_tracker_that_is_not_installed_is_refused_with_the_install_line(monkeypatch, capsys):
+    """`tandem config show` (and `tandem train`, through the same preflight) with wandb made unfindable,
+    as on a machine without the extra."""
     import importlib.util
+
+    from tandemrl.cli import main
 
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a)
     )
-    with pytest.raises(
-        Exception,
-        match=r"metrics.trackers names wandb, which is not installed. Install it with `pip install 'tandemrl\[wandb\]'`",
-    ):
-        check_installed(["tensorboard", "wandb"])
+    config = str(
+        Path(__file__).resolve().parents[2] / "examples" / "searchr1" / "config" / "embedded_cpu_async.yaml"
+    )
+    assert main(["config", "show", config, "metrics.trackers=[tensorboard,wandb]"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "tandem: configuration error: metrics.trackers names wandb, which is not installed. Install it with "
+        "`pip install 'tandemrl[wandb]'`, or remove wandb from metrics.trackers.\n"
+    )
     check_installed(["tensorboard", "mlflow"])
+    assert main(["config", "show", config, "metrics.trackers=[tensorboard,mlflow]"]) == 0
 
 
 def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):

@@ -76,16 +76,17 @@ class SearchCall:
 class FunctionTool:
     """A plug-in tool: `fn(input: str) -> str` (plain or async) answers `<tag> input </tag>` with
     `<result_tag>output</result_tag>`; a plain function runs in a worker thread, so it never stalls the
-    other trajectories."""
+    other trajectories (past `timeout_s` the model gets an error text; the thread runs on until the
+    function returns, as Python threads cannot be stopped)."""
 
     def __init__(self, name: str, fn: Callable, tag: str, result_tag: str, max_tokens: int, timeout_s: float):
         self.name, self.fn, self.tag = name, fn, tag
         self.max_tokens, self.timeout_s = max_tokens, timeout_s
-        self.open, self.close = f"\n\n<{result_tag}>", f"</{result_tag}>\n\n"
+        self.opening, self.closing = f"\n\n<{result_tag}>", f"</{result_tag}>\n\n"
         self._warned = False
 
     def min_tokens(self, tokenizer) -> int:
-        return len(encode_text(tokenizer, self.open + self.close))
+        return len(encode_text(tokenizer, self.opening + self.closing))
 
     async def call(self, content: str, tokenizer, max_tokens: int) -> ToolOutput:
         try:
@@ -107,15 +108,15 @@ class FunctionTool:
 
     def _block(self, text: str, tokenizer, max_tokens: int) -> str:
         """The result block, its text cut by tokens so that the block fits `max_tokens`."""
-        block = self.open + text + self.close
+        block = self.opening + text + self.closing
         if len(encode_text(tokenizer, block)) <= max_tokens:
             return block
         room = max(0, max_tokens - self.min_tokens(tokenizer) - 1)
         cut = tokenizer.decode(encode_text(tokenizer, text)[:room])
-        while room > 0 and len(encode_text(tokenizer, self.open + cut + self.close)) > max_tokens:
+        while room > 0 and len(encode_text(tokenizer, self.opening + cut + self.closing)) > max_tokens:
             room -= 1  # decoding and re-encoding may merge tokens differently at the edges
             cut = tokenizer.decode(encode_text(tokenizer, text)[:room])
-        return self.open + (cut if room > 0 else "") + self.close
+        return self.opening + (cut if room > 0 else "") + self.closing
 
 
 class AgentEnv:

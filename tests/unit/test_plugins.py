@@ -273,3 +273,32 @@ def test_tandem_demo_refuses_a_broken_reward_before_the_cold_start(plugins, caps
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "reward.function=" in err and "returned nan" in err, err
     assert cold_starts == []
+
+
+def test_async_tools_non_text_results_and_timeouts(tokenizer):
+    """FunctionTool directly: an `async def` tool runs on the loop; a result that is not text and a call
+    that never returns (past timeout_s) answer with an error text inside the result block."""
+    from tandemrl.agent.tools import FunctionTool
+
+    async def shout(text: str) -> str:
+        return text.upper()
+
+    async def never_returns(text: str) -> str:
+        await asyncio.Event().wait()
+        return text
+
+    def a_number(text: str):
+        return 42
+
+    async def call(fn, timeout_s=10.0):
+        return await FunctionTool("t", fn, "t", "result", 64, timeout_s).call("abc", tokenizer, 64)
+
+    ok = asyncio.run(call(shout))
+    assert (ok.text, ok.is_error) == ("\n\n<result>ABC</result>\n\n", False)
+    wrong_type = asyncio.run(call(a_number))
+    assert (
+        wrong_type.is_error
+        and wrong_type.text == "\n\n<result>tool t failed: TypeError: returned int, not str</result>\n\n"
+    )
+    stuck = asyncio.run(call(never_returns, timeout_s=0.01))
+    assert stuck.is_error and stuck.text == "\n\n<result>tool t timed out after 0.01 s</result>\n\n"

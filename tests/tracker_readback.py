@@ -79,11 +79,14 @@ def mlflow_run(output_dir: Path, experiment_name: str = "tandemrl") -> dict:
         "history": history,
         "status": run.info.status,
         "run_id": run.info.run_id,
+        "artifact_uri": run.info.artifact_uri,
+        "artifacts": [a.path for a in client.list_artifacts(run.info.run_id)],
     }
 
 
 def offline_wandb(monkeypatch, root: Path) -> None:
-    """wandb offline, silent, with its config, cache and data dirs under `root` (never the user's home)."""
+    """wandb offline, silent, with its config, cache and data dirs under `root` (never the user's home);
+    MLflow's telemetry off (it writes ~/.config/mlflow and reports over the network)."""
     for name, value in {
         "WANDB_MODE": "offline",
         "WANDB_SILENT": "true",
@@ -91,5 +94,6 @@ def offline_wandb(monkeypatch, root: Path) -> None:
         "WANDB_CACHE_DIR": str(root / "wandb_cache"),
         "WANDB_DATA_DIR": str(root / "wandb_data"),
         "WANDB_DISABLE_GIT": "true",
+        "MLFLOW_DISABLE_TELEMETRY": "true",
     }.items():
         monkeypatch.setenv(name, value)

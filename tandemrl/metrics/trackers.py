@@ -97,13 +97,17 @@ class MlflowTracker:
         # None: a local SQLite store in the run directory (MLflow's file-system store cannot hold a metric
         # whose name is also the prefix of another, such as time/sync_weights and time/sync_weights/pause)
         uri = cfg.tracking_uri or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
+        # artifacts (config.json) beside it; MLflow's default is ./mlruns under the current directory
+        artifacts = None if cfg.tracking_uri else (output_dir / "mlflow_artifacts").resolve().as_uri()
         from mlflow.tracking import MlflowClient
 
         self._client = client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             experiment = client.get_experiment_by_name(cfg.experiment_name)
             experiment_id = (
-                experiment.experiment_id if experiment else client.create_experiment(cfg.experiment_name)
+                experiment.experiment_id
+                if experiment
+                else client.create_experiment(cfg.experiment_name, artifact_location=artifacts)
             )
             run_id = client.create_run(experiment_id, run_name=cfg.run_name or output_dir.name).info.run_id
             if config is not None:

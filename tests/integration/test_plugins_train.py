@@ -140,12 +140,13 @@ def test_the_custom_reward_is_the_logged_reward(run):
 
 
 def test_a_tracker_that_cannot_start_fails_tandem_train_in_one_line(
-    tmp_path, tmp_path_factory, minilm_dir, tiny_llama_dir, capsys
+    tmp_path, tmp_path_factory, minilm_dir, tiny_llama_dir, capsys, monkeypatch
 ):
     """MLflow pointed at a database under a regular file: `tandem train` starts the services, the tracker
     fails as the runner begins, and the CLI prints one line (no traceback) and exits 2, services stopped."""
     from tandemrl.cli import main
 
+    offline_wandb(monkeypatch, tmp_path)
     kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
     not_a_dir = tmp_path / "a_file"
     not_a_dir.write_text("")

@@ -71,7 +71,8 @@ def test_every_metric_reaches_every_tracker_at_its_step(tmp_path, monkeypatch):
     assert wandb_run["project"] == "proj" and wandb_run["name"] == "run"
     assert wandb_run["config"]["data"]["rollout_batch_size"] == config.data.rollout_batch_size
     assert mlflow["params"]["data.rollout_batch_size"] == str(config.data.rollout_batch_size)
-    assert mlflow["status"] == "FINISHED"
+    assert mlflow["status"] == "FINISHED" and mlflow["artifacts"] == ["config.json"]
+    assert mlflow["artifact_uri"].startswith((output_dir / "mlflow_artifacts").resolve().as_uri())
     for attached in (wandb_run["config"]["rollout"]["api_key"], mlflow["params"]["rollout.api_key"]):
         assert attached == "<set>"  # a secret is never sent to a dashboard
     assert [row["step"] for row in read_history(output_dir / "metrics.jsonl")] == [1, 2]

@@ -2,7 +2,8 @@
 
 `load_config` checks the keys and their combinations; these checks need the machine: the engines tandem
 can launch, and the model directories this node reads (the driver loads the tokenizer from the model
-path, the actor its weights). Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths
+path, the actor its weights), the optional tracker packages, and the plug-ins (`reward.function` and
+`tools.<name>.function` import; the reward's dry call returns a finite number). No torch. On a cluster (`cluster.num_nodes > 1`) model paths
 live on the nodes and are not checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 """
 

@@ -17,6 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
+from tandemrl.agent.reward import reward_extra_means
 from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,8 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:
             "answered": sum(t.answer is not None for t in trajs) / num,
             "search_errors": sum(t.num_search_errors for t in trajs),
         }
+        extra = reward_extra_means(trajs)  # a reward function's other metrics
+        summary[source].update({f"reward_extra/{name}": value for name, value in extra.items()})
     return summary
 
 
@@ -70,7 +73,7 @@ def finish_reasons(trajectories: list[Trajectory]) -> dict[str, dict[str, int]]:
 
 
 def format_summary(summary: dict[str, dict[str, float]]) -> str:
-    columns = ["num", "em", "searches", "turns", "response_length", "answered", "search_errors"]
+    columns = ["num", "em", "reward", "searches", "turns", "response_length", "answered", "search_errors"]
     width = max(len(OVERALL), *(len(source) for source in summary)) + 2
     lines = ["source".ljust(width) + "".join(c.rjust(16) for c in columns)]
     for source, row in summary.items():
@@ -104,8 +107,10 @@ def run_eval(args) -> int:
     from tandemrl.runner.services import Services, model_path
 
     config = load_config(args.config, args.overrides)
+    from tandemrl.agent.tools import check_plugins
     from tandemrl.data.loader import load_prompts
 
+    check_plugins(config)  # the reward and the tools, before any service starts
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: evaluate at least one question (--limit >= 1), or omit it.")
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
@@ -175,12 +180,13 @@ async def _evaluate(
     """The prompts split over the engines (in order, so the results keep the file order); `keys` are the
     engines' and the retrieval server's API keys."""
     from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.agent.tools import build_env
     from tandemrl.rollout.backends import make_client
 
     search_cfg = config.tools.search
     engine_key, search_key = keys
     engines = [make_client(config.rollout.backend, url, api_key=engine_key) for url in urls]
-    search = SearchTool.from_config(addr, search_cfg, search_key)
+    search = build_env(config, SearchTool.from_config(addr, search_cfg, search_key))  # tools + reward
     size = -(-len(prompts) // len(engines))
     try:
         shards = await asyncio.gather(

@@ -1,9 +1,13 @@
 """The Search-R1 agent loop: one trajectory = generate, parse, search, insert the results, repeat.
 
-    prompt ids ─► engine.generate (stop at </search>, </answer>, EOS) ─► parse the turn's action
-        answer  ─► done
+    prompt ids ─► engine.generate (stop at </search>, </answer>, </tool tags>, EOS) ─► parse the turn's action
+        answer  ─► done ─► reward (env.reward: built-in EM, or reward.function)
         search  ─► search tool ─► information block (masked) ─► next turn
+        <tag>   ─► the plug-in tool of that tag ─► result block (masked) ─► next turn
         invalid ─► Search-R1's correction message (masked)    ─► next turn
+
+The tools and the reward come in an `AgentEnv` (agent/tools.py); a bare search tool stands for the
+built-in environment (search only, exact match).
 
 Invariants:
 - token in, token out: the ids the engine sampled are appended exactly as returned, with their
@@ -11,12 +15,13 @@ Invariants:
   messages) is tokenized here, and it gets mask 0, logprob 0.0 and weight version -1.
 - budgets: the response (model + tool tokens after the prompt) never exceeds
   `max_response_tokens`; one information block never exceeds `max_info_tokens`.
-- turns: at most `max_turns + 1` generation turns, so at most `max_turns` searches, and the
-  last turn must answer (as in Search-R1). A search in that last turn is not run: the model gets
+- turns: at most `max_turns + 1` generation turns, so at most `max_turns` tool calls (searches or
+  plug-in tools), and the last turn must answer (as in Search-R1). A tool call in that last turn is not run: the model gets
   the masked "answer now" message and one grace turn; anything but an answer then ends the
   trajectory with finish_reason "max_turns". An invalid last turn ends it at once.
 - a retrieval failure (SearchError after the tool's retries) becomes an error text inside the
-  information block, is counted in `num_search_errors`, and the loop goes on.
+  information block, is counted in `num_search_errors`, and the loop goes on; a plug-in tool's
+  failure likewise, counted in `num_tool_errors`.
 - a turn that ends at EOS (or at the per-turn token limit) without a closing tag is an invalid
   action like any other: the correction message follows, as in Search-R1 and slime, and the EOS
   stays in the response exactly as sampled.
@@ -31,20 +36,16 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from tandemrl.agent.parser import ANSWER, SEARCH, Action, extract_answer, parse_action
+from tandemrl.agent.parser import ANSWER, INVALID, SEARCH, Action, extract_answer, parse_action
 from tandemrl.agent.prompt import (
     ANSWER_NOW_TEXT,
-    INFO_CLOSE,
-    INFO_OPEN,
     INVALID_ACTION_TEXT,
     STOP_STRINGS,
     build_prompt_ids,
     encode_text,
-    format_information,
-    format_message,
 )
-from tandemrl.agent.reward import em_check, score_answer
-from tandemrl.agent.search_tool import SearchError
+from tandemrl.agent.reward import em_check
+from tandemrl.agent.tools import AgentEnv
 
 if TYPE_CHECKING:
     from tandemrl.agent.search_tool import SearchTool
@@ -69,6 +70,7 @@ class Trajectory:
     rollout_logprobs: list[float] = field(default_factory=list)  # 0.0 where mask is 0
     weight_versions: list[int] = field(default_factory=list)  # -1 where mask is 0 (or unknown)
     searches: list[str] = field(default_factory=list)  # the queries sent to the retriever
+    tool_calls: list[dict] = field(default_factory=list)  # plug-in tool calls: {"tool": tag, "input": text}
     num_turns: int = 0  # generation requests made
     finish_reason: str = ""
     reward: float = 0.0
@@ -82,9 +84,12 @@ class Trajectory:
     answer: str | None = None  # the last <answer> the model wrote (tool text never counts)
     response_text: str = ""  # the transcript after the prompt: decoded model turns + tool text
     num_search_errors: int = 0
+    num_tool_errors: int = 0  # plug-in tool calls that failed (their error text went to the model)
     num_invalid_actions: int = 0
+    reward_extra: dict[str, float] = field(default_factory=dict)  # a reward function's other metrics
     # where the trajectory's wall time went (seconds): waiting on the engine (of which inside its server, where
-    # the server reports it), on searches, and in all (the rest is the agent's own host work and queuing)
+    # the server reports it), on searches, and in all (the rest is the agent's own host work, other tools
+    # and queuing)
     wall_s: float = 0.0
     generate_s: float = 0.0
     server_s: float = 0.0
@@ -117,7 +122,7 @@ async def run_group(
     prompt: Prompt,
     group_size: int,
     engine: EngineClient,
-    search: SearchTool,
+    env: AgentEnv | SearchTool,
     tokenizer,
     cfg: AgentLoopConfig,
     greedy: bool = False,
@@ -128,7 +133,7 @@ async def run_group(
     """
     prompt_ids = build_prompt_ids(tokenizer, prompt.question)
     coroutines = [
-        run_trajectory(prompt, engine, search, tokenizer, cfg, greedy, sample_index=i, prompt_ids=prompt_ids)
+        run_trajectory(prompt, engine, env, tokenizer, cfg, greedy, sample_index=i, prompt_ids=prompt_ids)
         for i in range(group_size)
     ]
     return await gather_or_cancel(coroutines)
@@ -149,14 +154,17 @@ async def gather_or_cancel(coroutines: list) -> list:
 async def run_trajectory(
     prompt: Prompt,
     engine: EngineClient,
-    search: SearchTool,
+    env: AgentEnv | SearchTool,
     tokenizer,
     cfg: AgentLoopConfig,
     greedy: bool = False,
     sample_index: int = 0,
     prompt_ids: list[int] | None = None,
 ) -> Trajectory:
-    """Run one Search-R1 trajectory to its end and score it."""
+    """Run one Search-R1 trajectory to its end and score it; `env` is the run's AgentEnv, or a bare
+    search tool for the built-in one."""
+    if not isinstance(env, AgentEnv):
+        env = AgentEnv.builtin(env, cfg.max_info_tokens, cfg.format_reward)
     if prompt_ids is None:
         prompt_ids = build_prompt_ids(tokenizer, prompt.question)
     traj = Trajectory(
@@ -179,7 +187,7 @@ async def run_trajectory(
         generate_start_s = time.monotonic()
         result = await engine.generate(
             traj.prompt_ids + traj.response_ids,
-            sampling_params(cfg, tokenizer, max_new_tokens, greedy),
+            sampling_params(cfg, tokenizer, max_new_tokens, greedy, env.stop_strings),
             rid=f"{rid_prefix}-t{traj.num_turns}",
             extra={"task_name": cfg.task_name},
         )
@@ -189,30 +197,31 @@ async def run_trajectory(
         if result.finish_reason == "abort":
             traj.finish_reason = FINISH_ABORT
             break
-        message = await _respond(traj, parse_action(turn_text), is_grace_turn, search, tokenizer, cfg)
+        message = await _respond(traj, parse_action(turn_text, env.tags), is_grace_turn, env, tokenizer, cfg)
         is_grace_turn = message == ANSWER_NOW_TEXT
         if message is not None and not _append_tool_text(traj, message, tokenizer, cfg):
             traj.finish_reason = FINISH_LENGTH
     traj.wall_s = time.monotonic() - start_s
-    _score(traj, tokenizer, cfg)
+    _score(traj, tokenizer, env)
     return traj
 
 
 async def _respond(
-    traj: Trajectory, action: Action, is_grace_turn: bool, search: SearchTool, tokenizer, cfg: AgentLoopConfig
+    traj: Trajectory, action: Action, is_grace_turn: bool, env: AgentEnv, tokenizer, cfg: AgentLoopConfig
 ) -> str | None:
     """The tool text that answers the turn's action, or None with `finish_reason` set when it ends."""
     if action.kind == ANSWER:
         traj.finish_reason = FINISH_ANSWER
         return None
+    is_tool = action.kind != INVALID
     is_last_turn = is_grace_turn or traj.num_turns > cfg.max_turns
-    if is_last_turn and (is_grace_turn or action.kind != SEARCH):
+    if is_last_turn and (is_grace_turn or not is_tool):
         traj.finish_reason = FINISH_MAX_TURNS
         return None
-    if action.kind == SEARCH and is_last_turn:
+    if is_tool and is_last_turn:
         return ANSWER_NOW_TEXT  # the grace turn follows
-    if action.kind == SEARCH:
-        message = await _search(traj, action.content, search, tokenizer, cfg)
+    if is_tool:
+        message = await _call_tool(traj, action, env, tokenizer, cfg)
         if message is None:
             traj.finish_reason = FINISH_LENGTH
         return message
@@ -220,9 +229,12 @@ async def _respond(
     return INVALID_ACTION_TEXT
 
 
-def sampling_params(cfg: AgentLoopConfig, tokenizer, max_new_tokens: int, greedy: bool) -> dict:
-    """SGLang sampling params of one turn: stop at the closing tags or at end of sequence."""
-    params = {"max_new_tokens": max_new_tokens, "stop": list(STOP_STRINGS)}
+def sampling_params(
+    cfg: AgentLoopConfig, tokenizer, max_new_tokens: int, greedy: bool, stop: list[str] | None = None
+) -> dict:
+    """SGLang sampling params of one turn: stop at the closing tags (`stop`: the env's, by default
+    </search> and </answer>) or at end of sequence."""
+    params = {"max_new_tokens": max_new_tokens, "stop": list(stop or STOP_STRINGS)}
     if tokenizer.eos_token_id is not None:
         params["stop_token_ids"] = [tokenizer.eos_token_id]
     if greedy:
@@ -275,31 +287,37 @@ def _append_tool_text(traj: Trajectory, text: str, tokenizer, cfg: AgentLoopConf
     return True
 
 
-async def _search(
-    traj: Trajectory, query: str, search: SearchTool, tokenizer, cfg: AgentLoopConfig
+async def _call_tool(
+    traj: Trajectory, action: Action, env: AgentEnv, tokenizer, cfg: AgentLoopConfig
 ) -> str | None:
-    """The information block for `query` (or an error text in one); None when no block fits."""
-    budget = min(cfg.max_info_tokens, _remaining(traj, cfg) - 1)
-    if budget < len(encode_text(tokenizer, INFO_OPEN + INFO_CLOSE)):
+    """The tool's block for the action's input (or an error text in one); None when no block fits."""
+    tool = env.tools[action.kind]
+    budget = min(tool.max_tokens, _remaining(traj, cfg) - 1)
+    if budget < tool.min_tokens(tokenizer):
         return None
-    traj.searches.append(query)
+    if action.kind == SEARCH:
+        traj.searches.append(action.content)
+    else:
+        traj.tool_calls.append({"tool": action.kind, "input": action.content})
     start_s = time.monotonic()
-    try:
-        docs = (await search.search([query]))[0]
-    except SearchError as error:
-        traj.num_search_errors += 1
-        return format_message(f"{INFO_OPEN}{error}{INFO_CLOSE}", tokenizer, budget)  # "search failed: ..."
-    finally:
+    output = await tool.call(action.content, tokenizer, budget)
+    if action.kind == SEARCH:
         traj.search_s += time.monotonic() - start_s
-    return format_information(docs, tokenizer, budget)
+    if output.is_error and action.kind == SEARCH:
+        traj.num_search_errors += 1
+    elif output.is_error:
+        traj.num_tool_errors += 1
+    return output.text
 
 
-def _score(traj: Trajectory, tokenizer, cfg: AgentLoopConfig) -> None:
-    """EM of the model's last answer; the format score reads the whole response without special
-    tokens (EOS), as Search-R1 decodes it."""
+def _score(traj: Trajectory, tokenizer, env: AgentEnv) -> None:
+    """EM of the model's last answer, and the env's reward; the reward reads the whole response without
+    special tokens (EOS), as Search-R1 decodes it."""
     traj.em = 1.0 if em_check(traj.answer, traj.golden_answers) else 0.0
-    text = tokenizer.decode(traj.response_ids, skip_special_tokens=True) if cfg.format_reward else ""
-    traj.reward = score_answer(traj.answer, traj.golden_answers, text, format_reward=cfg.format_reward)
+    text = tokenizer.decode(traj.response_ids, skip_special_tokens=True)
+    traj.reward, traj.reward_extra = env.reward(
+        traj.answer, traj.golden_answers, text, traj.searches, traj.data_source
+    )
 
 
 def _parse_version(weight_version: str | None) -> int:

@@ -29,25 +29,32 @@ _ANSWER = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
 
 @dataclass(frozen=True)
 class Action:
-    kind: str  # search | answer | invalid
+    kind: str  # search | answer | invalid | the tag of a plug-in tool
     content: str = ""  # the query or the answer, stripped; empty for invalid
     reason: str = ""  # why an action is invalid, for logs and trajectories
 
 
-def parse_action(turn_text: str) -> Action:
-    """The action of one model turn (the text generated since the last tool message)."""
-    match = _CLOSING.search(turn_text)
+def parse_action(turn_text: str, tool_tags: tuple[str, ...] = (SEARCH,)) -> Action:
+    """The action of one model turn (the text generated since the last tool message). `tool_tags`: the
+    tags of the run's tools (agent/tools.py); a tool action's kind is its tag, and it needs an input."""
+    closing = _CLOSING if tool_tags == (SEARCH,) else _closing_re(tool_tags)
+    match = closing.search(turn_text)
     if match is None:
-        return Action(INVALID, reason="no </search> or </answer> in the turn")
+        names = " or ".join(f"</{tag}>" for tag in (*tool_tags, ANSWER))
+        return Action(INVALID, reason=f"no {names} in the turn")
     tag = match.group(1)
     before = turn_text[: match.start()]
     opening = before.rfind(f"<{tag}>")
     if opening < 0:
         return Action(INVALID, reason=f"</{tag}> without <{tag}>")
     content = before[opening + len(tag) + 2 :].strip()
-    if tag == SEARCH and not content:
-        return Action(INVALID, reason="empty search query")
+    if tag != ANSWER and not content:
+        return Action(INVALID, reason="empty search query" if tag == SEARCH else f"empty <{tag}> input")
     return Action(tag, content)
+
+
+def _closing_re(tool_tags: tuple[str, ...]) -> re.Pattern:
+    return re.compile("</(" + "|".join(re.escape(tag) for tag in (*tool_tags, ANSWER)) + ")>")
 
 
 def extract_answer(response_text: str) -> str | None:

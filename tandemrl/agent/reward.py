@@ -1,4 +1,5 @@
-"""The Search-R1 reward: exact match of the final answer, optionally with Search-R1's format score.
+"""The Search-R1 reward: exact match of the final answer, optionally with Search-R1's format score;
+the built-in reward functions (exact match, F1) and the reward plug-in (`reward.function`).
 
 Invariant: the reward depends only on the response text (never the prompt, whose example answer
 would otherwise count) and the gold answers. Normalisation is SQuAD's, as in Search-R1's
@@ -7,10 +8,16 @@ would otherwise count) and the gold answers. Normalisation is SQuAD's, as in Sea
 
 from __future__ import annotations
 
+import inspect
+import math
+import numbers
 import re
 import string
+from collections.abc import Callable
 
 from tandemrl.agent.parser import extract_answer
+from tandemrl.agent.plugin import one_line as _one_line
+from tandemrl.config.errors import ConfigError
 
 # Search-R1's qa_em_format.py weights (the values its comments give: 1, 0.8, 0.3, 0.2, 0.1).
 STRUCTURE_FORMAT_SCORE = 0.2  # a well-formed think/search/information/answer sequence
@@ -101,3 +108,168 @@ def score_answer(
         hit = retrieval_contains_answer(response_text, golden_answers)
         return STRUCTURE_FORMAT_SCORE + (RETRIEVAL_SCORE if hit else 0.0)
     return FINAL_FORMAT_SCORE if answer is not None else 0.0
+
+
+# ---- built-in reward functions and the reward plug-in (`reward.function`) ---------------------------
+
+REWARD_ARGS = ("answer", "golden_answers", "response_text", "searches", "data_source")
+# the dry call at start-up: a well-formed, correct one-search trajectory
+SAMPLE_CALL = {
+    "answer": "Paris",
+    "golden_answers": ["Paris"],
+    "response_text": "<think> I need the capital. </think>\n<search> capital of France </search>\n\n"
+    '<information>Doc 1(Title: "France") Paris is the capital of France.</information>\n\n'
+    "<think> It is Paris. </think>\n<answer> Paris </answer>",
+    "searches": ["capital of France"],
+    "data_source": "startup_check",
+}
+
+
+def exact_match(answer: str | None, golden_answers: list[str], **_: object) -> float:
+    """`tandemrl.agent.reward:exact_match`: 1.0 when the answer matches a gold answer (SQuAD-normalised)."""
+    return 1.0 if em_check(answer, golden_answers) else 0.0
+
+
+def f1(answer: str | None, golden_answers: list[str], **_: object) -> float:
+    """`tandemrl.agent.reward:f1`: SQuAD's token F1 of the answer against the best gold answer (0 without
+    an answer)."""
+    if answer is None:
+        return 0.0
+    predicted = normalize_answer(answer).split()
+    best = 0.0
+    for gold in [golden_answers] if isinstance(golden_answers, str) else golden_answers:
+        expected = normalize_answer(gold).split()
+        common = sum(min(predicted.count(t), expected.count(t)) for t in set(predicted))
+        if common:
+            precision, recall = common / len(predicted), common / len(expected)
+            best = max(best, 2 * precision * recall / (precision + recall))
+        elif not predicted and not expected:
+            best = 1.0
+    return best
+
+
+class RewardError(ConfigError):
+    """The configured reward function failed or returned something that is not a reward."""
+
+
+class RewardFunction:
+    """The reward every trajectory gets, in the runners, `tandem eval` and the demo alike: the built-in
+    exact match (+ format score), or the callable `reward.function` names, called with the keyword
+    arguments of REWARD_ARGS it declares. It returns a float, or a dict with a float `score` and other
+    floats that are logged per data source (`rollout/reward_extra/<name>/<source>`)."""
+
+    def __init__(self, fn: Callable | None = None, key: str = "reward.function", format_reward: bool = False):
+        self.fn, self.key, self.format_reward = fn, key, format_reward
+        self._arg_names = REWARD_ARGS if fn is None else _accepted_args(fn, key)
+
+    def __call__(
+        self,
+        answer: str | None,
+        golden_answers: list[str],
+        response_text: str,
+        searches: list[str],
+        data_source: str,
+    ) -> tuple[float, dict[str, float]]:
+        """(score, extra metrics); raises RewardError naming the key for anything that is not a reward."""
+        if self.fn is None:
+            return score_answer(answer, golden_answers, response_text, self.format_reward), {}
+        values = {
+            "answer": answer,
+            "golden_answers": list(golden_answers),
+            "response_text": response_text,
+            "searches": list(searches),
+            "data_source": data_source,
+        }
+        try:
+            result = self.fn(**{name: values[name] for name in self._arg_names})
+        except Exception as error:
+            raise RewardError(
+                f"{self.key} raised {_one_line(error)} (data source {data_source!r})."
+            ) from None
+        return _check_result(result, self.key)
+
+    def check(self) -> None:
+        """The start-up dry call on SAMPLE_CALL: the function runs and returns a finite reward."""
+        self(**SAMPLE_CALL)
+
+
+def load_reward(config) -> RewardFunction:
+    """The run's reward from `reward.function` (None: the built-in), dry-called once; ConfigError
+    (one line, naming the key) for anything wrong."""
+    from tandemrl.agent.plugin import load_callable
+
+    spec = config.reward.function
+    if spec is None:
+        return RewardFunction(format_reward=config.agentloop.format_reward)
+    key = f"reward.function={spec!r}"
+    if config.agentloop.format_reward:
+        raise ConfigError(
+            f"{key} with agentloop.format_reward=true: the format score belongs to the built-in reward, and a "
+            "reward function replaces it. Set agentloop.format_reward=false, or add the score in your function."
+        )
+    reward = RewardFunction(load_callable(spec, "reward.function"), key)
+    reward.check()
+    return reward
+
+
+def reward_extra_means(trajectories: list) -> dict[str, float]:
+    """Per extra metric a reward function returned, its mean over the trajectories that have it (logged
+    as `rollout/reward_extra/<name>/<source>`, and in `tandem eval`'s summary as `reward_extra/<name>`)."""
+    values: dict[str, list[float]] = {}
+    for traj in trajectories:
+        for name, value in getattr(traj, "reward_extra", {}).items():
+            values.setdefault(name, []).append(value)
+    return {name: sum(v) / len(v) for name, v in sorted(values.items())}
+
+
+def _accepted_args(fn: Callable, key: str) -> tuple[str, ...]:
+    """The REWARD_ARGS `fn` takes (all of them with **kwargs); a parameter it requires that is not one of
+    them is refused."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return REWARD_ARGS  # a builtin without a signature: give it everything
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return REWARD_ARGS
+    unknown = [
+        p.name
+        for p in params
+        if p.name not in REWARD_ARGS and p.default is p.empty and p.kind is not p.VAR_POSITIONAL
+    ]
+    if unknown:
+        raise ConfigError(
+            f"{key}: the function requires {', '.join(map(repr, unknown))}, which the agent loop does not "
+            f"pass. Its parameters are keyword arguments named from: {', '.join(REWARD_ARGS)}."
+        )
+    return tuple(p.name for p in params if p.name in REWARD_ARGS)
+
+
+def _check_result(result: object, key: str) -> tuple[float, dict[str, float]]:
+    extra: dict[str, float] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise RewardError(
+                f"{key} returned a dict without 'score' (keys: {sorted(map(str, result))[:8]})."
+            )
+        extra = {
+            str(name): _finite(value, key, f"[{name!r}]") for name, value in result.items() if name != "score"
+        }
+        result = result["score"]
+    return _finite(result, key, "['score']" if extra else ""), extra
+
+
+def _finite(value: object, key: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
+        raise RewardError(
+            f"{key} returned{where} {type(value).__name__} {_short(value)}; a reward is a float, or a dict "
+            "with a float 'score' and other floats."
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise RewardError(f"{key} returned{where} {number}; a reward must be a finite number.")
+    return number
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

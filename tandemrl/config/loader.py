@@ -238,6 +238,9 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
         raise ConfigError(f"{section}: expected a mapping of keys, got {value_summary(raw)}.")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
+    extra_field = getattr(cls, "EXTRA_KEYS_FIELD", None)  # a section of named entries (tools.<name>)
+    if extra_field is not None:
+        raw = _file_extra_keys(raw, names, extra_field, prefix)
     for key in raw:
         if not isinstance(key, str):
             raise ConfigError(f"{section}: key {value_summary(key)} is not a name; keys are words.")
@@ -250,8 +253,31 @@ def build(cls: type, raw: Any, prefix: str) -> Any:
             raise ConfigError(
                 f"unknown key {prefix}{value_summary(key, bare=True)}: {section} has no such setting.{hint}"
             )
-    kwargs = {key: _convert(hints[key], value, f"{prefix}{key}") for key, value in raw.items()}
+    kwargs = {  # named entries keep their own key in errors: tools.calculator, not tools.custom.calculator
+        key: _convert(hints[key], value, prefix.rstrip(".") if key == extra_field else f"{prefix}{key}")
+        for key, value in raw.items()
+    }
     return cls(**kwargs)
+
+
+def _file_extra_keys(raw: dict, names: list[str], extra_field: str, prefix: str) -> dict:
+    """`tools.calculator: {...}` -> `tools.custom.calculator`: keys that are no field are named entries."""
+    if extra_field in raw:
+        raise ConfigError(
+            f"{prefix}{extra_field} is not a key: write each entry directly under {prefix.rstrip('.')}, "
+            f"e.g. {prefix}calculator.function=... ."
+        )
+    extra = {key: value for key, value in raw.items() if key not in names}
+    for key, value in extra.items():
+        close = difflib.get_close_matches(str(key), names, n=1, cutoff=0.8)
+        if close and not (isinstance(value, dict) and "function" in value):  # a typo, not an entry
+            raise ConfigError(
+                f"unknown key {prefix}{value_summary(key, bare=True)}: did you mean {prefix}{close[0]}? (A "
+                f"plug-in entry of this name needs {prefix}{value_summary(key, bare=True)}.function.)"
+            )
+    if not extra:
+        return raw
+    return {**{key: value for key, value in raw.items() if key in names}, extra_field: extra}
 
 
 def _convert(hint: Any, value: Any, key: str) -> Any:
@@ -333,7 +359,11 @@ def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
 def to_dict(config: Any) -> dict[str, Any]:
     """The user-facing keys as nested dicts (internal fields such as `derived` left out)."""
     if dataclasses.is_dataclass(config):
-        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+        out = {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+        extra_field = getattr(config, "EXTRA_KEYS_FIELD", None)
+        if extra_field:
+            out.update(out.pop(extra_field))
+        return out
     if isinstance(config, list):
         return [to_dict(item) for item in config]
     if isinstance(config, dict):

@@ -2,10 +2,11 @@
 
 `check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
 their combinations; these checks need the machine: the engines tandem can launch, the MPS control
-daemon `cluster.mps` needs, and the model directories this node reads (the driver loads the tokenizer from
-the model path, the actor its weights). Files only, no torch. On a cluster (`cluster.num_nodes > 1`)
-model paths live on the nodes and are not checked here, nor is `coldstart`, the model `tandem sft` is
-about to write.
+daemon `cluster.mps` needs, the model directories this node reads (the driver loads the tokenizer from
+the model path, the actor its weights), the optional tracker packages, and the plug-ins
+(`reward.function` and `tools.<name>.function` import; the reward's dry call returns a finite number).
+Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths live on the nodes and are not
+checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 
 `check_before_services` (run by `tandem train` after its placement plan, and by `tandem config show
 --check`): every other check `train` makes before it starts anything: placeholder paths, the model
@@ -26,6 +27,11 @@ from tandemrl.config.errors import ConfigError
 
 def check_startable(config: Any) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
+    from tandemrl.agent.tools import check_plugins
+    from tandemrl.metrics.trackers import check_installed
+
+    check_installed(config.metrics.trackers)  # the optional extras, with their install line
+    check_plugins(config)  # reward.function and tools.<name>.function import, and the reward's dry call
     rollout = config.rollout
     if not rollout.server_addrs and rollout.backend not in ("embedded", "sglang"):
         raise ConfigError(

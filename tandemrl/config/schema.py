@@ -569,9 +569,149 @@ class SearchToolConfig:
         )
 
 
+# tags the agent loop already gives a meaning to: a plug-in tool may not take them
+RESERVED_TOOL_TAGS = ("search", "answer", "think", "information")
+_TAG_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+
+
+def _check_tag(key: str, tag: str) -> None:
+    _check(
+        bool(tag) and tag[0].isalpha() and set(tag) <= _TAG_CHARS,
+        key,
+        tag,
+        "must be a tag name: a letter, then letters, digits, '_' or '-'",
+        "Use e.g. calculator (the model writes <calculator> ... </calculator>).",
+    )
+
+
+@dataclass
+class CustomToolConfig:
+    """`tools.<name>`: a plug-in tool (agent/tools.py). The model writes `<tag> input </tag>`; the
+    callable's output goes back as `<result_tag>output</result_tag>`, masked from the loss."""
+
+    function: str | None = None  # "module.path:callable" or "path/to/file.py:callable"; required
+    tag: str | None = None  # None: the tool's name
+    result_tag: str = "result"
+    max_tokens: int = 256  # one result block, tags included; the output is cut to fit
+    timeout_s: float = 10.0  # per call; a call past it returns an error text to the model
+
+
 @dataclass
 class ToolsConfig:
     search: SearchToolConfig = field(default_factory=SearchToolConfig)
+    # plug-in tools by name, written as tools.<name>.function etc. (the loader files every key of
+    # `tools` other than `search` here; `tandem config show` prints them back at tools.<name>)
+    custom: dict[str, CustomToolConfig] = field(default_factory=dict)
+
+    EXTRA_KEYS_FIELD = "custom"  # config/loader.py: unknown keys of this section are entries of `custom`
+
+    def __post_init__(self):
+        taken: dict[str, str] = {}  # tool tag -> the key that took it
+        for name, tool in self.custom.items():
+            _check(
+                tool.function is not None,
+                f"tools.{name}.function",
+                None,
+                "is required for a plug-in tool",
+                f'Set tools.{name}.function to "module.path:callable" or "path/to/file.py:callable".',
+            )
+            _check_positive(f"tools.{name}.max_tokens", tool.max_tokens)
+            _check_finite_positive(f"tools.{name}.timeout_s", tool.timeout_s)
+            if tool.tag is None:
+                _check_tag(f"tools.{name}", name)
+                tool.tag = name
+            _check_tag(f"tools.{name}.tag", tool.tag)
+            owner = "the Search-R1 format" if tool.tag in RESERVED_TOOL_TAGS else taken.get(tool.tag)
+            _check(
+                owner is None,
+                f"tools.{name}.tag",
+                tool.tag,
+                f"is already taken (by {owner})",
+                "Give each tool a tag of its own.",
+            )
+            taken[tool.tag] = f"tools.{name}.tag"
+        for name, tool in self.custom.items():  # results may share a tag, never with a tool or the format
+            _check_tag(f"tools.{name}.result_tag", tool.result_tag)
+            owner = (
+                "the Search-R1 format"
+                if tool.result_tag in RESERVED_TOOL_TAGS
+                else taken.get(tool.result_tag)
+            )
+            _check(
+                owner is None,
+                f"tools.{name}.result_tag",
+                tool.result_tag,
+                f"is already taken (by {owner})",
+                "Use a result tag no tool uses, e.g. result.",
+            )
+
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+@dataclass
+class WandbConfig:
+    project: str = "tandemrl"
+    entity: str | None = None
+    run_name: str | None = None  # None: the name of runner.output_dir
+    # online | offline | None: $WANDB_MODE, else online. offline writes <output_dir>/wandb only
+    # (`wandb sync` uploads it later); that is how the tests and a machine without network run it
+    mode: str | None = None
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.mode is not None:
+            _check_choice("metrics.wandb.mode", self.mode, ("online", "offline"))
+
+
+@dataclass
+class MlflowConfig:
+    # None: a local store in the run directory, sqlite:///<output_dir>/mlflow.db; or a server
+    # (http://host:5000), or another database (sqlite:///path/mlflow.db, postgresql://...)
+    tracking_uri: str | None = None
+    experiment_name: str = "tandemrl"
+    run_name: str | None = None  # None: the name of runner.output_dir
+
+    def __post_init__(self):
+        uri = self.tracking_uri
+        _check(
+            uri is None or ("://" in uri and not uri.startswith("file:")),
+            "metrics.mlflow.tracking_uri",
+            uri,
+            "is MLflow's file-system store, which cannot hold a metric named like the prefix of another "
+            "(time/sync_weights and time/sync_weights/pause)",
+            "Use a database (sqlite:///path/to/mlflow.db), a tracking server (http://host:5000), or leave it "
+            "unset for sqlite:///<runner.output_dir>/mlflow.db.",
+        )
+
+
+@dataclass
+class MetricsConfig:
+    """Where every step's metrics go besides metrics.jsonl (metrics/trackers.py): each tracker gets
+    every metric under the same name, at the same step, with the resolved config attached."""
+
+    trackers: list[str] = field(default_factory=lambda: ["tensorboard"])
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+
+    def __post_init__(self):
+        for tracker in self.trackers:
+            _check_choice("metrics.trackers", tracker, TRACKERS)
+        _check(
+            len(set(self.trackers)) == len(self.trackers),
+            "metrics.trackers",
+            self.trackers,
+            "names a tracker twice",
+            "List each tracker once, e.g. [tensorboard, wandb].",
+        )
+
+
+@dataclass
+class RewardConfig:
+    """The trajectory reward (agent/reward.py). None: exact match (+ Search-R1's format score under
+    agentloop.format_reward); built-ins: tandemrl.agent.reward:exact_match, tandemrl.agent.reward:f1."""
+
+    function: str | None = None  # "module.path:callable" or "path/to/file.py:callable"
 
 
 @dataclass
@@ -678,6 +818,8 @@ class TandemConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     retrieval: RetrievalConfig = field(default_factory=RetrievalConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     # key -> how its value was derived; filled by derive.derive_and_validate, never read from YAML

@@ -1,4 +1,5 @@
-"""Per-step metrics: TensorBoard scalars, a `metrics.jsonl` history, one console line and a progress bar.
+"""Per-step metrics: the experiment trackers (TensorBoard by default, wandb, mlflow: metrics/trackers.py),
+a `metrics.jsonl` history, one console line and a progress bar.
 
 Invariant: the TensorBoard step of every scalar is the rollout step (hand-off); plots convert it to
 "parameter updates" (step x algorithm.n_minibatches, docs/DESIGN.md, Metrics) from `metrics.jsonl`, which holds the
@@ -8,9 +9,13 @@ same numbers as the event files. The console line names the step's bottleneck (`
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 CONSOLE_FIELDS = (  # (metric, label, format)
     ("rollout/reward/mean", "reward", "{:.3f}"),
@@ -30,7 +35,9 @@ BOTTLENECK_WAIT_SHARE = {True: 0.1, False: 0.5}  # runner.async_mode -> share
 
 
 class MetricsLogger:
-    """Writes each step's metrics to `<output_dir>/tensorboard` and `<output_dir>/metrics.jsonl`."""
+    """Writes each step's metrics to every tracker (`<output_dir>/tensorboard` by default) and to
+    `<output_dir>/metrics.jsonl`. `metrics_cfg` (the config's `metrics` section) names the trackers;
+    `config` (the resolved config as a dict) is attached to each."""
 
     def __init__(
         self,
@@ -39,15 +46,19 @@ class MetricsLogger:
         start_step: int = 0,
         show_progress: bool = True,
         is_async: bool = False,
+        metrics_cfg: Any = None,
+        config: dict | None = None,
     ):
-        from torch.utils.tensorboard import SummaryWriter  # torch's writer: tensorboard event files
         from tqdm import tqdm
+
+        from tandemrl.metrics.trackers import start_trackers
 
         self.output_dir = Path(output_dir)
         self.is_async = is_async
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.tensorboard_dir = self.output_dir / "tensorboard"
-        self._writer = SummaryWriter(log_dir=str(self.tensorboard_dir))
+        names = list(metrics_cfg.trackers) if metrics_cfg is not None else ["tensorboard"]
+        self.trackers = start_trackers(names, metrics_cfg, self.output_dir, config, self.tensorboard_dir)
         self.jsonl_path = self.output_dir / "metrics.jsonl"
         self._bar = tqdm(
             total=max_steps,
@@ -62,18 +73,37 @@ class MetricsLogger:
         """Record `metrics` at `step`; `advance=False` for rows that are not a step (validation before
         the first one)."""
         clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        for key, value in sorted(clean.items()):
-            self._writer.add_scalar(key, value, global_step=step)
-        self._writer.flush()
         with self.jsonl_path.open("a") as f:  # wall_time (epoch s), as TensorBoard stamps its events
             f.write(json.dumps({"step": step, "wall_time": time.time(), **clean}) + "\n")
         self._bar.write(console_line(step, self._bar.total, clean, self.is_async))
         if advance:
             self._bar.update(1)
+        for tracker in list(self.trackers):
+            try:
+                tracker.log(step, clean)
+            except Exception as error:  # a dashboard lost, never the run: metrics.jsonl has every number
+                self._drop(tracker, f"logging step {step} failed", error)
 
     def close(self) -> None:
         self._bar.close()
-        self._writer.close()
+        for tracker in list(self.trackers):
+            try:
+                tracker.close()
+            except Exception as error:
+                self._drop(tracker, "closing failed", error)
+
+    def _drop(self, tracker: Any, what: str, error: BaseException) -> None:
+        from tandemrl.agent.plugin import one_line
+
+        self.trackers.remove(tracker)
+        log.warning(
+            "metrics.trackers: %s %s (%s); it gets no more metrics in this run, which goes on "
+            "(every metric is also in %s).",
+            tracker.name,
+            what,
+            one_line(error),
+            self.jsonl_path,
+        )
 
 
 def bottleneck(metrics: dict[str, float], is_async: bool) -> str | None:

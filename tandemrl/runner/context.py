@@ -258,6 +258,7 @@ def per_source_metrics(handoff: HandOff, norm_adv_by_std: bool) -> dict[str, flo
       trainer's advantages. They sum to 0 within a group, so this is the within-group covariance of
       advantage and searches: > 0 pushes the policy toward more searches on s, < 0 toward fewer.
     """
+    from tandemrl.agent.reward import reward_extra_means
     from tandemrl.buffer.group import has_equal_rewards
     from tandemrl.trainer.advantages import compute_grpo_advantages
 
@@ -275,6 +276,8 @@ def per_source_metrics(handoff: HandOff, norm_adv_by_std: bool) -> dict[str, flo
             has_equal_rewards(g.trajectories) for g, _ in entries
         ) / len(entries)
         metrics[f"rollout/search_advantage/{source}"] = sum(a * len(t.searches) for t, a in pairs) / num
+        for name, value in reward_extra_means([t for t, _ in pairs]).items():  # reward.function's extras
+            metrics[f"rollout/reward_extra/{name}/{source}"] = value
     return metrics
 
 

@@ -126,14 +126,18 @@ def step_rewards(output_dir: Path) -> list[float]:
 
 
 def run_demo(args: Any) -> int:
+    from tandemrl.agent.tools import check_plugins
     from tandemrl.config.derive import COLDSTART
     from tandemrl.config.loader import load_config
+    from tandemrl.metrics.trackers import check_installed
     from tandemrl.runner.launch import train
 
     mode = getattr(args, "cold_start", "auto")
     ensure_prepared()
     serve = [] if mode == "never" else [f"rollout.model.model_path={COLDSTART}"]
     config = load_config(demo_config_path(), serve + list(getattr(args, "overrides", []) or []))
+    check_plugins(config)  # reward.function and tools.<name>: before the cold start's minutes
+    check_installed(config.metrics.trackers)
     ensure_cold_start(config, mode)
     ctx = train(config)
     output_dir = Path(config.runner.output_dir).resolve()

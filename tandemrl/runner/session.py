@@ -113,8 +113,10 @@ async def run_session(
     `prepared`: `prepare_session`'s result, built while the services booted (else built here);
     `startup_origin` (epoch, what it is): the start-up timeline is reported after the first step."""
     from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.agent.tools import build_env
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.metrics.startup import mark
+    from tandemrl.metrics.trackers import resolved_config
     from tandemrl.rollout.backends import make_client
     from tandemrl.runner.checkpoint import load_resume_state
 
@@ -127,7 +129,10 @@ async def run_session(
         make_client(config.rollout.backend, url, api_key=services.engine_api_key)
         for url in services.engine_urls
     ]
-    search = SearchTool.from_config(services.search_addr, search_cfg, services.search_api_key)
+    # the search tool, the plug-in tools and the reward: what the agent loops act in (agent/tools.py)
+    search = build_env(
+        config, SearchTool.from_config(services.search_addr, search_cfg, services.search_api_key)
+    )
     await actor.call(
         "connect_weight_sync",
         services.engine_urls,
@@ -152,7 +157,20 @@ async def run_session(
         engine.mark_weight_version(weight_version)
     driver = build_driver(config, engines, search, tokenizer, weight_version, resume_state, prepared.loader)
     val_prompts = prepared.val_prompts
-    logger = MetricsLogger(output_dir, runner.max_steps, start_step=start_step, is_async=runner.async_mode)
+    try:  # the trackers start here: one that cannot fails the run in one line (TrackerError)
+        logger = MetricsLogger(
+            output_dir,
+            runner.max_steps,
+            start_step=start_step,
+            is_async=runner.async_mode,
+            metrics_cfg=config.metrics,
+            config=resolved_config(config),
+        )
+    except BaseException:
+        await search.close()
+        for engine in engines:
+            await engine.close()
+        raise
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )

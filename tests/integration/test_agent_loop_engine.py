@@ -236,3 +236,50 @@ def test_tandem_eval(servers, kb_dir, tiny_llama_dir, tmp_path, capsys):
     assert all(r["task_name"] == "searchr1" and len(r["response_ids"]) <= 80 for r in records)
     table = capsys.readouterr().out
     assert "overall" in table and "em" in table and "5 questions in" in table
+
+
+def test_tandem_eval_scores_with_the_custom_reward(servers, kb_dir, tiny_llama_dir, tmp_path, capsys):
+    """`reward.function` by path changes the reward `tandem eval` reports, per trajectory and per source,
+    with the function's extra metric; exact match stays as it was."""
+    from tandemrl.agent.evaluate import run_eval
+
+    reward_file = tmp_path / "gold_length_reward.py"
+    reward_file.write_text(
+        "def reward(golden_answers):\n"
+        "    return {'score': 0.5 + len(golden_answers[0]) / 100, 'gold_chars': float(len(golden_answers[0]))}\n"
+    )
+    url, addr = servers
+    overrides = [
+        f"rollout.model.model_path={tiny_llama_dir}",
+        "rollout.backend=sglang",
+        f"rollout.server_addrs=[{url}]",
+        "retrieval.launch=false",
+        f"tools.search.server_addr={addr}",
+        f"retrieval.corpus_path={kb_dir / 'corpus.jsonl'}",
+        f"runner.output_dir={tmp_path}",
+        "agentloop.max_new_tokens_per_turn=16",
+        "agentloop.max_response_tokens=80",
+        f"reward.function={reward_file}:reward",
+    ]
+    args = argparse.Namespace(
+        config="examples/searchr1/config/embedded_cpu_sync.yaml",
+        overrides=overrides,
+        split="test",
+        limit=4,
+        out=None,
+    )
+    assert run_eval(args) == 0
+    records = [
+        json.loads(line) for line in (tmp_path / "eval" / "test_trajectories.jsonl").read_text().splitlines()
+    ]
+    assert len(records) == 4
+    for record in records:
+        assert record["reward"] == pytest.approx(0.5 + len(record["golden_answers"][0]) / 100)
+        assert record["reward_extra"] == {"gold_chars": float(len(record["golden_answers"][0]))}
+    summary = json.loads((tmp_path / "eval" / "test_summary.json").read_text())["summary"]
+    expected = sum(r["reward"] for r in records) / len(records)
+    assert summary["overall"]["reward"] == pytest.approx(expected) and expected not in (0.0, 1.0)
+    assert summary["overall"]["reward_extra/gold_chars"] == pytest.approx(
+        sum(len(r["golden_answers"][0]) for r in records) / len(records)
+    )
+    assert " reward" in capsys.readouterr().out.splitlines()[0]  # the table's reward column

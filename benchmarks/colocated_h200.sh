@@ -36,7 +36,7 @@ async_cfg=${ASYNC_CFG:-examples/searchr1/config/smollm2_h200_async.yaml}
 read -r -a extra <<< "${EXTRA:-}"
 pilot_steps=${PILOT_STEPS:-10}
 profile_steps=${PROFILE_STEPS:-[5,6]}
-profile_parts=" ${PROFILE_PARTS:-async_concurrent} "
+profile_parts=" ${PROFILE_PARTS-async_concurrent} "  # set and empty: profile none
 stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
 pack() {
     (cd "$out" && find . -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune -o -path '*/trajectories' \

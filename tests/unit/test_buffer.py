@@ -82,7 +82,12 @@ def test_derived_limits_from_config():
     assert (limits.max_inflight_groups, limits.max_buffered_groups) == (5, 9)
     assert limits.max_head_offpolicyness is None  # the default: admission is not bounded by versions
     head = load_config(
-        None, ["rollout_buffer.max_head_offpolicyness=0", "rollout_buffer.handoff_order=finish"]
+        None,
+        [
+            "runner.async_mode=true",  # the sync runner refuses the key (it never overlaps)
+            "rollout_buffer.max_head_offpolicyness=0",
+            "rollout_buffer.handoff_order=finish",
+        ],
     )
     assert BufferLimits.from_config(head).max_head_offpolicyness == 0
     assert BufferLimits.from_config(head).handoff_order == "finish" and limits.handoff_order == "issue"

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from tandemrl.config.errors import ConfigError
 
+MAX_PREFILL_DELAY_STEPS = 256  # a few hundred ms of decode steps at most: a held request must not starve
+
 
 @dataclass(kw_only=True)
 class EngineOptions:
@@ -25,6 +27,9 @@ class EngineOptions:
     # prompt tokens one prefill step forwards; a longer prompt is prefilled in chunks that alternate with
     # decode steps (SGLang's --chunked-prefill-size)
     max_prefill_tokens: int = 8192
+    # decode steps a request waiting for admission may be held so one prefill step takes more of them
+    # (engine/scheduler.py); 0: a waiting request is prefilled at the next step
+    prefill_delay_steps: int = 0
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (the agent loop resends each turn)
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
@@ -41,6 +46,12 @@ class EngineOptions:
                         else "."
                     )
                 )
+        if not 0 <= self.prefill_delay_steps <= MAX_PREFILL_DELAY_STEPS:
+            raise ConfigError(
+                f"rollout.engine.prefill_delay_steps={self.prefill_delay_steps!r}: must be within 0-"
+                f"{MAX_PREFILL_DELAY_STEPS} (decode steps a waiting request may be held before its prefill; "
+                "0 prefills it at the next step)."
+            )
 
 
 @dataclass

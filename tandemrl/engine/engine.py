@@ -79,11 +79,19 @@ class Engine:
         if config.enable_prefix_caching:
             self.blocks = PrefixCachingBlockManager(num_blocks, config.block_size)
             self.scheduler = PrefixCachingScheduler(
-                self.blocks, config.max_running_requests, config.max_prefill_tokens
+                self.blocks,
+                config.max_running_requests,
+                config.max_prefill_tokens,
+                config.prefill_delay_steps,
             )
         else:
             self.blocks = BlockManager(num_blocks, config.block_size)
-            self.scheduler = Scheduler(self.blocks, config.max_running_requests, config.max_prefill_tokens)
+            self.scheduler = Scheduler(
+                self.blocks,
+                config.max_running_requests,
+                config.max_prefill_tokens,
+                config.prefill_delay_steps,
+            )
         self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
         self.overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
         self.weight_version = 0

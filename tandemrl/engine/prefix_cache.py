@@ -150,8 +150,14 @@ class PrefixCachingScheduler(Scheduler):
 
     blocks: PrefixCachingBlockManager
 
-    def __init__(self, blocks: PrefixCachingBlockManager, max_running_requests: int, max_prefill_tokens: int):
-        super().__init__(blocks, max_running_requests, max_prefill_tokens)
+    def __init__(
+        self,
+        blocks: PrefixCachingBlockManager,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        prefill_delay_steps: int = 0,
+    ):
+        super().__init__(blocks, max_running_requests, max_prefill_tokens, prefill_delay_steps)
         self.num_prefix_hit_tokens = 0
 
     def _prefill_batch(self) -> list[Sequence]:

@@ -7,7 +7,12 @@ then requests admitted from the waiting queue in order; the one that overruns th
 left of it (`Sequence.chunk_end`, a chunk samples nothing) and goes on in the next prefill step.
 Which step runs: prefill first, except that a prefill step that leaves a partially prefilled request is
 followed by a decode step whenever a running request can decode, so a long prompt's chunks alternate
-with decode steps instead of stalling them.
+with decode steps instead of stalling them; and that with `prefill_delay_steps` N > 0, requests that
+wait for admission are held for up to N decode steps, so one prefill step takes more of them (like
+vLLM's `scheduler_delay_factor`, counted in steps). A prefill step costs many decode steps where it runs
+eagerly (docs/DESIGN.md, Sharing a GPU), and every running request waits through it. Held requests are
+admitted at once when they would fill a prefill step (`max_prefill_tokens`, or every free running
+slot) or when no running request can decode.
 Invariants: at most `max_running_requests` run at once; at most one request is partially prefilled
 (`prefilling`: only the last request of a prefill step can be cut, and it leads the next one); it holds
 the blocks of all its tokens, allocated at admission, and is never in a decode batch; a running request
@@ -26,10 +31,18 @@ from tandemrl.engine.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_running_requests: int, max_prefill_tokens: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        prefill_delay_steps: int = 0,
+    ):
         self.blocks = blocks
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefill_delay_steps = prefill_delay_steps
+        self.num_held_steps = 0  # decode steps run since the last prefill step while requests waited
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: Sequence | None = None  # the running request cut short by the last prefill step
@@ -54,11 +67,31 @@ class Scheduler:
             batch = self._decode_batch()
             if batch:
                 return batch, False
+        if self._holds_admissions():
+            batch = self._decode_batch()
+            if batch:
+                self.num_held_steps += 1
+                return batch, False
         batch = self._prefill_batch()
         if batch:
+            self.num_held_steps = 0
             self.is_decode_due = self.prefilling is not None
             return batch, True
         return self._decode_batch(), False
+
+    def _holds_admissions(self) -> bool:
+        """Whether the waiting requests wait one more decode step (`prefill_delay_steps`)."""
+        if not self.waiting or self.prefilling is not None or self.num_held_steps >= self.prefill_delay_steps:
+            return False
+        free_slots = self.max_running_requests - len(self.running)
+        if len(self.waiting) >= free_slots:
+            return False  # the next prefill step admits as many as it can anyway
+        num_tokens = 0
+        for seq in self.waiting:  # stops once the held requests fill a prefill step
+            num_tokens += seq.num_tokens
+            if num_tokens >= self.max_prefill_tokens:
+                return False
+        return True
 
     def _prefill_batch(self) -> list[Sequence]:
         """The partially prefilled request's next chunk, then admissions, within `max_prefill_tokens`."""

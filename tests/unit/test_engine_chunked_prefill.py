@@ -236,3 +236,29 @@ def test_prefix_reuse_with_chunks(tiny_llama_dir):
 def test_the_prefill_budget_must_be_positive(tiny_llama_dir):
     with pytest.raises(ValueError, match="rollout.engine.max_prefill_tokens=0: must be > 0"):
         EngineConfig(str(tiny_llama_dir), max_prefill_tokens=0)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prefill_delay_batches_arrivals_and_changes_no_token(tiny_llama_dir, overlap):
+    """Requests arriving one every two steps beside long decodes: held for up to 6 decode steps, they
+    share prefill steps (fewer of them), and every request's greedy tokens are those of the undelayed
+    engine."""
+    runs = {}
+    for delay in (0, 6):
+        engine = make_engine(tiny_llama_dir, UNCHUNKED, overlap, prefill_delay_steps=delay)
+        engine.add_request("long", prompt(12, 99), greedy(40))
+        arrivals = {2 * i + 1: (f"r{i}", prompt(5 + i, i)) for i in range(8)}
+        done: dict[str, Sequence] = {}
+        trace: list[tuple[str, int]] = []
+        num_steps = 0
+        while engine.has_work() or any(n > num_steps for n in arrivals):
+            if num_steps in arrivals:
+                rid, ids = arrivals[num_steps]
+                engine.add_request(rid, ids, greedy(6))
+            done |= {seq.rid: seq for seq in step(engine, trace)}
+            num_steps += 1
+        assert len(done) == 9 and engine.blocks.num_free_blocks == engine.blocks.num_blocks
+        runs[delay] = (done, sum(kind == "prefill" for kind, _ in trace))
+    assert_same(runs[6][0], runs[0][0])
+    assert runs[0][1] == 9  # undelayed: every arrival gets its own prefill step
+    assert runs[6][1] <= 4, runs[6][1]  # held for 6 decode steps, arrivals every 2 share a step

@@ -82,6 +82,68 @@ def test_retract_all_keeps_order_and_tokens():
     assert scheduler.blocks.num_free_blocks == 16
 
 
+def step(scheduler: Scheduler) -> tuple[list[str], bool]:
+    """One scheduled step, run: a step that samples appends a token to each request it completes."""
+    batch, is_prefill = scheduler.schedule()
+    run(batch)
+    for s in batch:
+        s.append(7, -1.0, 0)
+    return [s.rid for s in batch], is_prefill
+
+
+def decoding(scheduler: Scheduler, *rids: str) -> None:
+    for rid in rids:
+        scheduler.add(seq(rid, 4, max_new=64))
+    assert step(scheduler) == (list(rids), True)
+
+
+def test_prefill_delay_holds_a_waiting_request_for_n_decode_steps():
+    for delay in (0, 1, 3):
+        scheduler = Scheduler(BlockManager(64, 16), 8, max_prefill_tokens=100, prefill_delay_steps=delay)
+        decoding(scheduler, "a", "b")
+        scheduler.add(seq("c", 4))
+        kinds = [step(scheduler) for _ in range(delay + 1)]
+        assert kinds[:delay] == [(["a", "b"], False)] * delay, delay  # held: the others decode
+        assert kinds[delay] == (["c"], True), delay
+        assert scheduler.num_held_steps == 0
+        # the count starts again: a request arriving later is held as long
+        scheduler.add(seq("d", 4))
+        assert [step(scheduler)[1] for _ in range(delay + 1)] == [False] * delay + [True]
+
+
+def test_held_requests_go_at_once_when_they_fill_a_step_or_nothing_decodes():
+    # the waiting tokens fill max_prefill_tokens
+    scheduler = Scheduler(BlockManager(64, 16), 8, max_prefill_tokens=10, prefill_delay_steps=5)
+    decoding(scheduler, "a")
+    scheduler.add(seq("b", 6))
+    assert step(scheduler) == (["a"], False)  # 6 tokens wait: held
+    scheduler.add(seq("c", 6))
+    assert step(scheduler) == (["b", "c"], True)  # 12 >= 10: no more holding (c gets a chunk)
+    # as many wait as there are free running slots
+    scheduler = Scheduler(BlockManager(64, 16), 3, max_prefill_tokens=100, prefill_delay_steps=5)
+    decoding(scheduler, "a")
+    scheduler.add(seq("b", 4))
+    assert step(scheduler) == (["a"], False)
+    scheduler.add(seq("c", 4))
+    assert step(scheduler) == (["b", "c"], True)
+    # nothing can decode: the waiting request is prefilled at once
+    scheduler = Scheduler(BlockManager(64, 16), 8, max_prefill_tokens=100, prefill_delay_steps=5)
+    scheduler.add(seq("a", 4, max_new=1))
+    assert step(scheduler) == (["a"], True)  # its one token is its last: it cannot decode
+    scheduler.add(seq("b", 4))
+    assert step(scheduler) == (["b"], True)
+
+
+def test_prefill_delay_steps_is_bounded():
+    from tandemrl.config.errors import ConfigError
+    from tandemrl.engine.config import EngineOptions
+
+    assert EngineOptions(prefill_delay_steps=8).prefill_delay_steps == 8
+    for bad in (-1, 10_000):
+        with pytest.raises(ConfigError, match="rollout.engine.prefill_delay_steps"):
+            EngineOptions(prefill_delay_steps=bad)
+
+
 def test_attention_metadata_masks_and_slots():
     meta = build_metadata(
         query_lens=[3, 1], context_lens=[3, 6], block_tables=[[2], [0, 5]], block_size=4, device="cpu"

@@ -180,24 +180,52 @@ def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: fl
     return summary
 
 
+def common_stretch(run_dirs: dict[str, Path], warmup: int) -> dict:
+    """Every run's wall time over the same steps: those after the warm-up that all runs finished, less
+    each run's profiled steps and the step after each (it finds the buffer the long profiled step let
+    async fill). The fair clock when a run stopped early or profiled some steps."""
+    step_times: dict[str, dict[int, float]] = {}
+    left_out: set[int] = set()
+    for name, run_dir in run_dirs.items():
+        step_times[name] = {r["step"]: r["time/step"] for r in read_rows(run_dir) if "time/step" in r}
+        left_out |= {n + k for n in profiled_steps(run_dir) for k in (0, 1)}
+    common = set.intersection(*(set(times) for times in step_times.values())) if step_times else set()
+    steps = sorted(n for n in common if n > warmup and n not in left_out)
+    wall = {name: sum(times[n] for n in steps) for name, times in step_times.items()}
+    sync_wall = wall.get("sync")
+    return {
+        "steps": steps,
+        "wall_s": wall,
+        "wall_over_sync": {n: w / sync_wall for n, w in wall.items() if n != "sync"} if sync_wall else {},
+    }
+
+
 def checks(sync: dict, best: dict) -> dict:
     """The issue's acceptance, read from the two runs' summaries."""
 
     def ratio(key: str) -> float | None:
         return best[key] / sync[key] if best.get(key) and sync.get(key) else None
 
-    def gap(key: str) -> float | None:
-        return best[key] - sync[key] if best.get(key) is not None and sync.get(key) is not None else None
+    def val_gap(source: str) -> tuple[float | None, int | None]:
+        """best - sync at the last validation both ran (a run that stopped early validated less)."""
+        curves = [
+            dict(map(tuple, run.get("val_em_curve_by_source", {}).get(source, []))) for run in (sync, best)
+        ]
+        common = set(curves[0]) & set(curves[1])
+        if not common:
+            return None, None
+        step = max(common)
+        return curves[1][step] - curves[0][step], step
 
-    two_hop = "val_em_kb_2hop_start_end"
-    two_hop_gap = best[two_hop][1] - sync[two_hop][1] if two_hop in best and two_hop in sync else None
+    val_em_gap, val_step = val_gap("all")
     result = {
         "wall_over_sync": ratio("wall_s"),
         "best_async_over_sync": ratio("mean_step_time_s"),
         "throughput_over_sync": ratio("throughput_tok_s"),
         "train_step_p90_over_sync": ratio("train_step_p90_s"),
-        "val_em_end_minus_sync": gap("val_em_end"),
-        "kb_2hop_end_minus_sync": two_hop_gap,
+        "val_em_end_minus_sync": val_em_gap,
+        "kb_2hop_end_minus_sync": val_gap("kb_2hop")[0],
+        "val_compared_at_step": val_step,
     }
     bars = {
         "wall_at_most_0.7_sync": ("wall_over_sync", lambda v: v <= 0.7),
@@ -213,14 +241,15 @@ def checks(sync: dict, best: dict) -> dict:
 
 
 def run_plan(name: str, args) -> tuple[str, list[str]]:
-    """The config and overrides of a named run: sync, async_defaults, async_<policy>[_<label>][_tis]."""
-    if name == "sync":
+    """The config and overrides of a named run: sync[_<label>], async_defaults, async_<policy>[_<label>][_tis]
+    (a label's overrides come from the command line; ratios are always against the run named `sync`)."""
+    if name == "sync" or name.startswith("sync_"):
         return args.sync_config, []
     extra = ["algorithm.off_policy_correction=tis"] if name.endswith("_tis") else []
     policy = next((p for p in POLICIES if name.startswith(f"async_{p}")), None)
     if policy is None and not name.startswith("async_defaults"):
         raise SystemExit(
-            f"--runs: {name!r} is not sync, async_defaults or async_<{'|'.join(POLICIES)}>[_label]"
+            f"--runs: {name!r} is not sync[_label], async_defaults or async_<{'|'.join(POLICIES)}>[_label]"
         )
     return args.async_config, ([f"cluster.colocated_policy={policy}"] if policy else []) + extra
 
@@ -239,20 +268,22 @@ def run_colocated(args) -> int:
     sync = summarize(runs_dir / "sync", args.warmup, walls.get("sync"), None)
     slow_above_s = 2.0 * sync["train_step_p50_s"]
     runs = {"sync": sync}
-    for run_dir in sorted(p.parent for p in runs_dir.glob("async_*/metrics.jsonl")):
+    variants = [*runs_dir.glob("sync_*/metrics.jsonl"), *runs_dir.glob("async_*/metrics.jsonl")]
+    for run_dir in sorted(p.parent for p in variants):
         runs[run_dir.name] = summarize(run_dir, args.warmup, walls.get(run_dir.name), slow_above_s)
-    async_runs = [name for name in runs if name != "sync"]
+    async_runs = [name for name in runs if name.startswith("async_")]
     if not async_runs:  # a part of the benchmark run on its own (benchmarks/colocated_h200.sh)
         print(f"only sync in {runs_dir} so far: {sync['mean_step_time_s']} s per step")
         return 0
     best = min(async_runs, key=lambda name: runs[name]["wall_s"] or float("inf"))
     result = {
         "clock": "wall",
-        "gpu": gpu_name(),
+        "gpu": args.gpu or gpu_name(),
         "steps": min(run["steps"] for run in runs.values()),
         "warmup_steps": args.warmup,
         "best_async": best,
         **checks(sync, runs[best]),
+        "common_stretch": common_stretch({name: runs_dir / name for name in runs}, args.warmup),
         "runs": runs,
         "command": " ".join(sys.argv),
     }

@@ -54,7 +54,9 @@ def summarize(path: Path, loop_thread: str = "engine-loop") -> dict:
         "thread_share": {name: n / total for name, n in threads.most_common()},
         "loop_thread": loop_thread,
         "loop_samples": loop_total,
-        "loop_phase_share": {name: n / loop_total for name, n in phases.most_common(20)} if loop_total else {},
+        "loop_phase_share": {name: n / loop_total for name, n in phases.most_common(20)}
+        if loop_total
+        else {},
     }
 
 

@@ -57,6 +57,10 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--runs", default=None, help="--colocated: comma-separated subset of runs to run")
     parser.add_argument("--summarize-only", action="store_true", help="--colocated: read the runs, run none")
+    parser.add_argument(
+        "--gpu",
+        help="--summarize-only: the device the runs ran on (default: this machine's, as for new runs)",
+    )
     parser.add_argument("--monitor", action="store_true", help="sample CPU per role and nvidia-smi per run")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to both runs")
     return parser.parse_args()

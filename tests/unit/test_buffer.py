@@ -85,6 +85,7 @@ def test_derived_limits_from_config():
         None,
         [
             "runner.async_mode=true",  # the sync runner refuses the key (it never overlaps)
+            "agentloop.task_name=searchr1",
             "rollout_buffer.max_head_offpolicyness=0",
             "rollout_buffer.handoff_order=finish",
         ],

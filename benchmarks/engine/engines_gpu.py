@@ -263,7 +263,7 @@ def ratios(backends: dict) -> dict:
 def main() -> None:
     args = parse_args()
     device = "cpu" if args.cpu else "cuda"
-    from engine import write_model_dir
+    from benchmarks.engine.engine import write_model_dir
 
     work = Path(tempfile.mkdtemp(prefix="tandem-engines-"))
     smollm2 = Path(args.smollm2) if args.smollm2 else default_smollm2()

@@ -48,7 +48,7 @@ test-vllm: install-vllm
 	$(VLLM_PY) -m pytest -q -ra -m vllm tests/vllm
 
 bench-vllm: install-vllm
-	$(VLLM_PY) benchmarks/vllm_cpu.py
+	$(VLLM_PY) -m benchmarks.engine.vllm_cpu
 
 # the default suite: every test not marked slow or vllm (pyproject's addopts); tests/gpu skip without CUDA
 test: install

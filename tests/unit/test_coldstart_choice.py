@@ -1,4 +1,4 @@
-"""benchmarks/coldstart_choice.py: which evaluated cold start RL starts from (the recipe's band rule)."""
+"""benchmarks/learning/coldstart_choice.py: which evaluated cold start RL starts from (the recipe's band rule)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "coldstart_choice.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ["-m", "benchmarks.learning.coldstart_choice"]  # run from ROOT, as the recipe runs it
 
 
 def write_candidate(results: Path, tag: str, overall: float, one: float, two: float) -> None:
@@ -22,10 +23,11 @@ def write_candidate(results: Path, tag: str, overall: float, one: float, two: fl
 def choose(results: Path) -> tuple[str, dict]:
     out = results / "choice.json"
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), str(results), "--out", str(out)],
+        [sys.executable, *SCRIPT, str(results), "--out", str(out)],
         capture_output=True,
         text=True,
         check=True,
+        cwd=ROOT,
     )
     return done.stdout.strip(), json.loads(out.read_text())
 
@@ -53,5 +55,5 @@ def test_choice_follows_the_band_rule(tmp_path, candidates, chosen, in_band):
 
 
 def test_no_candidate_is_an_error(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, *SCRIPT, str(tmp_path)], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode != 0 and "no candidate has an evaluation summary" in done.stderr

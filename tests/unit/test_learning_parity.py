@@ -1,4 +1,4 @@
-"""benchmarks/learning_parity.py's results: the run plan (seeds, variants, the staleness-0 check), and the
+"""benchmarks/learning/learning_parity.py's results: the run plan (seeds, variants, the staleness-0 check), and the
 summary read from each run's metrics.jsonl (curves, mean and sd over seeds, the check against the sync
 seeds' range, acceptance, plots). The runs are fabricated metric logs: this checks the reading and the
 arithmetic, whose only input is those files; the runs themselves are real `tandem train` processes."""
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.learning_parity import CHECK, parse_args, run_specs, train_command
-from benchmarks.learning_parity_summary import summarize, write_plots, write_samples
+from benchmarks.learning.learning_parity import CHECK, parse_args, run_specs, train_command
+from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
 
 STEPS, CHECK_STEPS = 4, 2
 

@@ -1,7 +1,7 @@
 """The varlen attention path (trainer/varlen.py) on CPU: a packed row through a real HF model with
 `tandem_varlen` attention equals per-sample forwards (GQA heads included), and a call without sample
 boundaries is a clear error. The CUDA kernel itself is probed against the same reference at start-up
-(`varlen_kernel_works`) and exercised by benchmarks/trainer_smollm2.py on the GPU."""
+(`varlen_kernel_works`) and exercised by benchmarks/actor/trainer_smollm2.py on the GPU."""
 
 from __future__ import annotations
 

@@ -1,0 +1,316 @@
+"""The same workloads, on the same device, for the embedded engine, vLLM and SGLang, each started the way
+`tandem train` starts it (the servers of rollout.backend=embedded|vllm|sglang, built from one config).
+
+    python -m benchmarks.engine.engines_gpu                    # H200: every installed backend
+        [--backends embedded,vllm,sglang] [--vllm-python PY] [--vllm-pythonpath DIR]
+        [--sglang-python PY] [--sglang-pythonpath DIR] [--out benchmarks/results/engine/engines_h200.json]
+    python -m benchmarks.engine.engines_gpu --cpu              # CPU smoke check of the same code, tiny sizes
+                                                        # (writes engines_cpu.json, never GPU figures)
+
+Per backend:
+- startup_s: launch to the first healthy /health, on the fixed-batch model;
+- fixed_batch_tok_s: benchmarks/engine/engine.py's batch (256 requests x 256 random prompt ids -> 256 new
+  tokens, temperature 1, ignore_eos; Qwen2.5-1.5B shape, random weights), all requests at once through
+  the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds;
+- weights_check: on the SmolLM2 server (the cold-started one when prepared), push an actor's weights
+  through the run's route (CUDA IPC on one GPU, gloo on CPU) and compare greedy output on probe
+  prompts with the actor's own (HF) greedy: true when every prompt matches token for token (also
+  recorded: whether the push changed the engine's output, so the check is not vacuous);
+- agent_step_s: one rollout step of the H200 recipe (smollm2_h200_sync.yaml: 64 prompts x group 4 =
+  256 trajectories with search) from the cold-started SmolLM2: `tandem train` for one step, its
+  `time/wait_data` (the actor waiting for the 256 trajectories). GPU mode only.
+A backend that is not installed (its interpreter cannot import it) is skipped, and the JSON says why.
+The embedded engine's ratio to the best other backend is written per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+from benchmarks.engine.model_shapes import QWEN25_15B  # noqa: E402
+
+BACKENDS = ("embedded", "vllm", "sglang")
+PROBES = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,", "Water boils at"]
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--cpu", action="store_true", help="tiny sizes on CPU: a smoke check, not figures")
+    p.add_argument("--backends", default=",".join(BACKENDS))
+    for engine in ("vllm", "sglang"):
+        p.add_argument(f"--{engine}-python", default=None, help=f"interpreter that runs {engine}")
+        p.add_argument(f"--{engine}-pythonpath", default=None, help="put first on its PYTHONPATH")
+    p.add_argument("--num-requests", type=int, default=None, help="default 256 (cpu 8)")
+    p.add_argument("--prompt-len", type=int, default=None, help="default 256 (cpu 32)")
+    p.add_argument("--new-tokens", type=int, default=None, help="default 256 (cpu 16)")
+    p.add_argument("--probe-tokens", type=int, default=8)
+    p.add_argument("--smollm2", default=None, help="SmolLM2 directory (default: the cold-started one)")
+    p.add_argument("--skip-agent", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    args.num_requests = args.num_requests or (8 if args.cpu else 256)
+    args.prompt_len = args.prompt_len or (32 if args.cpu else 256)
+    args.new_tokens = args.new_tokens or (16 if args.cpu else 256)
+    name = "engines_cpu.json" if args.cpu else "engines_h200.json"
+    args.out = args.out or str(ROOT / "benchmarks" / "results" / "engine" / name)
+    if (args.cpu or not torch.cuda.is_available()) and "h200" in Path(args.out).name:
+        p.error(f"--out {args.out}: GPU figures come from a GPU run; a CPU run writes engines_cpu.json")
+    return args
+
+
+def engine_overrides(args, backend: str, device: str) -> list[str]:
+    """The config of the servers `tandem train` would start for `backend` on this device."""
+    overrides = [f"rollout.backend={backend}", f"rollout.device={device}", "retrieval.launch=false"]
+    overrides += ["rollout.dtype=float32"] if device == "cpu" else ["rollout.dtype=bfloat16"]
+    for engine in ("vllm", "sglang"):
+        if getattr(args, f"{engine}_python"):
+            overrides.append(f"rollout.{engine}.python={getattr(args, f'{engine}_python')}")
+        if getattr(args, f"{engine}_pythonpath"):
+            overrides.append(f"rollout.{engine}.pythonpath=[{getattr(args, f'{engine}_pythonpath')}]")
+    if device == "cpu":
+        overrides += ["rollout.engine.kv_cache_gb=0.5", "rollout.vllm.cpu_kv_cache_gb=1"]
+    return overrides
+
+
+def why_missing(args, backend: str) -> str | None:
+    """None when the backend's interpreter imports it, else the reason it is skipped."""
+    if backend == "embedded":
+        return None
+    if backend == "sglang" and args.cpu:
+        return "SGLang runs on GPUs only"
+    python = getattr(args, f"{backend}_python") or sys.executable
+    env = dict(os.environ)
+    if getattr(args, f"{backend}_pythonpath"):
+        env["PYTHONPATH"] = os.pathsep.join(
+            [getattr(args, f"{backend}_pythonpath"), env.get("PYTHONPATH", "")]
+        )
+    probe = subprocess.run([python, "-c", f"import {backend}"], env=env, capture_output=True, text=True)
+    if probe.returncode != 0:
+        return f"{python} cannot import {backend}: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def start_server(backend: str, model_dir: Path, overrides: list[str], max_running: int, context: int):
+    """The server `tandem train` would start (build_server of its ServerSpec); returns (server, key, s)."""
+    from tandemrl.cluster.server_supervisor import ServerSpec, build_server
+    from tandemrl.config.loader import load_config
+    from tandemrl.engine.http_guard import new_api_key
+
+    config = load_config(
+        None,
+        overrides
+        + [
+            f"rollout.model.model_path={model_dir}",
+            f"rollout.max_running_requests={max_running}",
+            f"rollout.max_context_len={context}",
+            "agentloop.max_response_tokens=64",  # the agent's budgets are no part of this workload
+            "agentloop.max_new_tokens_per_turn=64",
+            "agentloop.max_info_tokens=32",
+            "rollout.startup_timeout_s=1200",
+        ],
+    )
+    key = new_api_key()
+    server = build_server(ServerSpec(backend, 0, config, model_path=str(model_dir), api_key=key), "127.0.0.1")
+    start = time.perf_counter()
+    server.start()
+    return server, getattr(server, "api_key", None) or key, time.perf_counter() - start
+
+
+async def fixed_batch(client, args, vocab: int) -> dict:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(2, vocab) for _ in range(args.prompt_len)] for _ in range(args.num_requests)]
+    params = {"max_new_tokens": args.new_tokens, "temperature": 1.0, "ignore_eos": True}
+    await client.generate(prompts[0][:8], {**params, "max_new_tokens": 4})  # warm-up
+    start = time.perf_counter()
+    results = await asyncio.gather(*(client.generate(p, params) for p in prompts))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.output_ids) for r in results)
+    return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
+    """Argmax of the raw logits, EOS included (as the engines with ignore_eos: EOS is sampled, not a stop)."""
+    ids = list(prompt)
+    for _ in range(num_tokens):
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
+        ids.append(int(logits.float().argmax()))
+    return ids[len(prompt) :]
+
+
+def actor_model(model_dir: Path, device: str):
+    """The 'actor': the served model with every MLP down-projection halved (changes greedy output)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.down_proj.weight"):
+            param.data.mul_(0.5)
+    return model
+
+
+async def weights_check(backend: str, client, url: str, key, model_dir: Path, device: str, args) -> dict:
+    from transformers import AutoTokenizer
+
+    from tandemrl.rollout.backends import make_weight_sender
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tokenizer.encode(p) for p in PROBES]
+    params = {"max_new_tokens": args.probe_tokens, "temperature": 0.0, "ignore_eos": True}
+    before = [(await client.generate(p, params)).output_ids for p in prompts]
+    model = actor_model(model_dir, device)
+    route = "gloo" if device == "cpu" else "cuda_ipc"
+    sender = make_weight_sender(backend, route, [url], 256, api_key=key, pause_mode="drain")
+    await sender.connect()
+    named = [(n, t.detach()) for n, t in model.named_parameters()]  # tied weights once, as the actor
+    pushed = await sender.push(named, weight_version=1)
+    for c in sender.clients:
+        await c.close()
+    engine = [(await client.generate(p, params)).output_ids for p in prompts]
+    actor = [hf_greedy(model, p, args.probe_tokens) for p in prompts]
+    return {
+        "weights_check": engine == actor,
+        "route": route,
+        "push_s": pushed["seconds"],
+        "push_changed_output": engine != before,
+        "mismatches": [i for i, (e, a) in enumerate(zip(engine, actor, strict=True)) if e != a],
+    }
+
+
+def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
+    """One step of the sync recipe in its own `tandem train`; `time/wait_data` of that step."""
+    config = ROOT / "examples" / "searchr1" / "config" / "smollm2_h200_sync.yaml"
+    run_dir = out_dir / f"agent_{backend}"
+    command = [sys.executable, "-m", "tandemrl.cli", "train", str(config), f"runner.output_dir={run_dir}"]
+    command += ["runner.max_steps=1", "runner.val_interval=0", "runner.val_before_train=false"]
+    command += [f"rollout.model.model_path={smollm2}", f"rollout.backend={backend}"]
+    command += [
+        o for o in engine_overrides(args, backend, "cuda") if o.startswith(("rollout.vllm", "rollout.sglang"))
+    ]
+    if backend == "vllm":
+        command += ["rollout.pause_mode=in_place", "rollout.vllm.gpu_memory_utilization=0.4"]
+    if backend == "sglang":
+        command += ["rollout.sglang.mem_fraction_static=0.4"]
+    start = time.perf_counter()
+    subprocess.run(command, check=True, cwd=ROOT)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    row = next(r for r in rows if "time/wait_data" in r)
+    return {"agent_step_s": row["time/wait_data"], "run_s": time.perf_counter() - start, "command": command}
+
+
+def default_smollm2() -> Path:
+    from tandemrl.data.home import default_model_dir
+
+    base = Path(default_model_dir())
+    coldstart = base.with_name(base.name + "-coldstart")
+    return coldstart if coldstart.is_dir() else base
+
+
+async def measure(backend: str, args, device: str, fixed_dir: Path, smollm2: Path, vocab: int) -> dict:
+    from tandemrl.rollout.backends import make_client
+
+    overrides = engine_overrides(args, backend, device)
+    result: dict = {}
+    context = args.prompt_len + args.new_tokens + 64
+    server, key, result["startup_s"] = start_server(backend, fixed_dir, overrides, args.num_requests, context)
+    client = make_client(backend, server.url, api_key=key)
+    try:
+        result["fixed_batch"] = await fixed_batch(client, args, vocab)
+        result["fixed_batch_tok_s"] = result["fixed_batch"]["tok_s"]
+    finally:
+        await client.close()
+        server.stop()
+    server, key, _ = start_server(backend, smollm2, overrides, 16, 2048)
+    client = make_client(backend, server.url, api_key=key)
+    try:
+        result.update(await weights_check(backend, client, server.url, key, smollm2, device, args))
+    finally:
+        await client.close()
+        server.stop()
+    return result
+
+
+def ratios(backends: dict) -> dict:
+    """embedded / best other per workload (tokens/s: higher is better; seconds: lower is better)."""
+    others = {k: v for k, v in backends.items() if k != "embedded"}
+    embedded, out = backends.get("embedded", {}), {}
+    for key, higher_is_better in (("fixed_batch_tok_s", True), ("agent_step_s", False), ("startup_s", False)):
+        values = [v[key] for v in others.values() if v.get(key) is not None]
+        if embedded.get(key) is None or not values:
+            continue
+        best = max(values) if higher_is_better else min(values)
+        out[key] = embedded[key] / best if higher_is_better else best / embedded[key]
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    device = "cpu" if args.cpu else "cuda"
+    from benchmarks.engine.engine import write_model_dir
+
+    work = Path(tempfile.mkdtemp(prefix="tandem-engines-"))
+    smollm2 = Path(args.smollm2) if args.smollm2 else default_smollm2()
+    if args.cpu:  # vLLM's CPU kernels refuse the tiny shape (head_dim 16): SmolLM2 itself stands in
+        shape, fixed_dir = {"vocab_size": 49152}, smollm2
+    else:
+        shape = QWEN25_15B
+        fixed_dir = write_model_dir(shape, work / "fixed_model", torch.device("cpu"), torch.bfloat16)
+    report = {
+        "mode": device,
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "workloads": {
+            "fixed_batch": f"{args.num_requests} requests x {args.prompt_len} prompt -> {args.new_tokens} new "
+            f"tokens, T=1, ignore_eos, {'SmolLM2' if args.cpu else 'Qwen2.5-1.5B shape, random weights'}",
+            "weights_check": f"{len(PROBES)} probe prompts x {args.probe_tokens} greedy tokens on {smollm2}",
+            "agent_step": "smollm2_h200_sync.yaml, one step (64 prompts x group 4), time/wait_data",
+        },
+        "backends": {},
+        "skipped": {},
+        "failed": {},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    for backend in args.backends.split(","):
+        reason = why_missing(args, backend)
+        if reason:
+            report["skipped"][backend] = reason
+            print(f"{backend}: skipped ({reason})", flush=True)
+            continue
+        print(f"{backend}: measuring", flush=True)
+        try:
+            result = asyncio.run(measure(backend, args, device, fixed_dir, smollm2, shape["vocab_size"]))
+        except Exception as error:  # noqa: BLE001  one backend's failure is its result, the others still run
+            report["failed"][backend] = f"{type(error).__name__}: {error}"
+            print(f"{backend}: failed ({report['failed'][backend]})", flush=True)
+            continue
+        if args.cpu or args.skip_agent:
+            result["agent_step_s"] = None
+            result["agent_step_skipped"] = "CPU mode" if args.cpu else "--skip-agent"
+        else:
+            result.update(agent_step(backend, args, smollm2, work))
+        report["backends"][backend] = result
+        print(f"{backend}: {json.dumps({k: v for k, v in result.items() if not isinstance(v, dict | list)})}")
+    report["embedded_vs_best_other"] = ratios(report["backends"])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

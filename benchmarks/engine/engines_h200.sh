@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Real vLLM / SGLang on the H200 (docs/BACKENDS.md, "On the H200"). Run ON the GPU machine, from the
+# project root, with the project staged as ../shared/device/README.md says (PYTHONPATH=/tmp/site:$PWD),
+# after every part of ENGINE's wheel set (../shared/device/engines/stage_engines.sh ENGINE OUTDIR) was
+# copied to /tmp/eng_stage_ENGINE/pNN, one `run` per part.
+#
+#   benchmarks/engine/engines_h200.sh install ENGINE          join the parts, pip --target /tmp/eng_site_ENGINE (once)
+#   benchmarks/engine/engines_h200.sh recipe ENGINE [STEPS]   smollm2_h200_async.yaml on ENGINE, STEPS (20) steps,
+#                                                      runner.weights_check_tokens=16 (the run fails unless
+#                                                      every engine's greedy output equals the actor's)
+#   benchmarks/engine/engines_h200.sh bench [BACKENDS]        benchmarks/engine/engines_gpu.py for BACKENDS
+#                                                      (embedded,vllm,sglang: the installed ones run)
+# Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
+# startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
+# engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
+set -euo pipefail
+cmd=${1:?usage: engines_h200.sh install|recipe|bench ...}
+out=${OUT:-/tmp/engines_h200}
+mkdir -p "$out"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_NO_USAGE_STATS=1 \
+  DO_NOT_TRACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+
+site_of() { echo "/tmp/eng_site_$1"; }
+
+install() {
+  local eng=$1 stage=/tmp/eng_stage_$1 site
+  site=$(site_of "$eng")
+  [ -f "$site/.installed" ] && { echo "$eng: already in $site"; return; }
+  ls "$stage"/p?? >/dev/null 2>&1 || { echo "no parts in $stage" >&2; exit 2; }
+  cat "$stage"/p?? | tar x -C "$stage"
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" "$stage"/*.whl
+  touch "$site/.installed"
+  PYTHONPATH=$site python3 -c "import $eng, torch; print('$eng', $eng.__version__, 'torch', torch.__version__)"
+}
+
+engine_overrides() {  # the engine's own environment and a GPU share that leaves room for the actor
+  local eng=$1 site
+  site=$(site_of "$eng")
+  echo "rollout.backend=$eng rollout.$eng.pythonpath=[$site]"
+  if [ "$eng" = vllm ]; then echo "rollout.pause_mode=in_place rollout.vllm.gpu_memory_utilization=0.35"; fi
+  if [ "$eng" = sglang ]; then echo "rollout.sglang.mem_fraction_static=0.35"; fi
+}
+
+case "$cmd" in
+  install) install "${2:?engine: vllm or sglang}" ;;
+  recipe)
+    eng=${2:?engine: vllm or sglang}; steps=${3:-20}; run_dir=runs/engines_h200_$eng
+    # shellcheck disable=SC2046
+    python3 -m tandemrl.cli train examples/searchr1/config/smollm2_h200_async.yaml \
+      runner.max_steps="$steps" runner.val_interval=0 runner.weights_check_tokens=16 \
+      runner.output_dir="$run_dir" $(engine_overrides "$eng")
+    for f in metrics.jsonl weights_check.json startup.json; do cp "$run_dir/$f" "$out/${eng}_$f"; done
+    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('weights_check', r['weights_check']); assert r['weights_check']" \
+      "$run_dir/weights_check.json"
+    ;;
+  bench)
+    args=()
+    for eng in vllm sglang; do
+      [ -f "$(site_of $eng)/.installed" ] && args+=("--$eng-pythonpath" "$(site_of $eng)")
+    done
+    python3 -m benchmarks.engine.engines_gpu --backends "${2:-embedded,vllm,sglang}" "${args[@]}" --out "$out/engines_h200.json"
+    ;;
+  *) echo "unknown command $cmd (install, recipe, bench)" >&2; exit 2 ;;
+esac

@@ -1,0 +1,386 @@
+"""Learning parity across seeds: sync, async and async + `tis`, several seeds each, on one machine.
+
+    python -m benchmarks.learning.learning_parity [--prepare] [--steps 60] [--seeds 1 2 3] [--concurrency 3]
+        [--variants sync async async_tis] [--check-steps 10 | --no-check] [--deadline-s S]
+        [--sync-config C] [--async-config C] [--runs-dir DIR] [--out JSON] [key=value ...]
+    python -m benchmarks.learning.learning_parity --summarize --runs-dir DIR [--out JSON]
+
+A seed sets `data.seed` (the prompt order) and `runner.seed` (the engines' sampling seed: engine i
+draws with runner.seed + i); the cold start is the same for all. Each run is its own `tandem train`
+process with its own output directory (`RUNS_DIR/<variant>/seed<N>`, whose metrics.jsonl is kept),
+engine port and Ray. They share one retrieval server that this script starts, over its own copy of the
+index: Qdrant's local mode lets one process open an index, so runs that each launched their own would
+fail on its lock (as would this server, on an index another process holds). With
+`--concurrency` above 1 on a GPU the runs also get `SHARED_GPU_OVERRIDES` (a fixed KV cache and
+micro-batch, since each would size its own from the free memory at its start, and no per-run MPS
+daemon). Timings of concurrent runs are not comparable: this measures learning only.
+
+The staleness-0 check: an async run with `rollout_buffer.max_head_offpolicyness=0` (no overlap, the
+sync schedule) for `--check-steps`, seeded as the first seed; its mean reward and searches per
+trajectory over those steps must lie inside the range of the sync seeds' means over the same steps.
+
+A run whose metrics.jsonl reaches its last step is not run again, so the same command can be repeated
+until every run is done: `--deadline-s` stops the runs still going in time, and the next invocation
+resumes each from its newest checkpoint (`--save-every` steps; only the newest is kept, and none once
+the run is done). A resumed run continues its metrics.jsonl; its sampling stream restarts, which
+perturbs a seed no more than a different engine batch would.
+
+Every invocation ends by writing, from the runs done so far (`complete` says whether all are): the
+JSON; next to it `<stem>_plots/` (every seed and the band), `<stem>_samples.json` (a digest of trained
+trajectories: searches and rewards per source, a few transcripts) and `<stem>_runs.tgz` (each run's
+metrics.jsonl, config, log tail, and the plots): the three files to bring back from a GPU machine.
+Exit status 0 when every run is done, 3 when some are left for the next invocation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
+
+ROOT = Path(__file__).resolve().parents[2]
+
+CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
+SEED_KEYS = ("data.seed", "runner.seed")
+VARIANTS = {  # name -> (which config, extra overrides)
+    "sync": ("sync", []),
+    "async": ("async", []),
+    "async_tis": ("async", ["algorithm.off_policy_correction=tis"]),
+    # the ablation of the hand-off order: sync as before issue 27 (minibatches sorted by length)
+    "sync_finish_order": ("sync", ["rollout_buffer.handoff_order=finish"]),
+}
+DEFAULT_VARIANTS = ["sync", "async", "async_tis"]
+CHECK = "staleness0"
+CHECK_OVERRIDES = ["rollout_buffer.max_head_offpolicyness=0"]
+SHARED_GPU_OVERRIDES = [
+    "rollout.engine.kv_cache_gb=12",
+    "actor.micro_batch_tokens=16384",
+    "cluster.mps=false",
+]
+STOP_GRACE_S = 30.0
+LOG_TAIL_LINES = 300
+INDEX_COPY_MAX_BYTES = 4 * 2**30  # the KB's index is ~90 MB; a wiki-18 one is served in place
+
+
+@dataclass
+class RunSpec:
+    variant: str  # a VARIANTS key or CHECK
+    seed: int
+    config: str
+    steps: int
+    overrides: list[str] = field(default_factory=list)
+
+    def run_dir(self, runs_dir: Path) -> Path:
+        return runs_dir / self.variant / f"seed{self.seed}"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sync-config", default=str(CONFIG_DIR / "smollm2_h200_sync.yaml"))
+    parser.add_argument("--async-config", default=str(CONFIG_DIR / "smollm2_h200_async.yaml"))
+    parser.add_argument("--steps", type=int, default=60, help="runner.max_steps of every run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
+    parser.add_argument("--check-steps", type=int, default=10, help="steps of the staleness-0 check run")
+    parser.add_argument("--no-check", action="store_true", help="leave the staleness-0 check out")
+    parser.add_argument("--concurrency", type=int, default=3, help="runs at a time")
+    parser.add_argument(
+        "--shared-gpu",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="SHARED_GPU_OVERRIDES: auto = when concurrency > 1 and the runs use a GPU",
+    )
+    parser.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="stop starting runs, and stop those still going, after this many seconds",
+    )
+    parser.add_argument(
+        "--save-every",
+        type=int,
+        default=10,
+        help="runner.save_interval of the runs, so that one stopped at the deadline resumes",
+    )
+    parser.add_argument("--keep-checkpoints", action="store_true", help="keep a finished run's last one")
+    parser.add_argument(
+        "--prepare",
+        action="store_true",
+        help="first `tandem prepare all` and, if the config's model is missing, `tandem sft`",
+    )
+    parser.add_argument("--summarize", action="store_true", help="only write the JSON from the runs there")
+    parser.add_argument("--runs-dir", default="runs/learning_parity")
+    parser.add_argument(
+        "--out", default=None, help="default: benchmarks/results/learning/learning_parity_<gpu>.json"
+    )
+    parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    args = parser.parse_args(argv)
+    if args.concurrency < 1 or args.steps < 1 or args.check_steps < 1:
+        parser.error("--concurrency, --steps and --check-steps must be >= 1")
+    return args
+
+
+def run_specs(args: argparse.Namespace) -> list[RunSpec]:
+    configs = {"sync": args.sync_config, "async": args.async_config}
+    specs = [
+        RunSpec(name, seed, configs[which], args.steps, extra)
+        for name, (which, extra) in VARIANTS.items()
+        if name in args.variants
+        for seed in args.seeds
+    ]
+    if not args.no_check:
+        specs.append(RunSpec(CHECK, args.seeds[0], args.async_config, args.check_steps, CHECK_OVERRIDES))
+    return specs
+
+
+def train_command(spec: RunSpec, run_dir: Path, shared: list[str]) -> list[str]:
+    seeds = [f"{key}={spec.seed}" for key in SEED_KEYS]
+    return [
+        sys.executable, "-m", "tandemrl.cli", "train", spec.config,
+        f"runner.output_dir={run_dir}", f"runner.max_steps={spec.steps}", *seeds, *spec.overrides, *shared,
+    ]  # fmt: skip
+
+
+def is_complete(run_dir: Path, steps: int) -> bool:
+    from tandemrl.metrics.logger import read_history
+
+    rows = read_history(run_dir / "metrics.jsonl")
+    return any(row["step"] == steps and "time/step" in row for row in rows)
+
+
+def uses_gpu(config_path: str, overrides: list[str]) -> bool:
+    from tandemrl.config.loader import load_config
+
+    config = load_config(config_path, overrides)
+    if "cuda" in (config.rollout.device, config.actor.device):
+        return True
+    if "auto" in (config.rollout.device, config.actor.device):
+        import torch
+
+        return torch.cuda.is_available()
+    return False
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - the results are still worth writing without a GPU name
+        return "unknown"
+
+
+def default_out(gpu: str) -> Path:
+    tag = "h200" if "H200" in gpu else "".join(c if c.isalnum() else "_" for c in gpu.lower())
+    return ROOT / "benchmarks" / "results" / "learning" / f"learning_parity_{tag}.json"
+
+
+def prepare(args: argparse.Namespace) -> None:
+    """The embedded defaults, then the cold start the configs name, if it is not there yet."""
+    from tandemrl.config.loader import load_config
+
+    tandem = [sys.executable, "-m", "tandemrl.cli"]
+    print("$ tandem prepare all", flush=True)
+    subprocess.run([*tandem, "prepare", "all"], check=True, cwd=ROOT)
+    model = Path(load_config(args.sync_config, args.overrides).rollout.model.model_path)
+    if not (model / "config.json").is_file():
+        print(f"$ tandem sft {args.sync_config}  (no model at {model} yet)", flush=True)
+        subprocess.run([*tandem, "sft", args.sync_config, *args.overrides], check=True, cwd=ROOT)
+
+
+def private_index(index_dir: Path, runs_dir: Path) -> Path:
+    """A copy of a small local index under the runs directory, served by this script alone: Qdrant's
+    local mode lets one process open an index, and another run or server may hold the original."""
+    if (index_dir / "index.json").is_file() and not (index_dir / "qdrant").is_dir():
+        return index_dir  # a Qdrant server's collection, no local files to lock
+    size = sum(f.stat().st_size for f in index_dir.rglob("*") if f.is_file())
+    if size > INDEX_COPY_MAX_BYTES:
+        print(
+            f"index {index_dir} ({size / 2**30:.1f} GiB) served in place: nothing else may open it",
+            flush=True,
+        )
+        return index_dir
+    copy = runs_dir / "index"
+    if not (copy / "index.json").is_file():
+        shutil.rmtree(copy, ignore_errors=True)
+        shutil.copytree(index_dir, copy, ignore=shutil.ignore_patterns(".lock"))
+    return copy
+
+
+def start_retrieval(config_path: str, overrides: list[str], runs_dir: Path):
+    """One retrieval server over (a copy of) the configs' index for every run (`retrieval.launch=false`)."""
+    from tandemrl.config.loader import load_config
+    from tandemrl.data.home import default_index_dir
+    from tandemrl.retrieval.server_process import RetrievalServerProcess
+
+    retrieval = load_config(config_path, overrides).retrieval
+    index_dir = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
+    log_path = runs_dir / "retrieval.log"
+    server = RetrievalServerProcess(index_dir, mode=retrieval.mode, log_path=log_path)
+    server.launch()
+    server.wait_healthy()
+    print(f"retrieval server for all runs at {server.addr} (log {log_path})", flush=True)
+    return server
+
+
+def stop_run(proc: subprocess.Popen) -> None:
+    """SIGTERM to the run's process group (`tandem train` stops its services), SIGKILL after a grace."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def start_run(spec: RunSpec, runs_dir: Path, shared: list[str], save_every: int) -> subprocess.Popen:
+    """`tandem train` for `spec` in its own process group: resumed from its newest checkpoint when an
+    earlier invocation stopped it, else afresh."""
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    run_dir = spec.run_dir(runs_dir)
+    checkpoint = latest_checkpoint(run_dir) if run_dir.is_dir() else None
+    extra = [f"runner.save_interval={save_every}"] if save_every else []
+    if checkpoint is not None:  # its validation at the start step is in the metrics already
+        extra += [f"runner.resume_from={checkpoint}", "runner.val_before_train=false"]
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    command = train_command(spec, run_dir, [*shared, *extra])
+    print("$", " ".join(command), flush=True)
+    log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def prune_checkpoints(run_dir: Path, keep_latest: bool) -> None:
+    """Only the newest checkpoint is needed (to resume); a finished run needs none."""
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    latest = latest_checkpoint(run_dir) if keep_latest else None
+    for path in (run_dir / "checkpoints").glob("global_step_*"):
+        if path != latest:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def run_all(specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shared: list[str]) -> list[str]:
+    """Run what is not complete, `args.concurrency` at a time, until done or `args.deadline_s`; returns
+    the runs left undone."""
+    pending = [s for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
+    for spec in (s for s in specs if s not in pending):
+        print(f"{spec.variant}/seed{spec.seed}: complete, not run again", flush=True)
+    running: list[tuple[RunSpec, subprocess.Popen, float]] = []
+    start_s = time.monotonic()
+    while pending or running:
+        for entry in list(running):
+            spec, proc, began_s = entry
+            run_dir = spec.run_dir(runs_dir)
+            if proc.poll() is None:
+                prune_checkpoints(run_dir, keep_latest=True)
+                continue
+            running.remove(entry)
+            record = {"rc": proc.returncode, "wall_s": time.monotonic() - began_s}
+            (run_dir / "run.json").write_text(json.dumps(record) + "\n")
+            print(f"{spec.variant}/seed{spec.seed}: exit {proc.returncode} after {record['wall_s']:.0f} s")
+            is_done = is_complete(run_dir, spec.steps)
+            prune_checkpoints(run_dir, keep_latest=not is_done or args.keep_checkpoints)
+        if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
+            for spec, proc, _ in running:
+                print(
+                    f"{spec.variant}/seed{spec.seed}: stopped at the deadline; resumed next time", flush=True
+                )
+                stop_run(proc)
+            break
+        while pending and len(running) < args.concurrency:
+            spec = pending.pop(0)
+            running.append((spec, start_run(spec, runs_dir, shared, args.save_every), time.monotonic()))
+        time.sleep(2.0)
+    return [f"{s.variant}/seed{s.seed}" for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
+
+
+def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
+    """What to bring back from the GPU machine besides the JSON: each run's metrics.jsonl, config.yaml,
+    run.json and startup.json, the last lines of its log, and `extra_files` (the plots)."""
+    import io
+    import tarfile
+
+    with tarfile.open(path, "w:gz") as tar:
+        for spec in specs:
+            run_dir, name = spec.run_dir(runs_dir), f"{spec.variant}/seed{spec.seed}"
+            for file in ("metrics.jsonl", "config.yaml", "run.json", "startup.json"):
+                if (run_dir / file).is_file():
+                    tar.add(run_dir / file, arcname=f"{name}/{file}")
+            log = run_dir.parent / f"seed{spec.seed}.log"
+            if log.is_file():
+                tail = "\n".join(log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]).encode()
+                info = tarfile.TarInfo(f"{name}/train.log.tail")
+                info.size = len(tail)
+                tar.addfile(info, io.BytesIO(tail))
+        for file in extra_files:
+            tar.add(file, arcname=f"plots/{file.name}")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    runs_dir = Path(args.runs_dir).resolve()
+    runs_dir.mkdir(parents=True, exist_ok=True)
+    specs = run_specs(args)
+    gpu = gpu_name()
+    shared = list(args.overrides)
+    is_shared_gpu = args.shared_gpu == "on" or (
+        args.shared_gpu == "auto" and args.concurrency > 1 and uses_gpu(args.sync_config, args.overrides)
+    )
+    if is_shared_gpu:
+        shared = [*SHARED_GPU_OVERRIDES, *shared]  # the user's overrides come last and win
+    left = []
+    if not args.summarize:
+        if args.prepare:
+            prepare(args)
+        server = start_retrieval(args.sync_config, args.overrides, runs_dir)
+        try:
+            search = ["retrieval.launch=false", f"tools.search.server_addr={server.addr}"]
+            left = run_all(specs, args, runs_dir, [*search, *shared])
+        finally:
+            server.stop()
+    out = Path(args.out) if args.out else default_out(gpu)
+    setup = {
+        "gpu": gpu,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "seed_keys": list(SEED_KEYS),
+        "configs": {"sync": args.sync_config, "async": args.async_config},
+        "concurrency": args.concurrency,
+        "overrides": shared,
+        "variant_overrides": {name: extra for name, (_, extra) in VARIANTS.items()}
+        | {CHECK: CHECK_OVERRIDES},
+        "command": " ".join(sys.argv),
+    }
+    result = summarize(specs, runs_dir, setup)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plots = write_plots(result, out.parent / f"{out.stem}_plots")
+    samples = write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
+    runs = bundle(specs, runs_dir, plots, out.parent / f"{out.stem}_runs.tgz")
+    print(json.dumps({"acceptance": result["acceptance"], "complete": result["complete"]}, indent=1))
+    print(f"wrote {out}, {samples}, {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")
+    if left:
+        print(f"not done yet: {', '.join(left)}; run the same command again", flush=True)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

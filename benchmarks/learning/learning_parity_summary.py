@@ -1,0 +1,286 @@
+"""The results of benchmarks/learning/learning_parity.py, read from each run's metrics.jsonl: per seed the curves
+(val EM and val searches per source, train searches, reward and the per-source diagnostics per step), the
+mean and sd over seeds of the start and end figures, the staleness-0 check, the issue's acceptance
+figures; the plots with every seed and the mean band; a digest of trained trajectories.
+
+Only runs that reached their last step count in the means, the check and the acceptance; a missing or
+partial run leaves `complete` false and its figures None, never a made-up number.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+WINDOW = 5  # steps averaged into the start / end figure of a per-step curve
+OVERALL = {
+    "val/em/": "all",
+    "val/num_searches/": "all",
+    "rollout/num_searches/": "mean",
+    "rollout/reward/": "mean",
+}
+DIAGNOSTICS = ("search_advantage", "equal_reward_groups", "handoff_mix", "issued_mix")
+KEY_FIGURES = ("val_em_start", "val_em_end", "kb_2hop_start", "kb_2hop_end")
+MIN_VAL_EM_RISE = 0.15
+MAX_FINAL_VAL_EM_GAP = 0.05
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    from tandemrl.metrics.logger import read_history
+
+    return read_history(run_dir / "metrics.jsonl")
+
+
+def curve(rows: list[dict], key: str) -> list[list[float]]:
+    return [[row["step"], row[key]] for row in rows if key in row]
+
+
+def sources(rows: list[dict], prefix: str) -> list[str]:
+    """The data sources logged under `prefix` (the overall series first)."""
+    names = {key.removeprefix(prefix) for row in rows for key in row if key.startswith(prefix)}
+    overall = OVERALL.get(prefix)
+    rest = sorted(names - {overall})
+    return ([overall] if overall in names else []) + rest
+
+
+def curves(rows: list[dict], prefix: str) -> dict[str, list[list[float]]]:
+    return {name: curve(rows, prefix + name) for name in sources(rows, prefix)}
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def summarize_run(rows: list[dict], steps: int, check_steps: int) -> dict[str, Any]:
+    """One run: its curves and figures (`figures`: the numbers the means, the check and the plots use)."""
+    trained = [row for row in rows if row["step"] >= 1 and "time/step" in row]
+    run = {
+        "steps_done": len(trained),
+        "complete": any(row["step"] == steps for row in trained),
+        "val_em": curves(rows, "val/em/"),
+        "val_num_searches": curves(rows, "val/num_searches/"),
+        "num_searches": curves(trained, "rollout/num_searches/"),
+        "reward": curves(trained, "rollout/reward/"),
+        "diagnostics": {family: curves(trained, f"rollout/{family}/") for family in DIAGNOSTICS},
+        "updates_per_step": _updates_per_step(trained),
+    }
+    figures: dict[str, float | None] = {}
+    for name, points in run["val_em"].items():
+        prefix = "val_em" if name == "all" else f"val_em_{name}"
+        figures[f"{prefix}_start"], figures[f"{prefix}_end"] = points[0][1], points[-1][1]
+    figures["kb_2hop_start"] = figures.get("val_em_kb_2hop_start")
+    figures["kb_2hop_end"] = figures.get("val_em_kb_2hop_end")
+    for name, points in run["num_searches"].items():
+        values = [v for _, v in points]
+        figures[f"num_searches_{name}_start"] = _mean(values[:WINDOW])
+        figures[f"num_searches_{name}_end"] = _mean(values[-WINDOW:])
+    figures["mean_staleness"] = _mean([row["rollout/data_staleness/mean"] for row in trained])
+    first = [row for row in trained if row["step"] <= check_steps]
+    figures["first_steps_reward"] = _mean([row["rollout/reward/mean"] for row in first])
+    figures["first_steps_num_searches"] = _mean([row["rollout/num_searches/mean"] for row in first])
+    run["figures"] = figures
+    return run
+
+
+def _updates_per_step(trained: list[dict]) -> float | None:
+    for row in trained:
+        if "train/actor/num_updates" in row:
+            return row["train/actor/num_updates"] / row["step"]
+    return None
+
+
+def aggregate(runs: dict[str, dict]) -> dict[str, Any]:
+    """mean and sd (sample, over seeds) of every figure the complete runs all have."""
+    complete = [run["figures"] for run in runs.values() if run["complete"]]
+    keys = [k for k in (complete[0] if complete else {}) if all(f.get(k) is not None for f in complete)]
+    mean = {k: statistics.fmean(f[k] for f in complete) for k in keys}
+    sd = {k: statistics.stdev(f[k] for f in complete) if len(complete) > 1 else None for k in keys}
+    for k in KEY_FIGURES:  # always present, None when unknown
+        mean.setdefault(k, None)
+        sd.setdefault(k, None)
+    return {"num_seeds": len(complete), "mean": mean, "sd": sd}
+
+
+def staleness0_check(check: dict | None, sync_runs: dict[str, dict], check_steps: int) -> dict[str, Any]:
+    """The check run's first-steps mean reward and searches against the sync seeds' range of the same."""
+    done = [run["figures"] for run in sync_runs.values() if run["complete"]]
+    result: dict[str, Any] = {"steps": check_steps, "num_sync_seeds": len(done), "passes": None}
+    if check is None or not check["complete"] or not done:
+        return {**result, "complete": False}
+    result["complete"] = True
+    is_inside = []
+    for key in ("first_steps_reward", "first_steps_num_searches"):
+        low, high = min(f[key] for f in done), max(f[key] for f in done)
+        value = check["figures"][key]
+        result[key] = {"check": value, "sync_seeds_range": [low, high]}
+        is_inside.append(low <= value <= high)
+    result["mean_staleness"] = check["figures"]["mean_staleness"]
+    result["passes"] = all(is_inside)
+    return result
+
+
+def acceptance(result: dict[str, Any]) -> dict[str, Any]:
+    """The issue's acceptance, from the means over seeds (None where a figure is missing)."""
+    out: dict[str, Any] = {}
+    for variant in ("sync", "async"):
+        mean = result.get(variant, {}).get("mean", {})
+        start, end = mean.get("val_em_start"), mean.get("val_em_end")
+        rise = None if start is None or end is None else end - start
+        out[f"{variant}_val_em_rise"] = {
+            "value": rise,
+            "passes": None if rise is None else rise >= MIN_VAL_EM_RISE,
+        }
+        two_start, two_end = mean.get("kb_2hop_start"), mean.get("kb_2hop_end")
+        out[f"{variant}_kb_2hop_end_ge_start"] = (
+            None if None in (two_start, two_end) else two_end >= two_start
+        )
+    ends = [result.get(v, {}).get("mean", {}).get("val_em_end") for v in ("sync", "async")]
+    gap = None if None in ends else abs(ends[1] - ends[0])
+    out["final_val_em_gap"] = {"value": gap, "passes": None if gap is None else gap <= MAX_FINAL_VAL_EM_GAP}
+    out["staleness0_check"] = result.get("staleness0_check", {}).get("passes")
+    return out
+
+
+def summarize(specs: list, runs_dir: Path, setup: dict[str, Any]) -> dict[str, Any]:
+    """The whole JSON: setup, one entry per variant (`seeds`, `mean`, `sd`), the check, the acceptance."""
+    check_steps = next((s.steps for s in specs if s.variant == "staleness0"), 10)
+    result: dict[str, Any] = dict(setup)
+    by_variant: dict[str, dict[str, dict]] = {}
+    for spec in specs:
+        run_dir = spec.run_dir(runs_dir)
+        run = summarize_run(read_rows(run_dir), spec.steps, check_steps)
+        by_variant.setdefault(spec.variant, {})[str(spec.seed)] = {"run_dir": str(run_dir), **run}
+    check = by_variant.pop("staleness0", None)
+    for variant, runs in by_variant.items():
+        result[variant] = {"seeds": runs, **aggregate(runs)}
+    result["staleness0_check"] = staleness0_check(
+        next(iter(check.values())) if check else None, by_variant.get("sync", {}), check_steps
+    )
+    if check:
+        result["staleness0_check"]["run"] = next(iter(check.values()))
+    result["complete"] = all(
+        run["complete"] for runs in [*by_variant.values(), check or {}] for run in runs.values()
+    )
+    result["acceptance"] = acceptance(result)
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ plots
+COLOURS = {
+    "sync": "tab:blue",
+    "async": "tab:orange",
+    "async_tis": "tab:green",
+    "sync_finish_order": "tab:purple",
+}
+
+
+def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
+    """Val EM overall and per source, and train searches per source: every seed thin, the mean over
+    seeds bold, the band between the seeds' min and max; x = parameter updates."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    variants = [v for v in COLOURS if v in result]
+    panels = {}
+    for family, title in (("val_em", "Validation EM"), ("num_searches", "Searches per trajectory (train)")):
+        names = sorted({n for v in variants for run in result[v]["seeds"].values() for n in run[family]})
+        for name in names:
+            panels[f"{family}_{name}"] = (family, name, f"{title}: {name}")
+    paths = []
+    for stem, (family, name, title) in panels.items():
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for variant in variants:
+            _band(ax, [run for run in result[variant]["seeds"].values()], family, name, variant)
+        ax.set_title(title)
+        ax.set_xlabel("parameter updates (step x n_minibatches)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = plot_dir / f"{stem}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _band(ax, runs: list[dict], family: str, name: str, variant: str) -> None:
+    colour = COLOURS[variant]
+    series = []
+    for run in runs:
+        points = run[family].get(name, [])
+        if not points:
+            continue
+        scale = run["updates_per_step"] or 1.0
+        xs, ys = [p[0] * scale for p in points], [p[1] for p in points]
+        ax.plot(xs, ys, color=colour, alpha=0.35, linewidth=0.8)
+        series.append(dict(zip(xs, ys, strict=True)))
+    if not series:
+        return
+    xs = sorted(set.intersection(*(set(s) for s in series)))
+    values = [[s[x] for s in series] for x in xs]
+    ax.plot(
+        xs,
+        [statistics.fmean(v) for v in values],
+        color=colour,
+        linewidth=2,
+        label=f"{variant} ({len(series)})",
+    )
+    if len(series) > 1:
+        ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)
+
+
+# ------------------------------------------------------------------------------------- trajectory digest
+def write_samples(
+    specs: list, runs_dir: Path, path: Path, per_source: int = 2, max_chars: int = 1500
+) -> Path:
+    """Per run, at its first, middle and last step: per data source the histogram of searches, the
+    mean reward per search count and a few transcripts (what was asked, searched and answered)."""
+    digest = {}
+    for spec in specs:
+        trajectory_dir = spec.run_dir(runs_dir) / "trajectories"
+        steps = sorted({1, max(1, spec.steps // 2), spec.steps})
+        per_step = {}
+        for step in steps:
+            file = trajectory_dir / f"step_{step}.jsonl"
+            if file.is_file():
+                rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
+                per_step[str(step)] = _digest(rows, per_source, max_chars)
+        digest[f"{spec.variant}/seed{spec.seed}"] = per_step
+    path.write_text(json.dumps(digest, indent=1) + "\n")
+    return path
+
+
+def _digest(rows: list[dict], per_source: int, max_chars: int) -> dict[str, Any]:
+    out = {}
+    for source in sorted({row["data_source"] for row in rows}):
+        mine = [row for row in rows if row["data_source"] == source]
+        by_searches: dict[int, list[float]] = {}
+        for row in mine:
+            by_searches.setdefault(len(row["searches"]), []).append(row["reward"])
+        out[source] = {
+            "num": len(mine),
+            "searches_histogram": {str(n): len(r) for n, r in sorted(by_searches.items())},
+            "reward_by_searches": {str(n): statistics.fmean(r) for n, r in sorted(by_searches.items())},
+            "finish_reasons": {
+                reason: sum(row["finish_reason"] == reason for row in mine)
+                for reason in sorted({row["finish_reason"] for row in mine})
+            },
+            "samples": [
+                {
+                    "question": row["question"],
+                    "golden_answers": row["golden_answers"],
+                    "answer": row["answer"],
+                    "reward": row["reward"],
+                    "searches": row["searches"],
+                    "transcript": row["response_text"][:max_chars],
+                }
+                for row in [r for r in mine if r.get("sample_index", 0) == 0][:per_source]  # one per group
+            ],
+        }
+    return out

@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The time-share experiment on one GPU (benchmarks/results/runner/colocated_h200.json) as one background job:
+#
+#   setsid benchmarks/runner/colocated_h200.sh RESULTS_DIR [STEPS] > RESULTS_DIR.log 2>&1 < /dev/null &
+#
+# and poll RESULTS_DIR/timeline.log; RESULTS_DIR/small.tgz (JSON, metrics, start-up timelines, CPU and GPU
+# monitors, profile summaries, logs; no weights) is refreshed after every part. Parts, in order:
+#   prepare    `tandem prepare all`; tests/gpu starts beside it on an empty TANDEM_HOME (gpu_tests.log)
+#   coldstart  `tandem sft` of the H200 recipe: 200 1-hop + 1,000 2-hop demonstrations (docs/LEARNING.md)
+#   pilot      10 async time_share steps with rollout.pause_mode retract and in_place (no validation); the
+#              faster is the pause mode of every run of the benchmark, sync and async alike (sync pauses
+#              idle engines, so the mode changes nothing there); rollout.max_running_requests 512, as the
+#              first pilot chose (benchmarks/results/runner/colocated_h200_pilot)
+#   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
+#              after each): sync, async time_share, async concurrent, the faster async with tis; steps 5
+#              and 6 of the parts in PROFILE_PARTS (default: async_concurrent, whose slow steps are the
+#              ones to explain) are profiled (runner.profile_steps) and left out of its means. On the
+#              H200 (2026-12-02) a 60-step run took 6.8-7.5 minutes with start-up, validation every 10
+#              steps and two profiled steps (about 25 s each): the four parts do not fit one session's
+#              30 minutes together with prepare and the cold start (about 4 minutes)
+#   decode     benchmarks/engine/engine_decode_steps.py on the cold-started model: decode step time against the
+#              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
+#   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
+# PARTS="sync async_time_share ..." picks the benchmark's runs (default: sync, async_time_share, async_concurrent);
+# PART_EXTRA_<part>="key=value ..." adds overrides to one run (e.g. a variant's buffer sizes).
+# SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
+# (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
+set -uo pipefail
+out=${1:?usage: $0 RESULTS_DIR [STEPS]}
+steps=${2:-60}
+skip=" ${SKIP:-} "
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+sync_cfg=${SYNC_CFG:-examples/searchr1/config/smollm2_h200_sync.yaml}
+async_cfg=${ASYNC_CFG:-examples/searchr1/config/smollm2_h200_async.yaml}
+read -r -a extra <<< "${EXTRA:-}"
+pilot_steps=${PILOT_STEPS:-10}
+profile_steps=${PROFILE_STEPS:-[5,6]}
+profile_parts=" ${PROFILE_PARTS-async_concurrent} "  # set and empty: profile none
+stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
+pack() {
+    (cd "$out" && find . -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune -o -path '*/trajectories' \
+        -prune -o -path ./gpu_tests_home -prune -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' \
+        -o -name '*.txt' -o -name '*.yaml' -o -name '*.png' \) -size -4M -print | tar czf small.tgz.tmp -T - \
+        && mv small.tgz.tmp small.tgz)
+}
+tandem() { python3 -m tandemrl.cli "$@"; }
+
+if [[ $skip != *" gputests "* ]]; then
+    stamp "tests/gpu on an empty TANDEM_HOME, in the background"
+    mkdir -p "$out/gpu_tests_home"
+    (TANDEM_HOME="$out/gpu_tests_home" timeout 900 python3 -m pytest -q -ra tests/gpu -m "gpu or not gpu" \
+        -p no:cacheprovider > "$out/gpu_tests.log" 2>&1; echo "rc=$?" >> "$out/gpu_tests.log") &
+    gputests=$!
+fi
+if [[ $skip != *" prepare "* ]]; then
+    stamp "prepare"
+    tandem prepare all > "$out/prepare.log" 2>&1 || { stamp "prepare failed"; pack; exit 1; }
+fi
+if [[ $skip != *" coldstart "* ]]; then
+    stamp "cold start (tandem sft)"
+    tandem sft "$sync_cfg" runner.output_dir="$out/sft" "${extra[@]}" > "$out/sft.log" 2>&1 || { stamp "sft failed"; pack; exit 1; }
+fi
+if [ -n "${gputests:-}" ]; then
+    stamp "waiting for tests/gpu (timings below must not share the GPU with it)"
+    wait "$gputests"
+    stamp "tests/gpu: $(tail -3 "$out/gpu_tests.log" | tr '\n' ' ')"
+fi
+pack
+if [[ $skip != *" decode "* ]]; then
+    stamp "decode step times against the batch"
+    timeout 300 python3 -m benchmarks.engine.engine_decode_steps --model-dir "${TANDEM_HOME:-$HOME/.cache/tandemrl}/models/SmolLM2-135M-Instruct-coldstart" \
+        --out "$out/engine_decode_steps_h200.json" > "$out/decode_steps.log" 2>&1 || stamp "decode step benchmark failed"
+    pack
+fi
+
+# the first H200 pilot (benchmarks/results/runner/colocated_h200_pilot) found 512 running requests faster than 256
+max_running=${MAX_RUNNING:-512}
+pause_mode=${PAUSE_MODE:-}
+if [[ -z $pause_mode && $skip != *" pilot "* ]]; then
+    for mode in retract in_place; do
+        stamp "pilot: time_share, rollout.pause_mode=$mode, rollout.max_running_requests=$max_running"
+        timeout 300 python3 -m tandemrl.cli train "$async_cfg" runner.output_dir="$out/pilot/$mode" \
+            runner.max_steps="$pilot_steps" runner.val_interval=0 runner.val_before_train=false \
+            cluster.colocated_policy=time_share rollout.pause_mode=$mode rollout.max_running_requests=$max_running \
+            "${extra[@]}" > "$out/pilot_$mode.log" 2>&1 || stamp "pilot $mode failed"
+        pack
+    done
+    pause_mode=$(python3 - "$out/pilot" <<'EOF'
+import json, sys
+from pathlib import Path
+means = {}
+for mode in ("retract", "in_place"):
+    path = Path(sys.argv[1]) / mode / "metrics.jsonl"
+    rows = [json.loads(l) for l in path.read_text().splitlines()] if path.is_file() else []
+    times = [r["time/step"] for r in rows if r.get("step", 0) >= 3 and "time/step" in r]
+    if times:
+        means[mode] = sum(times) / len(times)
+json.dump({"mean_step_time_s_from_step_3": means}, open(Path(sys.argv[1]) / "pilot.json", "w"), indent=2)
+print(min(means, key=means.get) if means else "retract")
+EOF
+)
+    stamp "pilot: $(tr -d '\n ' < "$out/pilot/pilot.json") -> rollout.pause_mode=$pause_mode"
+fi
+pause_mode=${pause_mode:-retract}
+
+if [[ $skip != *" bench "* ]]; then
+    # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
+    settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")
+    for part in ${PARTS:-sync async_time_share async_concurrent}; do
+        profile=()
+        [[ $profile_parts == *" $part "* ]] && profile=("runner.profile_steps=$profile_steps")
+        part_var="PART_EXTRA_$part"
+        read -r -a part_extra <<< "${!part_var:-}"
+        stamp "benchmark: $part, $steps steps (${settings[*]} ${profile[*]} ${part_extra[*]})"
+        timeout 600 python3 -m benchmarks.runner.sync_vs_async --colocated --monitor --steps "$steps" --runs "$part" \
+            --runs-dir "$out/runs" --sync-config "$sync_cfg" --async-config "$async_cfg" --no-plots \
+            --out "$out/colocated_h200.json" "${settings[@]}" "${profile[@]}" "${extra[@]}" "${part_extra[@]}" >> "$out/bench.log" 2>&1 \
+            || stamp "benchmark part $part failed (see bench.log)"
+        pack
+    done
+    python3 -m benchmarks.runner.sync_vs_async --colocated --summarize-only --runs-dir "$out/runs" \
+        --out "$out/colocated_h200.json" >> "$out/bench.log" 2>&1 || stamp "summary failed (see bench.log)"
+    pack
+fi
+if [[ $skip != *" ship "* ]]; then
+    python3 -m tandemrl.engine.tuning_cache ship --from "${TANDEM_HOME:-$HOME/.cache/tandemrl}/cache/kernel_tuning" \
+        --to "$out/tuned" > "$out/ship.log" 2>&1 || stamp "ship failed (see ship.log)"
+fi
+stamp "done"
+pack
+touch "$out/DONE"

@@ -1,0 +1,135 @@
+"""What every runner benchmark does with a run: start `tandem train` in its own process, read its
+metrics.jsonl back and summarize it, and write the result JSON with the runs' overlaid plots beside it.
+
+sync_vs_async.py and colocated.py both import it; neither imports the other at module level (the
+`--colocated` mode is reached from sync_vs_async.py's `main()`).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results" / "runner"
+CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
+
+
+def run_train(
+    config: str, output_dir: Path, steps: int | None, overrides: list[str], monitor: bool = False
+) -> float:
+    """One `tandem train` in its own process; returns its wall time. `monitor`: CPU per role and the
+    GPU's utilization sampled into the run's directory meanwhile (benchmarks/runner/run_monitor.py)."""
+    from contextlib import nullcontext
+
+    from benchmarks.runner.run_monitor import RunMonitor
+
+    command = [sys.executable, "-m", "tandemrl.cli", "train", config, f"runner.output_dir={output_dir}"]
+    command += [f"runner.max_steps={steps}"] if steps else []
+    command += overrides
+    print("$", " ".join(command), flush=True)
+    start_s = time.monotonic()
+    with RunMonitor(output_dir) if monitor else nullcontext():
+        subprocess.run(command, check=True, cwd=ROOT)
+    return time.monotonic() - start_s
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    from tandemrl.metrics.logger import read_history
+
+    rows = read_history(run_dir / "metrics.jsonl")
+    if not rows:
+        raise SystemExit(f"{run_dir / 'metrics.jsonl'} holds no steps: did the run start?")
+    return rows
+
+
+def _values(rows: list[dict], key: str) -> list[float]:
+    return [row[key] for row in rows if key in row]
+
+
+def _mean(values: list[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _range(values: list[float]) -> list[float] | None:
+    return [min(values), max(values)] if values else None
+
+
+def generation_time(row: dict) -> float:
+    """The part of a step the actor spent waiting for its batch (sync: the whole generation)."""
+    if "time/wait_data" in row:
+        return row["time/wait_data"]
+    return row["time/step"] - row.get("time/train", 0.0) - row.get("time/sync_weights", 0.0)
+
+
+def summarize_run(rows: list[dict], warmup: int) -> dict:
+    steps = [row for row in rows if row["step"] >= 1]
+    timed = [row for row in steps if row["step"] > warmup] or steps
+    val = [(row["step"], row["val/em/all"]) for row in rows if "val/em/all" in row]
+    summary = {
+        "steps": len(steps),
+        "mean_step_time_s": _mean(_values(timed, "time/step")),
+        "throughput_tok_s": _mean(_values(timed, "throughput")),
+        "mean_staleness": _mean(_values(timed, "rollout/data_staleness/mean")),
+        "reward_range": _range(_values(timed, "rollout/reward/mean")),
+        "ratio_abs_range": _range(_values(timed, "train/actor/ratio_abs")),
+        "val_em_start": val[0][1] if val else None,
+        "val_em_end": val[-1][1] if val else None,
+        "val_em_curve": val,
+        "mean_generation_time_s": _mean([generation_time(row) for row in timed]),
+        "mean_train_and_sync_time_s": _mean(
+            [row.get("time/train", 0.0) + row.get("time/sync_weights", 0.0) for row in timed]
+        ),
+    }
+    for source in _sources(rows, "val/em/"):
+        curve = [row[f"val/em/{source}"] for row in rows if f"val/em/{source}" in row]
+        summary[f"val_em_{source}_start_end"] = [curve[0], curve[-1]]
+    summary["val_em_curve_by_source"] = {
+        source: [(row["step"], row[f"val/em/{source}"]) for row in rows if f"val/em/{source}" in row]
+        for source in _sources(rows, "val/em/")
+    }
+    summary["val_num_searches_start_end"] = {  # per source and overall (all): first and last validation
+        source: [values[0], values[-1]]
+        for source in _sources(rows, "val/num_searches/")
+        if (values := _values(rows, f"val/num_searches/{source}"))
+    }
+    window = max(1, warmup)  # train searches per source and overall (mean): first and last steps' mean
+    summary["num_searches_start_end"] = {
+        source: [_mean(values[:window]), _mean(values[-window:])]
+        for source in _sources(steps, "rollout/num_searches/")
+        if (values := _values(steps, f"rollout/num_searches/{source}"))
+    }
+    return summary
+
+
+def _sources(rows: list[dict], prefix: str) -> list[str]:
+    return sorted({k.removeprefix(prefix) for row in rows for k in row if k.startswith(prefix)})
+
+
+def gpu_name() -> str:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - the table is still worth writing without a GPU name
+        return "unknown"
+
+
+def write_result(result: dict, out: Path, runs: list[tuple[Path, str]], no_plots: bool) -> None:
+    """The JSON at `out`, and (unless `no_plots`) the runs' overlays beside it in `<stem>_plots/`."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    if not no_plots:
+        write_plots(runs, out.parent / f"{out.stem}_plots")
+
+
+def write_plots(runs: list[tuple[Path, str]], plot_dir: Path) -> None:
+    """The overlays of `tandem plot` of (run directory, label) pairs."""
+    from tandemrl.metrics.plots import load_run, overlay_runs
+
+    overlay_runs([load_run(run_dir, label) for run_dir, label in runs], plot_dir)
+    print(f"plots in {plot_dir}: " + ", ".join(sorted(p.name for p in plot_dir.glob("*.png"))))

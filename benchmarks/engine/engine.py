@@ -354,7 +354,9 @@ def kernel_profile(fn, repeats: int = 5, top: int = 12) -> dict[str, float]:
 def hf_static(model_dir: Path, prompts: list[list[int]], new_tokens: int, device, dtype) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    from tandemrl.host.hf import hf_load_kwargs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **hf_load_kwargs()).to(device).eval()
     model.generation_config.eos_token_id = None  # run every request to length, as ignore_eos does
     ids = torch.tensor(prompts, device=device)
     kwargs = dict(

@@ -158,8 +158,10 @@ def actor_model(model_dir: Path, device: str):
     """The 'actor': the served model with every MLP down-projection halved (changes greedy output)."""
     from transformers import AutoModelForCausalLM
 
+    from tandemrl.host.hf import hf_load_kwargs
+
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **hf_load_kwargs()).to(device).eval()
     for name, param in model.named_parameters():
         if name.endswith("mlp.down_proj.weight"):
             param.data.mul_(0.5)

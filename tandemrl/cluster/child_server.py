@@ -26,12 +26,16 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
 from tandemrl.metrics.startup import STARTUP_NAME_ENV, mark
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 PR_SET_PDEATHSIG = 1
+# relaunches on a fresh port when the one `free_port` picked was taken before the child bound it
+# (an outgoing connection can get it as its source port in between)
+PORT_RETRIES = 3
 
 
 def die_with_parent() -> None:
@@ -61,6 +65,8 @@ class ChildServer:
     ):
         self.host = host
         self.port = port or free_port(host)
+        self.is_port_ours = not port  # a port we picked may be picked again; one the user gave may not
+        self.port_retries = 0
         self.startup_timeout_s = startup_timeout_s
         self.env = env
         self._log_path = Path(log_path) if log_path else None
@@ -122,6 +128,13 @@ class ChildServer:
         deadline = self._launched_s + self.startup_timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if self._may_take_another_port():
+                    self.port_retries += 1
+                    mark(f"{self.timeline_name or self.name}: port {self.port} taken, another picked")
+                    self.port = free_port(self.host)
+                    self.launch()
+                    deadline = self._launched_s + self.startup_timeout_s
+                    continue
                 raise RuntimeError(
                     f"{self.name} exited with code {self.proc.returncode} during startup "
                     f"({' '.join(self.command())}); log {self.log_path}:\n{self.log_tail()}"
@@ -133,6 +146,15 @@ class ChildServer:
         raise TimeoutError(
             f"{self.name} at {self.url} not healthy after {self.startup_timeout_s:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def _may_take_another_port(self) -> bool:
+        """The child exited because the port we picked was taken (tandem's servers exit with
+        PORT_IN_USE_EXIT then) and retries are left."""
+        return (
+            self.is_port_ours
+            and self.proc.returncode == PORT_IN_USE_EXIT
+            and self.port_retries < PORT_RETRIES
         )
 
     def health(self) -> dict | None:

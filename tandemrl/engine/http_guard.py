@@ -25,6 +25,13 @@ SGLANG_KEY_ENV = "SGLANG_API_KEY"  # what an SGLang deployment's clients convent
 RETRIEVAL_KEY_ENV = "TANDEM_RETRIEVAL_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# the exit status of a server whose port is taken (Linux's EADDRINUSE): a launcher that picked the
+# port itself (cluster/child_server.py) picks another and launches again
+PORT_IN_USE_EXIT = 98
+
+
+class PortInUseError(OSError):
+    """host:port is bound by another socket."""
 
 
 def new_api_key() -> str:
@@ -92,7 +99,10 @@ def bind_socket(host: str, port: int, command: str) -> socket.socket:
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:
-            why = "is already in use (another server, or an earlier one still running); pick another --port"
+            raise PortInUseError(
+                f"tandem {command}: {host}:{port} is already in use (another server, or an earlier one "
+                "still running); pick another --port"
+            ) from None
         elif error.errno == errno.EADDRNOTAVAIL:
             why = "is not an address of this machine; pass one of its addresses as --host"
         else:

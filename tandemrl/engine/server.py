@@ -30,6 +30,8 @@ from tandemrl.engine.config import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.http_guard import (
     ENGINE_KEY_ENV,
+    PORT_IN_USE_EXIT,
+    PortInUseError,
     bind_socket,
     guard_middlewares,
     is_loopback,
@@ -324,7 +326,7 @@ def run_serve(args) -> int:
         sock = bind_socket(args.host, args.port, "serve-engine")
     except OSError as error:
         print(str(error), file=sys.stderr)
-        return 2
+        return PORT_IN_USE_EXIT if isinstance(error, PortInUseError) else 2
     if args.device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         # the CPU engine shares the machine with the trainer: oversubscribed OpenMP threads spin
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))

@@ -27,7 +27,9 @@ from starlette.exceptions import HTTPException
 
 from tandemrl.engine.http_guard import (
     OPEN_PATHS,
+    PORT_IN_USE_EXIT,
     RETRIEVAL_KEY_ENV,
+    PortInUseError,
     bind_socket,
     is_authorized,
     is_loopback,
@@ -276,7 +278,7 @@ def run_serve(args) -> int:
         sock = bind_socket(args.host, args.port, "serve-retrieval")  # before the index: a clash fails now
     except OSError as error:
         print(str(error), file=sys.stderr)
-        return 2
+        return PORT_IN_USE_EXIT if isinstance(error, PortInUseError) else 2
     fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
     retriever = _open_retriever(args, fusion, sock)
     if retriever is None:

@@ -63,6 +63,8 @@ PPO_SUM_KEYS = (
 def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
     from transformers import AutoModelForCausalLM
 
+    from tandemrl.host.hf import hf_load_kwargs
+
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
@@ -71,7 +73,7 @@ def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
             "`tandem prepare model` for the embedded default."
         )
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation
+        path, dtype=torch.float32, attn_implementation=attn_implementation, **hf_load_kwargs()
     )
 
 

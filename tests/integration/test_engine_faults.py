@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from tandemrl.cluster.child_server import free_port
+from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
 from tandemrl.engine.weight_transport import broadcast, new_process_group
 from tandemrl.rollout.client import EngineClient
 from tandemrl.rollout.engine_process import EngineProcess
@@ -481,7 +482,34 @@ def test_a_port_in_use_is_reported_before_the_model_loads(tiny_llama_dir):
         busy.listen()
         port = busy.getsockname()[1]
         result = _serve_engine(tiny_llama_dir, "--host", "127.0.0.1", "--port", str(port))
-    assert result.returncode == 2 and f"127.0.0.1:{port} is already in use" in result.stderr, result.stderr
+    # its own exit status: a launcher that picked the port picks another (test below)
+    assert result.returncode == PORT_IN_USE_EXIT
+    assert f"127.0.0.1:{port} is already in use" in result.stderr, result.stderr
     assert (
         "Traceback" not in result.stderr and "serving" not in result.stderr and "loaded" not in result.stderr
     )
+
+
+def test_a_port_taken_before_the_engine_binds_it_is_traded_for_another(tiny_llama_dir, monkeypatch):
+    """The launcher picks a free port, then the child binds it: something may take it in between (an
+    outgoing connection's source port). The launcher that picked it picks another and launches again;
+    a port the user gave is never traded."""
+    import tandemrl.cluster.child_server as child_server
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        picks = iter([taken])
+        real_free_port = child_server.free_port
+        monkeypatch.setattr(
+            child_server, "free_port", lambda host="127.0.0.1": next(picks, None) or real_free_port(host)
+        )
+        with EngineProcess(tiny_llama_dir, max_context_len=128) as proc:
+            assert proc.port != taken and proc.port_retries == 1
+            assert proc.health() is not None
+            assert "is already in use" in proc.log_tail()  # the first try's line stays in the log
+        given = EngineProcess(tiny_llama_dir, max_context_len=128, port=taken)
+        with pytest.raises(RuntimeError, match=f"(?s)exited with code {PORT_IN_USE_EXIT}.*already in use"):
+            given.start()
+        assert given.port == taken and given.port_retries == 0

@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 
+from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.server import create_app, run_serve
 from tandemrl.retrieval.store import Hit
@@ -245,6 +246,6 @@ def test_a_port_in_use_is_reported_before_the_index_is_opened(tmp_path, capsys, 
             qdrant_url=None,
             api_key=None,
         )
-        assert run_serve(args) == 2  # the missing index would be found only after the bind
+        assert run_serve(args) == PORT_IN_USE_EXIT  # the missing index would be found only after the bind
     err = capsys.readouterr().err
     assert f"127.0.0.1:{port} is already in use" in err and "not a built index" not in err, err

@@ -1,0 +1,1 @@
+"""What every layer needs from the machine and its libraries (docs/DESIGN.md, "Where things live")."""

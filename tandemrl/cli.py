@@ -13,8 +13,8 @@ import logging
 import sys
 
 from tandemrl.config.schema import ConfigError
-from tandemrl.data.files import InputFileError
 from tandemrl.engine.config import add_engine_flags
+from tandemrl.host.files import InputFileError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -87,8 +87,8 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
     if configured:
         return list(configured)
-    from tandemrl.data.files import is_missing
-    from tandemrl.data.home import default_kb_dir
+    from tandemrl.host.files import is_missing
+    from tandemrl.host.home import default_kb_dir
 
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
@@ -148,7 +148,7 @@ def check_out_path(out: Path) -> None:
     import os
     import stat
 
-    from tandemrl.data.files import is_missing, os_error_message
+    from tandemrl.host.files import is_missing, os_error_message
 
     for path in (out, *out.parents):
         if is_missing(path):

@@ -59,7 +59,7 @@ def server_log_path(spec: ServerSpec) -> Path:
 
 def build_server(spec: ServerSpec, host: str) -> Any:
     """The `ChildServer` for `spec`, bound to `host`."""
-    from tandemrl.runner.services import resolve_device, resolve_dtype
+    from tandemrl.host.devices import resolve_device, resolve_dtype
 
     config = spec.config
     if spec.kind == "retrieval":

@@ -43,7 +43,7 @@ def check_startable(config: Any) -> None:
     if config.cluster.num_nodes > 1:
         return  # the engines' interpreters and the model paths live on the nodes
     _check_engine_imports(rollout)
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
     for key, path in (

@@ -84,7 +84,7 @@ def load_demos(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
-    from tandemrl.data.files import iter_json_lines  # bounded, each bad line named (data/files.py)
+    from tandemrl.host.files import iter_json_lines  # bounded, each bad line named (host/files.py)
 
     demos = [demo for _, demo in iter_json_lines(path, "demonstrations file")]
     if per_source:

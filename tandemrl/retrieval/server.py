@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
-from tandemrl.engine.http_guard import (
+from tandemrl.host.http_guard import (
     OPEN_PATHS,
     PORT_IN_USE_EXIT,
     RETRIEVAL_KEY_ENV,

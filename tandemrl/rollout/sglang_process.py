@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandemrl.cluster.child_server import ChildServer
+from tandemrl.host.child_server import ChildServer
 
 KEY_DIR_PREFIX = "tandem-sglang-key-"  # then the owner (cluster/reaper.py removes those of dead owners)
 

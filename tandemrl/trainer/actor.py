@@ -94,7 +94,7 @@ class Actor:
     def __init__(
         self, config: TandemConfig, hf_model: torch.nn.Module | None = None, total_updates: int | None = None
     ):
-        from tandemrl.data.home import default_model_dir
+        from tandemrl.host.home import default_model_dir
 
         self.config = config
         self.device = resolve_device(config.actor.device)

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
+from tandemrl.host.http_guard import PORT_IN_USE_EXIT
 from tandemrl.metrics.startup import STARTUP_NAME_ENV, mark
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

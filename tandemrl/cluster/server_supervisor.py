@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandemrl.metrics.startup import log_path as startup_log_path
+from tandemrl.host.startup import log_path as startup_log_path
 
 KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
@@ -33,7 +33,7 @@ class ServerSpec:
     port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port
     api_key: str | None = None  # the run's key for this server
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
-    # the run's start-up timeline file (metrics/startup.py), which a supervisor in a Ray actor joins
+    # the run's start-up timeline file (host/startup.py), which a supervisor in a Ray actor joins
     startup_log: str | None = field(default_factory=startup_log_path)
 
     @property
@@ -98,7 +98,7 @@ class ServerSupervisor:
     """`remote`: it runs as a Ray actor (a process of its own), which joins the start-up timeline."""
 
     def __init__(self, spec: ServerSpec, multi_node: bool, remote: bool = False):
-        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+        from tandemrl.host.startup import adopt, mark, mark_process_started
 
         self.spec = spec
         if remote:

@@ -34,7 +34,7 @@ from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.stops import StopChecker
 from tandemrl.host.devices import resolve_device, resolve_dtype
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 MAX_WEIGHT_VERSION = 2**31 - 1  # one version per training step: no run gets near it
 

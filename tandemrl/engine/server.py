@@ -41,7 +41,7 @@ from tandemrl.host.http_guard import (
     key_from_env,
     open_beyond_loopback_message,
 )
-from tandemrl.metrics.startup import mark, mark_process_started
+from tandemrl.host.startup import mark, mark_process_started
 
 logger = logging.getLogger(__name__)
 

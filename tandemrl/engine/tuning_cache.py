@@ -32,7 +32,7 @@ from typing import Any
 
 from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES, DecodeConfig, PrefillConfig
 from tandemrl.host.home import tandem_home
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 from tandemrl.host.http_guard import PORT_IN_USE_EXIT
-from tandemrl.metrics.startup import STARTUP_NAME_ENV, mark
+from tandemrl.host.startup import STARTUP_NAME_ENV, mark
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 

@@ -37,7 +37,7 @@ from tandemrl.host.http_guard import (
     open_beyond_loopback_message,
     too_large_message,
 )
-from tandemrl.metrics.startup import mark, mark_process_started
+from tandemrl.host.startup import mark, mark_process_started
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.store import Hit, server_errors
 

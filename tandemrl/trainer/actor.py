@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tandemrl.config.schema import TandemConfig
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from tandemrl.config.errors import value_summary
-from tandemrl.config.schema import ConfigError, TandemConfig
+from tandemrl.config.schema import UNSUPPORTED_PAUSE_MODES, ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +149,6 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
 
 
 def _derive_pause_mode(config: TandemConfig) -> None:
-    from tandemrl.rollout.vllm_client import UNSUPPORTED_PAUSE_MODES
-
     rollout = config.rollout
     if rollout.pause_mode is None:
         rollout.pause_mode = "in_place" if rollout.backend == "vllm" else "retract"

@@ -11,8 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from tandemrl.config.engine import EngineOptions
 from tandemrl.config.errors import ConfigError, value_summary
-from tandemrl.engine.config import EngineOptions
 
 __all__ = ["ConfigError", "EngineOptions", "TandemConfig", "value_summary"]
 
@@ -22,6 +22,13 @@ SGLANG_BACKEND_TYPES = ("server", "engine")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 COLOCATED_POLICIES = ("auto", "time_share", "concurrent")
 HANDOFF_ORDERS = ("issue", "finish")
+
+
+# the pause modes vLLM has no equivalent of (config/derive.py refuses them; rollout/vllm_client.py too)
+UNSUPPORTED_PAUSE_MODES = {
+    "retract": "vLLM's /pause has modes abort, wait and keep; none returns running requests to the "
+    "queue with their KV cache freed (keep freezes them in place: that is our in_place)"
+}
 
 
 def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
@@ -274,7 +281,7 @@ class RolloutConfig:
     )
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
-    # the embedded engine's own settings, whole and under their engine names (tandemrl/engine/config.py)
+    # the embedded engine's own settings, whole and under their engine names (tandemrl/config/engine.py)
     engine: EngineOptions = field(default_factory=EngineOptions)
     # an announced weight update whose tensors do not arrive within this is aborted (old weights kept)
     weight_update_timeout_s: float = 600.0

@@ -243,7 +243,7 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path):
     """rollout.engine.* go whole to `serve-engine` under their own names, and on to `EngineConfig`."""
     from tandemrl.cli import build_parser
     from tandemrl.cluster.server_supervisor import build_server
-    from tandemrl.engine.config import EngineConfig, options_from_args
+    from tandemrl.config.engine import EngineConfig, options_from_args
     from tandemrl.runner.services import Services
 
     (tmp_path / "model").mkdir()

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run every check `tandem train` makes before it starts a service: the data files read "
         "whole, the retrieval index, the model directory, placeholder paths",
     )
-    show.set_defaults(handler="tandemrl.config.show:run_show")
+    show.set_defaults(handler="tandemrl.commands.show:run_show")
 
     train = sub.add_parser("train", help="RL training (sync or async runner)")
     _add_config_args(train)

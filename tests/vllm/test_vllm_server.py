@@ -157,8 +157,8 @@ def test_async_train_syncs_weights_into_vllm(
 ):
     """`tandem train` (async) against the server: after the run the engine's greedy output equals the
     actor's (its last checkpoint, exported as HF weights), token for token."""
+    from tandemrl.commands.train import train
     from tandemrl.config.loader import load_config
-    from tandemrl.runner.launch import train
     from tandemrl.trainer.export import load_checkpoint_weights
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 

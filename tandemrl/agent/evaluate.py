@@ -11,7 +11,8 @@ from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.agent.reward import reward_extra_means
-from tandemrl.config.schema import AgentLoopConfig, TandemConfig
+from tandemrl.config.agent import AgentLoopConfig
+from tandemrl.config.schema import TandemConfig
 
 OVERALL = "overall"
 

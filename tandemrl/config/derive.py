@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from tandemrl.config.errors import value_summary
-from tandemrl.config.schema import UNSUPPORTED_PAUSE_MODES, ConfigError, TandemConfig
+from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
+from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 

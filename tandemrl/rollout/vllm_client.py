@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import logging
 
-from tandemrl.config.schema import UNSUPPORTED_PAUSE_MODES
+from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,12 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.host.startup import log_path as startup_log_path
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
@@ -27,7 +30,7 @@ KINDS = ("embedded", "sglang", "vllm", "retrieval")
 class ServerSpec:
     kind: str  # one of KINDS
     index: int  # the rollout instance (0 for the retrieval server)
-    config: Any  # the run's TandemConfig
+    config: TandemConfig  # the run's TandemConfig
     model_path: str | None = None  # engines: the resolved weights directory
     index_dir: str | None = None  # retrieval: the resolved index directory
     port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port

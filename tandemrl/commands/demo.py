@@ -22,7 +22,12 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +65,7 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
+def ensure_cold_start(config: TandemConfig, mode: str = "auto") -> bool:
     """Cold-start the policy the rollout serves when it is the `coldstart` directory and that is missing
     (`auto`) or always (`always`); `never` does nothing. Returns whether a cold start ran."""
     from tandemrl.config.schema import ConfigError
@@ -83,7 +88,7 @@ def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
     return True
 
 
-def run_cold_start(config: Any, target: Path) -> None:
+def run_cold_start(config: TandemConfig, target: Path) -> None:
     """`tandem sft` on the config's `actor.sft` knobs, exported aside and renamed into `target`."""
     import copy
 
@@ -126,7 +131,7 @@ def step_rewards(output_dir: Path) -> list[float]:
     return [row["rollout/reward/mean"] for row in rows if "rollout/reward/mean" in row]
 
 
-def run_demo(args: Any) -> int:
+def run_demo(args: argparse.Namespace) -> int:
     from tandemrl.agent.tools import check_plugins
     from tandemrl.commands.train import train
     from tandemrl.config.derive import COLDSTART

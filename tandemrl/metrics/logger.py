@@ -13,7 +13,10 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import MetricsConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class MetricsLogger:
         start_step: int = 0,
         show_progress: bool = True,
         is_async: bool = False,
-        metrics_cfg: Any = None,
+        metrics_cfg: MetricsConfig | None = None,
         config: dict | None = None,
     ):
         from tqdm import tqdm

@@ -21,11 +21,14 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.buffer.rollout_buffer import HandOff
 from tandemrl.runner.records import write_ledger, write_trajectories
 from tandemrl.runner.rollout_driver import RolloutDriver
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,7 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
 
 @dataclass
 class RunContext:
-    config: Any
+    config: TandemConfig
     driver: RolloutDriver
     actor: Any  # tandemrl.cluster.actor_group.ActorGroup
     engines: list[Any]  # EngineClient per engine

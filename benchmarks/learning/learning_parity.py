@@ -221,7 +221,7 @@ def private_index(index_dir: Path, runs_dir: Path) -> Path:
 def start_retrieval(config_path: str, overrides: list[str], runs_dir: Path):
     """One retrieval server over (a copy of) the configs' index for every run (`retrieval.launch=false`)."""
     from tandemrl.config.loader import load_config
-    from tandemrl.data.home import default_index_dir
+    from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.server_process import RetrievalServerProcess
 
     retrieval = load_config(config_path, overrides).retrieval

@@ -88,7 +88,7 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     if configured:
         return list(configured)
     from tandemrl.data.files import is_missing
-    from tandemrl.data.home import default_kb_dir
+    from tandemrl.host.home import default_kb_dir
 
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"

@@ -52,7 +52,7 @@ class ActorGroup:
         import ray.util.scheduling_strategies
 
         from tandemrl.cluster.ray_nodes import NodeMap, init_ray
-        from tandemrl.metrics.startup import log_path
+        from tandemrl.host.startup import log_path
 
         init_ray(config)
         nodes = nodes or NodeMap(config, plan)

@@ -20,7 +20,7 @@ class ActorWorker:
     its own, named `actor rank <RANK>` there); an in-process worker marks as its host process."""
 
     def __init__(self, config: Any, startup_log: str | None = None):
-        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+        from tandemrl.host.startup import adopt, mark, mark_process_started
 
         if startup_log:
             adopt(startup_log, f"actor rank {os.environ.get('RANK', '0')}")

@@ -34,7 +34,7 @@ _started_here: list[bool] = []  # whether init_ray connected this process (then 
 
 
 def init_ray(config: Any) -> None:
-    from tandemrl.metrics.startup import mark
+    from tandemrl.host.startup import mark
 
     mark("ray import and init started", once=True)
     import ray

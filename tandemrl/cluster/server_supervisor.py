@@ -4,7 +4,7 @@ and watched from the node it runs on.
 `ServerSupervisor` is a plain class: on one machine without Ray it lives in the runner's process; with
 Ray it is a Ray actor in the server's placement-group bundle, so the server it launches sees exactly
 the GPUs Ray gave that bundle (`CUDA_VISIBLE_DEVICES` is inherited) and dies with the supervisor
-(parent-death signal, see child_server.py). Ray runs a synchronous actor's calls on its main thread,
+(parent-death signal, see host/child_server.py). Ray runs a synchronous actor's calls on its main thread,
 which lives as long as the actor: the thread the server's death signal is tied to.
 
 Invariant: the URL it reports is one every node can reach: 127.0.0.1 on a one-node run, else the
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tandemrl.metrics.startup import log_path as startup_log_path
+from tandemrl.host.startup import log_path as startup_log_path
 
 KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
@@ -33,7 +33,7 @@ class ServerSpec:
     port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port
     api_key: str | None = None  # the run's key for this server
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
-    # the run's start-up timeline file (metrics/startup.py), which a supervisor in a Ray actor joins
+    # the run's start-up timeline file (host/startup.py), which a supervisor in a Ray actor joins
     startup_log: str | None = field(default_factory=startup_log_path)
 
     @property
@@ -59,7 +59,7 @@ def server_log_path(spec: ServerSpec) -> Path:
 
 def build_server(spec: ServerSpec, host: str) -> Any:
     """The `ChildServer` for `spec`, bound to `host`."""
-    from tandemrl.runner.services import resolve_device, resolve_dtype
+    from tandemrl.host.devices import resolve_device, resolve_dtype
 
     config = spec.config
     if spec.kind == "retrieval":
@@ -98,7 +98,7 @@ class ServerSupervisor:
     """`remote`: it runs as a Ray actor (a process of its own), which joins the start-up timeline."""
 
     def __init__(self, spec: ServerSpec, multi_node: bool, remote: bool = False):
-        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+        from tandemrl.host.startup import adopt, mark, mark_process_started
 
         self.spec = spec
         if remote:

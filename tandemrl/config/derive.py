@@ -43,7 +43,7 @@ def _derive_model_paths(config: TandemConfig) -> None:
     rollout serves (a model path set on the rollout side alone would otherwise leave the actor on the
     default SmolLM2 until the first weight push failed), and two different paths are an error unless
     `actor.allow_different_model` says they differ on purpose."""
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     for key, model in (
         ("rollout.model.model_path", config.rollout.model),

@@ -46,7 +46,7 @@ def check_startable(config: Any) -> None:
     _check_mps(config)
     if config.cluster.num_nodes > 1:
         return
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
     for key, path in (

@@ -33,7 +33,8 @@ from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachin
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.stops import StopChecker
-from tandemrl.metrics.startup import mark
+from tandemrl.host.devices import resolve_device, resolve_dtype
+from tandemrl.host.startup import mark
 
 MAX_WEIGHT_VERSION = 2**31 - 1  # one version per training step: no run gets near it
 
@@ -54,10 +55,8 @@ class _Launched:
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())

@@ -17,7 +17,7 @@ from tandemrl.engine.kv_cache import allocate_kv_caches
 from tandemrl.engine.model import CausalLM
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 
 class StepResult:

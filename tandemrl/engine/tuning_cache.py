@@ -30,8 +30,8 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tandemrl.data.home import tandem_home
-from tandemrl.metrics.startup import mark
+from tandemrl.host.home import tandem_home
+from tandemrl.host.startup import mark
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.fusion import FusionParams
 from tandemrl.retrieval.store import MODES, Hit, QdrantStore

@@ -405,14 +405,14 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
 def mark_first_step(ctx: RunContext, phase: str) -> None:
     """A phase of the run's first step on the start-up timeline (later steps mark nothing)."""
     if not ctx.is_first_step_done:
-        from tandemrl.metrics.startup import mark
+        from tandemrl.host.startup import mark
 
         mark(f"step {ctx.start_step + 1} {phase}")
 
 
 def report_startup(ctx: RunContext) -> None:
-    """Print the start-up timeline and write startup.json (`tandem train` runs; metrics/startup.py)."""
-    from tandemrl.metrics.startup import log_path, report
+    """Print the start-up timeline and write startup.json (`tandem train` runs; host/startup.py)."""
+    from tandemrl.host.startup import log_path, report
 
     path = log_path()
     if ctx.startup_origin is None or path is None:

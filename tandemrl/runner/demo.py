@@ -64,7 +64,7 @@ def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
     """Cold-start the policy the rollout serves when it is the `coldstart` directory and that is missing
     (`auto`) or always (`always`); `never` does nothing. Returns whether a cold start ran."""
     from tandemrl.config.schema import ConfigError
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     if mode not in COLD_START_MODES:
         raise ConfigError(

@@ -6,7 +6,7 @@ spawned, then the actor submitted, all booting at once -> the driver's own prepa
 prompts, heavy imports) while they boot -> wait for all -> runner; teardown is the reverse and
 happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9 of this
 process is cleaned up by the run's reaper (cluster/reaper.py). Every phase of every process lands on
-the start-up timeline (metrics/startup.py). See docs/DESIGN.md.
+the start-up timeline (host/startup.py). See docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ _interrupt: Interrupt | None = None
 def process_age_s() -> float:
     """Seconds since this process started (the figure `time to first step` counts from); 0 where the
     system does not say."""
-    from tandemrl.metrics.startup import process_start_epoch
+    from tandemrl.host.startup import process_start_epoch
 
     started = process_start_epoch()
     return max(0.0, time.time() - started) if started is not None else 0.0
@@ -96,7 +96,7 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
 
 def _train_in_output_dir(config: Any, write_plots: bool, started_s: float | None) -> Any:
     from tandemrl.cluster.mps import LOG_ENV, PIPE_ENV, SM_PERCENT_ENV, start_for_run
-    from tandemrl.metrics import startup
+    from tandemrl.host import startup
 
     origin_epoch = time.time() - (time.monotonic() - started_s) if started_s is not None else time.time()
     output_dir = Path(config.runner.output_dir)
@@ -135,8 +135,8 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
     from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.config.preflight import check_before_services
     from tandemrl.config.show import render
+    from tandemrl.host.startup import mark
     from tandemrl.metrics.plots import write_plots as plot
-    from tandemrl.metrics.startup import mark
     from tandemrl.runner.services import Services, resolve_auto_devices
     from tandemrl.runner.session import prepare_session, run_session
 

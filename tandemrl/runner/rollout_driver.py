@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tandemrl.buffer.rollout_buffer import HandOff, TaskBuffer
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 log = logging.getLogger(__name__)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.schema import ConfigError
+from tandemrl.host.devices import resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -41,20 +42,6 @@ class RetrievalDiedError(ServiceDiedError):
     """The retrieval server exited, or an external one stopped answering /health."""
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cuda" else "float32"
-
-
 def resolve_auto_devices(config: Any) -> None:
     """`auto` devices become what this machine has, before planning: a Ray bundle without GPUs hides
     them from its process (Ray sets CUDA_VISIBLE_DEVICES to none), so the plan must know."""
@@ -66,7 +53,7 @@ def resolve_auto_devices(config: Any) -> None:
 
 def model_path(config: Any) -> str:
     """The weights the engines serve and the actor trains (one path, see config/derive.py)."""
-    from tandemrl.data.home import default_model_dir
+    from tandemrl.host.home import default_model_dir
 
     path = Path(config.rollout.model.model_path or default_model_dir())
     if not path.is_dir():
@@ -78,7 +65,7 @@ def model_path(config: Any) -> str:
 
 
 def index_dir(config: Any) -> str:
-    from tandemrl.data.home import default_index_dir
+    from tandemrl.host.home import default_index_dir
 
     path = Path(config.retrieval.index_dir or default_index_dir())
     if not path.exists():
@@ -97,7 +84,7 @@ def check_index_free(config: Any) -> None:
     let go at once."""
     import fcntl
 
-    from tandemrl.data.home import default_index_dir
+    from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.store import LOCAL_DIR
 
     if not config.retrieval.launch:
@@ -126,13 +113,13 @@ def check_index_free(config: Any) -> None:
 
 def external_engine_api_key(rollout: Any) -> str | None:
     """The key of external engines: rollout.api_key, else $TANDEM_ENGINE_API_KEY, else $SGLANG_API_KEY."""
-    from tandemrl.engine.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
+    from tandemrl.host.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
 
     return rollout.api_key or key_from_env(ENGINE_KEY_ENV, SGLANG_KEY_ENV)
 
 
 def search_api_key(search: Any) -> str | None:
-    from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV, key_from_env
+    from tandemrl.host.http_guard import RETRIEVAL_KEY_ENV, key_from_env
 
     return search.api_key or key_from_env(RETRIEVAL_KEY_ENV)
 
@@ -210,7 +197,7 @@ class Services:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
         from tandemrl.cluster.mps import sm_percent_env
         from tandemrl.cluster.server_supervisor import ServerSpec
-        from tandemrl.engine.http_guard import new_api_key
+        from tandemrl.host.http_guard import new_api_key
 
         config, plan = self.config, self.plan
         use_ray = config.cluster.use_ray

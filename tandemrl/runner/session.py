@@ -46,7 +46,7 @@ def prepare_session(config: Any) -> PreparedSession:
     from transformers import AutoTokenizer
 
     from tandemrl.data.loader import PromptLoader, load_prompts
-    from tandemrl.metrics.startup import mark
+    from tandemrl.host.startup import mark
 
     mark("driver: transformers imported")
     tokenizer = AutoTokenizer.from_pretrained(model_path(config))
@@ -114,8 +114,8 @@ async def run_session(
     `startup_origin` (epoch, what it is): the start-up timeline is reported after the first step."""
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.agent.tools import build_env
+    from tandemrl.host.startup import mark
     from tandemrl.metrics.logger import MetricsLogger
-    from tandemrl.metrics.startup import mark
     from tandemrl.metrics.trackers import resolved_config
     from tandemrl.rollout.backends import make_client
     from tandemrl.runner.checkpoint import load_resume_state

@@ -45,7 +45,7 @@ def load_sft_samples(config) -> list[TrainSample]:
     if sft.rendered_path is not None:
         return read_rendered(sft.rendered_path)
     from tandemrl.data.demos import load_demos
-    from tandemrl.data.home import default_kb_dir
+    from tandemrl.host.home import default_kb_dir
 
     demos = load_demos(
         sft.demos_path or default_kb_dir() / "demos.jsonl",
@@ -119,7 +119,7 @@ def write_rendered(path: Path, samples: list[TrainSample]) -> None:
 def render_demos(config, demos: list[dict]) -> list[tuple[list[int], list[int]]]:
     from transformers import AutoTokenizer
 
-    from tandemrl.data.home import default_model_dir
+    from tandemrl.host.home import default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(sft_init_model_path(config) or default_model_dir())
     from tandemrl.runner.services import Services
@@ -200,7 +200,7 @@ def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float
 def sft_out_dir(config) -> Path:
     """Where the cold-started model goes: `actor.sft.out_dir`, else the embedded recipe's `coldstart`
     directory when fine-tuning the embedded SmolLM2, else `<runner.output_dir>/sft_model`."""
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     sft = config.actor.sft
     if sft.out_dir:
@@ -213,7 +213,7 @@ def sft_out_dir(config) -> Path:
 def sft_init_model_path(config) -> str | None:
     """The model the cold start fine-tunes: `actor.sft.init_model_path`, else the actor's model unless
     that is the cold start's own output (`model_path: coldstart`), else None (the embedded SmolLM2)."""
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     if config.actor.sft.init_model_path:
         return config.actor.sft.init_model_path

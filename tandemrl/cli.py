@@ -12,9 +12,9 @@ import importlib
 import logging
 import sys
 
-from tandemrl.config.schema import ConfigError
+from tandemrl.config.engine import add_engine_flags
+from tandemrl.config.errors import ConfigError
 from tandemrl.data.files import InputFileError
-from tandemrl.engine.config import add_engine_flags
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _add_servers(sub) -> None:
     serve_engine.add_argument("--max-running-requests", type=int, default=64)
     serve_engine.add_argument("--max-context-len", type=int, default=4096)
     serve_engine.add_argument("--seed", type=int, default=0)
-    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/engine/config.py)
+    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/config/engine.py)
     serve_engine.add_argument(
         "--api-key",
         default=None,

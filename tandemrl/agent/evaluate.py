@@ -18,7 +18,9 @@ from pathlib import Path
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.agent.reward import reward_extra_means
-from tandemrl.config.schema import AgentLoopConfig, ConfigError, TandemConfig
+from tandemrl.config.agent import AgentLoopConfig
+from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Invariants: a tool's block is whole text produced here, cut to its token budget 
 kept, and the loop appends it with loss mask 0 (it is never trained on); a tool that raises, returns
 something that is not text or runs past its timeout answers with an error text in its block (counted
 in the trajectory), never kills the run. `search` is the built-in tool behind the same interface;
-plug-in tools come from `tools.<name>.function` (config/schema.py, CustomToolConfig).
+plug-in tools come from `tools.<name>.function` (config/agent.py, CustomToolConfig).
 """
 
 from __future__ import annotations

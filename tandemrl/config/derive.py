@@ -12,8 +12,8 @@ import math
 import time
 from pathlib import Path
 
-from tandemrl.config.errors import value_summary
-from tandemrl.config.schema import ConfigError, TandemConfig
+from tandemrl.config.errors import ConfigError, value_summary
+from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
 
 
 def _derive_pause_mode(config: TandemConfig) -> None:
-    from tandemrl.rollout.vllm_client import UNSUPPORTED_PAUSE_MODES
+    from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 
     rollout = config.rollout
     if rollout.pause_mode is None:

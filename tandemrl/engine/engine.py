@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandemrl.engine.config import EngineConfig
+from tandemrl.config.engine import EngineConfig
 from tandemrl.engine.cuda_graphs import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model

@@ -26,7 +26,7 @@ import torch
 from aiohttp import web
 
 from tandemrl.config.derive import check_model_dir
-from tandemrl.engine.config import options_from_args
+from tandemrl.config.engine import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
 from tandemrl.engine.sequence import SamplingParams, Sequence

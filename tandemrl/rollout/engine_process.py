@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandemrl.engine.config import EngineOptions, engine_flags
+from tandemrl.config.engine import EngineOptions, engine_flags
 from tandemrl.host.child_server import ChildServer
 from tandemrl.host.http_guard import ENGINE_KEY_ENV, new_api_key
 

@@ -19,7 +19,7 @@ from tandemrl.agent.loop import Trajectory, run_group
 from tandemrl.agent.prompt import ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, encode_text
 from tandemrl.agent.reward import normalize_answer
 from tandemrl.agent.search_tool import SearchTool
-from tandemrl.config.schema import AgentLoopConfig
+from tandemrl.config.agent import AgentLoopConfig
 from tandemrl.data.loader import Prompt, load_prompts
 from tandemrl.rollout.client import EngineClient, GenerateResult
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from tandemrl.cli import main
+from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
-from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.checkpoint import checkpoint_dir
 from tandemrl.trainer.checkpoint_check import CheckpointError, verify_checkpoint, write_manifest

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
-from tandemrl.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.errors import ConfigError, one_line
 
 FORMS = '"module.path:callable" or "path/to/file.py:callable"'
 
@@ -78,9 +78,3 @@ def _import(module_name: str, where: str):
                 "path of its file (path/to/file.py:callable)."
             ) from None
         raise
-
-
-def one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tandemrl.agent.plugin import load_callable, one_line
+from tandemrl.agent.plugin import load_callable
 from tandemrl.agent.prompt import (
     INFO_CLOSE,
     INFO_OPEN,
@@ -31,7 +31,7 @@ from tandemrl.agent.prompt import (
 )
 from tandemrl.agent.reward import RewardFunction, load_reward
 from tandemrl.agent.search_tool import SearchError
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def init_ray(config: Any) -> None:
         return
     _started_here.append(True)
     # ray.init makes SIGTERM a bare sys.exit in the main thread; give back the handler the caller set
-    # (`tandem train`'s stops the run as Ctrl-C does: exit 130, one line; runner/launch.py)
+    # (`tandem train`'s stops the run as Ctrl-C does: exit 130, one line; commands/train.py)
     caller_sigterm = (
         signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     )

@@ -305,21 +305,8 @@ def _validate_sizes(config: TandemConfig) -> None:
 
 
 def _validate_paths(config: TandemConfig) -> None:
-    """Paths the run reads long after start-up, checked now (no torch: files and JSON only)."""
-    resume_from = config.runner.resume_from
-    if resume_from:
-        from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
-
-        state = Path(resume_from) / DATA_FILE
-        if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
-            raise ConfigError(
-                f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
-                "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
-            )
-        try:  # the whole checkpoint, before any service starts (torch-free: files and pickles parsed)
-            verify_checkpoint(resume_from, need_data=True)
-        except CheckpointError as error:
-            raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None
+    """Model directories, checked now (no torch: files and JSON only); a `runner.resume_from` checkpoint is
+    checked whole by commands/preflight.py before anything starts."""
     for key, path in (
         ("rollout.model.model_path", config.rollout.model.model_path),
         ("actor.model.model_path", config.actor.model.model_path),

@@ -53,3 +53,10 @@ def check_finite_positive(key: str, value: float | None, allow_none: bool = Fals
         "must be a finite number > 0",
         f"Set {key} to a positive number of seconds.",
     )
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line of at most ~300 characters, its type first (for one-line CLI errors)."""
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

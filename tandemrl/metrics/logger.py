@@ -93,7 +93,7 @@ class MetricsLogger:
                 self._drop(tracker, "closing failed", error)
 
     def _drop(self, tracker: Any, what: str, error: BaseException) -> None:
-        from tandemrl.agent.plugin import one_line
+        from tandemrl.config.errors import one_line
 
         self.trackers.remove(tracker)
         log.warning(

@@ -263,7 +263,7 @@ def test_tandem_eval_refuses_a_broken_reward_before_starting_anything(plugins, c
 def test_tandem_demo_refuses_a_broken_reward_before_the_cold_start(plugins, capsys, monkeypatch):
     """`tandem demo reward.function=...`: the demo scores with the same function, so it checks it before
     its cold start and RL run (preparing the embedded defaults is skipped here; it is idempotent)."""
-    import tandemrl.runner.demo as demo
+    import tandemrl.commands.demo as demo
 
     cold_starts = []
     monkeypatch.setattr(demo, "ensure_prepared", lambda: None)

@@ -91,7 +91,7 @@ def test_a_run_that_printed_its_stop_line_ends_though_a_thread_still_runs(tmp_pa
 
 
 def test_a_signal_while_the_stop_line_is_written_does_not_cut_it():
-    from tandemrl.runner.launch import Interrupt
+    from tandemrl.commands.train import Interrupt
 
     interrupt = Interrupt()
     interrupt.received.append(signal.SIGINT)

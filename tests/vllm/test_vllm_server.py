@@ -155,8 +155,8 @@ def test_async_train_syncs_weights_into_vllm(
 ):
     """`tandem train` (async) against the server: after the run the engine's greedy output equals the
     actor's (its last checkpoint, exported as HF weights), token for token."""
+    from tandemrl.commands.train import train
     from tandemrl.config.loader import load_config
-    from tandemrl.runner.launch import train
     from tandemrl.trainer.export import load_checkpoint_weights
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
@@ -238,8 +238,8 @@ def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, minilm_dir, tmp_
     """`rollout.backend=vllm` without server_addrs: tandem starts the vLLM server itself (CPU), the
     weights go over gloo through the worker extension (the auto route on CPU), and the run's steps end
     on the synced versions."""
+    from tandemrl.commands.train import train
     from tandemrl.config.loader import load_config
-    from tandemrl.runner.launch import train
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
     kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)

@@ -46,7 +46,7 @@ def demo_config_path() -> Path:
 def ensure_prepared() -> None:
     """`tandem prepare all`: each step is idempotent (ready markers, a resumable index build), so a
     prepared machine only pays the checks."""
-    from tandemrl.data.prepare import prepare_default_index, prepare_default_kb
+    from tandemrl.commands.prepare import prepare_default_index, prepare_default_kb
     from tandemrl.data.prepare_model import prepare_model, prepare_retriever
 
     log.info("preparing the embedded defaults if needed (model, retriever, knowledge base, index)")
@@ -87,7 +87,8 @@ def run_cold_start(config: Any, target: Path) -> None:
     """`tandem sft` on the config's `actor.sft` knobs, exported aside and renamed into `target`."""
     import copy
 
-    from tandemrl.trainer.sft import load_sft_samples, train_sft
+    from tandemrl.commands.sft import load_sft_samples
+    from tandemrl.trainer.sft import train_sft
 
     sft = config.actor.sft
     log.info(
@@ -127,10 +128,10 @@ def step_rewards(output_dir: Path) -> list[float]:
 
 def run_demo(args: Any) -> int:
     from tandemrl.agent.tools import check_plugins
+    from tandemrl.commands.train import train
     from tandemrl.config.derive import COLDSTART
     from tandemrl.config.loader import load_config
     from tandemrl.metrics.trackers import check_installed
-    from tandemrl.runner.launch import train
 
     mode = getattr(args, "cold_start", "auto")
     ensure_prepared()

@@ -133,8 +133,8 @@ def _train(config: Any, write_plots: bool, started_s: float | None, origin: tupl
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
-    from tandemrl.config.preflight import check_before_services
-    from tandemrl.config.show import render
+    from tandemrl.commands.preflight import check_before_services
+    from tandemrl.commands.show import render
     from tandemrl.host.startup import mark
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.runner.services import Services, resolve_auto_devices
@@ -280,7 +280,7 @@ def _report_interrupted(config: Any, received: list[int]) -> int:
 
 
 def run_train(args: Any) -> int:
-    from tandemrl.config.preflight import check_startable
+    from tandemrl.commands.preflight import check_startable
     from tandemrl.runner.output_lock import hold_output_dir
     from tandemrl.runner.services import check_index_free
 

@@ -23,10 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import TandemConfig
 
 
 def check_startable(config: Any) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
+    check_resume_from(config)  # first: before the plug-ins and trackers, as at load before
     from tandemrl.agent.tools import check_plugins
     from tandemrl.metrics.trackers import check_installed
 
@@ -133,3 +135,22 @@ def _check_data_files(config: Any) -> None:
             load_prompts(split_paths(config, split))
         except (ValueError, FileNotFoundError) as error:  # InputFileError is a ValueError
             raise ConfigError(f"{key}: {' '.join(str(error).split())}") from None
+
+
+def check_resume_from(config: TandemConfig) -> None:
+    """The whole `runner.resume_from` checkpoint, before any service starts (torch-free: files and pickles
+    parsed; trainer/checkpoint_check.py)."""
+    resume_from = config.runner.resume_from
+    if resume_from:
+        from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
+
+        state = Path(resume_from) / DATA_FILE
+        if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
+            raise ConfigError(
+                f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
+                "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
+            )
+        try:  # the whole checkpoint, before any service starts (torch-free: files and pickles parsed)
+            verify_checkpoint(resume_from, need_data=True)
+        except CheckpointError as error:
+            raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None

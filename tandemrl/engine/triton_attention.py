@@ -10,7 +10,8 @@ each K/V block is read once for all of them. Padding rows (a slot of -1, a conte
 and produce zeros, which is what lets CUDA graphs run a batch padded to a captured size.
 Decode has tunable variants (`DecodeConfig`: tile sizes, or the split-KV kernel of `triton_decode`);
 `kernel_tuning.tune_decode` times them on the engine's cache at start-up and the fastest serves every
-decode step. Prefill tiles (`PrefillConfig`) are timed the same way by `kernel_tuning.tune_prefill`.
+decode step. Prefill tiles (`PrefillConfig`) are timed the same way by `kernel_tuning.tune_prefill`. The tile
+configurations live in `attention_tiles` (pure Python), the RoPE helpers both kernels share in `triton_rope`.
 """
 
 from __future__ import annotations
@@ -22,57 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
-_DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """How decode attention runs: one program per (sequence, KV head), or split over the context."""
-
-    split: bool
-    block_n: int
-    num_warps: int
-    partition: int = 0  # context tokens per program when split
-    num_stages: int = 3  # software pipelining depth of the K/V loads (Triton's default is 3)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Tiles of the ragged kernel when steps carry many queries per sequence: `block_m` rows (queries x
-    the GQA group) per program, `block_n` keys per iteration."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-DEFAULT_PREFILL = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
-PREFILL_CANDIDATES = (
-    DEFAULT_PREFILL,
-    PrefillConfig(64, 64, 4, 3),
-    PrefillConfig(64, 128, 8, 2),
-    PrefillConfig(128, 64, 8, 3),
-    PrefillConfig(128, 64, 8, 2),
-    PrefillConfig(128, 32, 8, 3),
-    PrefillConfig(128, 128, 8, 2),
-    PrefillConfig(128, 64, 4, 3),
-)
-DEFAULT_DECODE = DecodeConfig(split=False, block_n=64, num_warps=4)
-DECODE_CANDIDATES = (
+from tandemrl.engine.attention_tiles import (
+    DECODE_BLOCK_M,
     DEFAULT_DECODE,
-    DecodeConfig(False, 32, 4),
-    DecodeConfig(False, 32, 2),
-    DecodeConfig(False, 64, 2),
-    DecodeConfig(False, 64, 4, num_stages=2),
-    DecodeConfig(False, 64, 4, num_stages=4),
-    DecodeConfig(False, 64, 8),
-    DecodeConfig(False, 128, 4),
-    DecodeConfig(False, 128, 8),
-    DecodeConfig(True, 64, 4, 128),
-    DecodeConfig(True, 64, 4, 256),
-    DecodeConfig(True, 128, 4, 512),
+    DEFAULT_PREFILL,
+    DecodeConfig,
+    PrefillConfig,
 )
+from tandemrl.engine.triton_rope import rope_tables, rotate
 
 
 @triton.jit
@@ -102,23 +60,6 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
-    """A token's cos and sin rows as fp32 halves: (cos1, cos2, sin1, sin2)."""
-    half = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + row * stride + half).to(tl.float32)
-    cos2 = tl.load(Cos + row * stride + HALF + half).to(tl.float32)
-    sin1 = tl.load(Sin + row * stride + half).to(tl.float32)
-    sin2 = tl.load(Sin + row * stride + HALF + half).to(tl.float32)
-    return cos1, cos2, sin1, sin2
-
-
-@triton.jit
-def _rotate(x1, x2, cos1, cos2, sin1, sin2):
-    """RoPE of heads given as fp32 halves `[..., HALF]`: x * cos + rotate_half(x) * sin, half by half."""
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
-
-
-@triton.jit
 def _rope_store_kernel(
     QKV,
     Cos,
@@ -141,13 +82,13 @@ def _rope_store_kernel(
     """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
     t = tl.program_id(0)
     half = tl.arange(0, HALF)
-    cos1, cos2, sin1, sin2 = _rope_tables(Cos, Sin, t, stride_cos, HALF)
+    cos1, cos2, sin1, sin2 = rope_tables(Cos, Sin, t, stride_cos, HALF)
     heads = tl.arange(0, HEADS_P2)[:, None]
     hmask = heads < NUM_HEADS
     base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
     x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    q1, q2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
+    q1, q2 = rotate(x1, x2, cos1, cos2, sin1, sin2)
     out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
     tl.store(out, q1.to(QOut.dtype.element_ty), mask=hmask)
     tl.store(out + HALF, q2.to(QOut.dtype.element_ty), mask=hmask)
@@ -157,7 +98,7 @@ def _rope_store_kernel(
     kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
     k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
-    k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
+    k1, k2 = rotate(k1, k2, cos1, cos2, sin1, sin2)
     cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
     tl.store(cache, k1.to(Cache.dtype.element_ty), mask=kmask)
     tl.store(cache + HALF, k2.to(Cache.dtype.element_ty), mask=kmask)
@@ -319,7 +260,7 @@ def attend(
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
     is_decode = max_query_len == 1
-    block_m = max(_DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
+    block_m = max(DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
     queries_per_tile = block_m // group
     out = torch.empty_like(q_THD)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, queries_per_tile))

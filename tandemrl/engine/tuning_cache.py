@@ -39,7 +39,14 @@ CACHE_ENV = "TANDEM_TUNING_CACHE"
 CACHE_DIR_ENV = "TANDEM_TUNING_CACHE_DIR"
 SHIPPED_DIR_ENV = "TANDEM_TUNED_DIR"
 FORMAT = 1
-KERNEL_SOURCES = ("kernel_tuning.py", "triton_attention.py", "triton_decode.py", "fast_layers.py")
+KERNEL_SOURCES = (
+    "kernel_tuning.py",
+    "attention_tiles.py",
+    "triton_attention.py",
+    "triton_decode.py",
+    "triton_rope.py",
+    "fast_layers.py",
+)
 SOFTWARE_KEYS = ("torch", "cuda", "triton", "kernels_sha256")  # what a shipped choice is not keyed by
 
 # per process: lookups the local cache answered, the shipped choices answered, and the timing did
@@ -186,7 +193,7 @@ def choose_kernels(
     """The fast runner's decode attention, prefill tiling and down-projection splits: each timed on
     these shapes (kernel_tuning.py), or read from the cache."""
     from tandemrl.engine import kernel_tuning as kt
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, PREFILL_CANDIDATES
+    from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES
 
     kv = kv_caches[0]
     base = {

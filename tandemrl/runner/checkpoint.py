@@ -72,7 +72,7 @@ def resume_prompts(state: dict, prompts_by_id: dict[str, Any], reissue: bool, re
 
 
 async def save_checkpoint(ctx: Any, step: int) -> Path:
-    from tandemrl.runner.context import write_ledger
+    from tandemrl.runner.records import write_ledger
 
     summary = resume_summary(ctx, step)
     write_ledger(ctx, step)  # the ledger up to this line is what the saved position covers

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
-from tandemrl.runner.context import RunContext, write_ledger
+from tandemrl.runner.context import RunContext
 from tandemrl.runner.prompt_feed import PromptFeed
+from tandemrl.runner.records import write_ledger
 from tandemrl.runner.rollout_driver import RolloutDriver
 from tandemrl.runner.services import ServiceDiedError, Services, model_path
 

@@ -70,7 +70,8 @@ def _attention_case(
 def test_triton_attention_matches_reference(
     num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index, head_major
 ):
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, build_fast_metadata
+    from tandemrl.engine.attention_tiles import DECODE_CANDIDATES
+    from tandemrl.engine.triton_attention import build_fast_metadata
 
     assert len(DECODE_CANDIDATES) == 12, "parametrize decode_index over every candidate"
     tables, cache, q, k, v, ref_cache, ref = _attention_case(
@@ -104,7 +105,8 @@ def test_prefill_tiles_match_reference(
     num_heads, num_kv_heads, head_dim, query_lens, context_lens, prefill_index
 ):
     """Every prefill tiling equals the reference; `attend_last` gives each sequence's last row of it."""
-    from tandemrl.engine.triton_attention import DEFAULT_DECODE, PREFILL_CANDIDATES, build_fast_metadata
+    from tandemrl.engine.attention_tiles import DEFAULT_DECODE, PREFILL_CANDIDATES
+    from tandemrl.engine.triton_attention import build_fast_metadata
 
     assert len(PREFILL_CANDIDATES) == 8, "parametrize prefill_index over every candidate"
     tables, cache, q, k, v, _, ref = _attention_case(
@@ -169,11 +171,11 @@ def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
 def _pin_kernels(monkeypatch, down_split: int = 1) -> None:
     """The default attention kernels and `down_split` parts for the down projection at every batch size,
     instead of the start-up tuners' timed choices (which may differ between two engines of one test)."""
-    from tandemrl.engine import kernel_tuning, triton_attention, tuning_cache
+    from tandemrl.engine import attention_tiles, kernel_tuning, tuning_cache
 
     monkeypatch.setenv(tuning_cache.CACHE_ENV, "0")  # neither read other choices nor write these to the cache
-    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
-    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
+    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (attention_tiles.DEFAULT_DECODE, {}))
+    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (attention_tiles.DEFAULT_PREFILL, {}))
     monkeypatch.setattr(
         kernel_tuning, "tune_down_split", lambda weights, norm, sizes: ({b: down_split for b in sizes}, {})
     )

@@ -24,7 +24,7 @@ CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"
 
 FAKE_STUCK_RUN = """
 import sys, threading
-from tandemrl.runner import launch
+from tandemrl.commands import train as train_command
 
 def fake_train(config, started_s=None):
     '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
@@ -40,8 +40,8 @@ def fake_train(config, started_s=None):
             never.wait()  # the teardown waits for it too
 
 TEARDOWN_WAITS = sys.argv[3] == "waits"
-launch.train = fake_train
-launch.check_startable = lambda config: None
+train_command.train = fake_train
+train_command.check_startable = lambda config: None
 import tandemrl.cluster.reaper
 tandemrl.cluster.reaper.start_reaper = lambda: None
 from tandemrl.cli import main

@@ -108,7 +108,7 @@ class RolloutConfig:
     )
     sync_bucket_mb: int = 256
     startup_timeout_s: float = 300.0
-    # the embedded engine's own settings, whole and under their engine names (tandemrl/engine/config.py)
+    # the embedded engine's own settings, whole and under their engine names (tandemrl/config/engine.py)
     engine: EngineOptions = field(default_factory=EngineOptions)
     # an announced weight update whose tensors do not arrive within this is aborted (old weights kept)
     weight_update_timeout_s: float = 600.0

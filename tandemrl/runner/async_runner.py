@@ -9,6 +9,10 @@
          │        │
          └── sync weights: pause (retract | in_place) or drain ─► push v+1 ─► continue
 
+Backpressure: the hand-off waits for finished groups (agent loops unblock it); admission waits on the
+buffer's limits (a finishing group frees an in-flight slot, a hand-off frees buffer room, a weight sync
+frees staleness room); a sync waits for the engines to pause (or, drain, for in-flight groups to finish).
+
 A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
 version, docs/DESIGN.md, Rollout buffer); how far behind it may be is bounded by max_buffered_groups and
 agentloop.max_actor_accept_staleness.

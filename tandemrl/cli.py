@@ -13,8 +13,8 @@ import logging
 import sys
 
 from tandemrl.config.engine import add_engine_flags
-from tandemrl.config.errors import ConfigError
-from tandemrl.data.files import InputFileError
+from tandemrl.config.schema import ConfigError
+from tandemrl.host.files import InputFileError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:

@@ -353,7 +353,7 @@ def key_probe() -> None:
 
 STUCK = """
 import sys, threading
-from tandemrl.commands import train as train_command
+from tandemrl.commands import train as launch
 
 def fake_train(config, started_s=None):
     '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
@@ -367,7 +367,7 @@ def fake_train(config, started_s=None):
         print("tearing down", flush=True)
         never.wait()
 
-train_command.train = fake_train
+launch.train = fake_train
 import tandemrl.cluster.reaper
 tandemrl.cluster.reaper.start_reaper = lambda: None
 from tandemrl.cli import main

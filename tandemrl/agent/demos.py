@@ -1,16 +1,12 @@
-"""Rendering cold-start demonstrations (plans of data/demos.py) to token ids, with the real retriever's
-results, exactly as the agent loop builds a trajectory:
-  prompt (mask 0) | <think> t1 </think>\n<search> q1 </search> (mask 1) | information block (mask 0)
-  | ... | <think> final </think>\n<answer> a </answer><eos> (mask 1)
-Invariant: model turns and tool text are tokenized separately and concatenated, as in the loop, and
-the prompt and information blocks come from `tandemrl.agent.prompt`, so SFT sees the RL format.
+"""Rendering a cold-start demonstration plan (data/demos.py) to token ids and a loss mask, exactly as the
+agent loop builds a trajectory: the prompt and information blocks from agent/prompt.py (mask 0), the
+model turns tokenized separately (mask 1), with the real retriever's results (`tandem sft`,
+commands/sft.py).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
-
-from tandemrl.agent.prompt import build_prompt_ids, encode_text, format_information
 
 if TYPE_CHECKING:
     from tandemrl.agent.search_tool import SearchTool
@@ -51,6 +47,8 @@ async def render_demo(
     `skip_on_miss`, a demo whose searches miss the fact they expect renders as ([], []), so that SFT
     never teaches answering from documents that do not say the answer.
     """
+    from tandemrl.agent.prompt import build_prompt_ids, encode_text, format_information
+
     queries = [step["query"] for step in demo["steps"]]
     results = await search.search(queries, topk=topk) if queries else []
     if skip_on_miss and not all(info_hits(demo, results)):

@@ -1,14 +1,11 @@
-"""Greedy Search-R1 evaluation of a list of prompts: one trajectory per question, exact match per data
-source and overall, with mean searches and turns. Used by the runners' validation and by `tandem eval`
-(commands/evaluate.py, which starts the services).
-Invariant: every question of the selected split (up to `--limit`, in file order) is evaluated
-exactly once, and every trajectory is written in full to the jsonl.
+"""Greedy Search-R1 evaluation of prompts against engines: one trajectory per question, summarized per
+data source and overall (exact match, mean searches and turns). The run's validation (runner/context.py)
+and `tandem eval` (commands/evaluate.py, which starts the services) both use it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import defaultdict
 from pathlib import Path
 
@@ -16,8 +13,6 @@ from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.agent.reward import reward_extra_means
 from tandemrl.config.agent import AgentLoopConfig
 from tandemrl.config.schema import TandemConfig
-
-log = logging.getLogger(__name__)
 
 OVERALL = "overall"
 
@@ -84,7 +79,7 @@ def split_paths(config: TandemConfig, split: str) -> list[str]:
     configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
     if configured:
         return list(configured)
-    from tandemrl.data.files import is_missing
+    from tandemrl.host.files import is_missing
     from tandemrl.host.home import default_kb_dir
 
     kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()

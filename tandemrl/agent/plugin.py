@@ -14,7 +14,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from tandemrl.config.errors import ConfigError, one_line
+from tandemrl.config.errors import ConfigError
+from tandemrl.host.messages import one_line
 
 FORMS = '"module.path:callable" or "path/to/file.py:callable"'
 

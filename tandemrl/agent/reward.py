@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from tandemrl.agent.parser import extract_answer
 from tandemrl.config.errors import ConfigError
-from tandemrl.config.errors import one_line as _one_line
+from tandemrl.host.messages import one_line as _one_line
 
 # Search-R1's qa_em_format.py weights (the values its comments give: 1, 0.8, 0.3, 0.2, 0.1).
 STRUCTURE_FORMAT_SCORE = 0.2  # a well-formed think/search/information/answer sequence

@@ -31,7 +31,8 @@ from tandemrl.agent.prompt import (
 )
 from tandemrl.agent.reward import RewardFunction, load_reward
 from tandemrl.agent.search_tool import SearchError
-from tandemrl.config.errors import ConfigError, one_line
+from tandemrl.config.errors import ConfigError
+from tandemrl.host.messages import one_line
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from tandemrl.cluster.actor_worker import ActorWorker
 from tandemrl.cluster.mps import sm_percent_env
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

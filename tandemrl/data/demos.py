@@ -1,5 +1,5 @@
-"""Cold-start demonstrations: a correct Search-R1 trajectory plan per training question, rendered to
-token ids with the real retriever's results at SFT time.
+"""Cold-start demonstrations: a correct Search-R1 trajectory plan per training question (planned with the
+KB, data/kb.py), rendered to token ids with the real retriever's results at SFT time (agent/demos.py).
 
 A plan (one line of demos.jsonl) is
   {"id", "question", "golden_answers", "data_source",
@@ -8,8 +8,8 @@ A plan (one line of demos.jsonl) is
 and renders, exactly as the agent loop builds a trajectory, to
   prompt (mask 0) | <think> t1 </think>\n<search> q1 </search> (mask 1) | information block (mask 0)
   | ... | <think> final </think>\n<answer> a </answer><eos> (mask 1)
-The plans are made here (with the knowledge base); their rendering, in the agent loop's token format,
-is agent/demos.py.
+Invariant: model turns and tool text are tokenized separately and concatenated, as in the loop, and
+the prompt and information blocks come from `tandemrl.agent.prompt`, so SFT sees the RL format.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def load_demos(
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
-    from tandemrl.data.files import iter_json_lines  # bounded, each bad line named (data/files.py)
+    from tandemrl.host.files import iter_json_lines  # bounded, each bad line named (host/files.py)
 
     demos = [demo for _, demo in iter_json_lines(path, "demonstrations file")]
     if per_source:

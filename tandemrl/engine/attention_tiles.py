@@ -1,14 +1,11 @@
-"""The tile configurations of the Triton attention kernels, and the candidates `kernel_tuning` times.
-
-Pure Python (no torch, no triton), so the tuning cache and the kernels of `triton_attention` and
-`triton_decode` share them without importing each other.
+"""The tile shapes of the Triton attention kernels (engine/triton_attention.py, engine/triton_decode.py) and
+the candidates `kernel_tuning` times at start-up. Pure Python: the tuning cache (engine/tuning_cache.py)
+reads and writes them on machines without Triton.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,7 @@ each K/V block is read once for all of them. Padding rows (a slot of -1, a conte
 and produce zeros, which is what lets CUDA graphs run a batch padded to a captured size.
 Decode has tunable variants (`DecodeConfig`: tile sizes, or the split-KV kernel of `triton_decode`);
 `kernel_tuning.tune_decode` times them on the engine's cache at start-up and the fastest serves every
-decode step. Prefill tiles (`PrefillConfig`) are timed the same way by `kernel_tuning.tune_prefill`. The tile
-configurations live in `attention_tiles` (pure Python), the RoPE helpers both kernels share in `triton_rope`.
+decode step. Prefill tiles (`PrefillConfig`) are timed the same way by `kernel_tuning.tune_prefill`.
 """
 
 from __future__ import annotations
@@ -23,14 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
-from tandemrl.engine.attention_tiles import (
-    DECODE_BLOCK_M,
-    DEFAULT_DECODE,
-    DEFAULT_PREFILL,
-    DecodeConfig,
-    PrefillConfig,
-)
-from tandemrl.engine.triton_rope import rope_tables, rotate
+from tandemrl.engine.attention_tiles import DEFAULT_DECODE, DEFAULT_PREFILL, DecodeConfig, PrefillConfig
+from tandemrl.engine.triton_rope import _rope_tables, _rotate
+
+_DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
 
 
 @triton.jit
@@ -82,13 +77,13 @@ def _rope_store_kernel(
     """Rotate q (to QOut) and k, then write k and v to the token's cache slot (none for slot -1)."""
     t = tl.program_id(0)
     half = tl.arange(0, HALF)
-    cos1, cos2, sin1, sin2 = rope_tables(Cos, Sin, t, stride_cos, HALF)
+    cos1, cos2, sin1, sin2 = _rope_tables(Cos, Sin, t, stride_cos, HALF)
     heads = tl.arange(0, HEADS_P2)[:, None]
     hmask = heads < NUM_HEADS
     base = QKV + t * stride_t + heads * (2 * HALF) + half[None, :]
     x1 = tl.load(base, mask=hmask, other=0.0).to(tl.float32)
     x2 = tl.load(base + HALF, mask=hmask, other=0.0).to(tl.float32)
-    q1, q2 = rotate(x1, x2, cos1, cos2, sin1, sin2)
+    q1, q2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
     out = QOut + t * stride_qo + heads * (2 * HALF) + half[None, :]
     tl.store(out, q1.to(QOut.dtype.element_ty), mask=hmask)
     tl.store(out + HALF, q2.to(QOut.dtype.element_ty), mask=hmask)
@@ -98,7 +93,7 @@ def _rope_store_kernel(
     kbase = QKV + t * stride_t + NUM_HEADS * 2 * HALF + kv * (2 * HALF) + half[None, :]
     k1 = tl.load(kbase, mask=kmask, other=0.0).to(tl.float32)
     k2 = tl.load(kbase + HALF, mask=kmask, other=0.0).to(tl.float32)
-    k1, k2 = rotate(k1, k2, cos1, cos2, sin1, sin2)
+    k1, k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
     cache = Cache + slot * stride_c_slot + kv * stride_c_head + half[None, :]
     tl.store(cache, k1.to(Cache.dtype.element_ty), mask=kmask)
     tl.store(cache + HALF, k2.to(Cache.dtype.element_ty), mask=kmask)
@@ -260,7 +255,7 @@ def attend(
     num_kv_heads = kv_cache.shape[2]
     group = num_heads // num_kv_heads
     is_decode = max_query_len == 1
-    block_m = max(DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
+    block_m = max(_DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
     queries_per_tile = block_m // group
     out = torch.empty_like(q_THD)
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, queries_per_tile))

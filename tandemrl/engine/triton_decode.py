@@ -15,7 +15,7 @@ import triton.language as tl
 
 from tandemrl.engine.attention_tiles import DecodeConfig
 from tandemrl.engine.pdl import use_pdl
-from tandemrl.engine.triton_rope import rope_tables, rotate
+from tandemrl.engine.triton_rope import _rope_tables, _rotate
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -211,7 +211,7 @@ def _rope_decode_kernel(
     kv_head = tl.program_id(1)
     ctx = tl.load(ContextLens + seq)  # includes the new token; 0 = padding row
     half = tl.arange(0, HALF)
-    cos1, cos2, sin1, sin2 = rope_tables(Cos, Sin, seq, stride_cos, HALF)
+    cos1, cos2, sin1, sin2 = _rope_tables(Cos, Sin, seq, stride_cos, HALF)
     slot = tl.load(Slots + seq)
     if USE_PDL:  # everything above is a step input; the QKV output comes from the kernel before
         tl.extra.cuda.gdc_wait()
@@ -222,12 +222,12 @@ def _rope_decode_kernel(
     x1 = tl.load(q_ptr, mask=row_ok[:, None], other=0.0).to(tl.float32)
     x2 = tl.load(q_ptr + HALF, mask=row_ok[:, None], other=0.0).to(tl.float32)
     dtype = Cache.dtype.element_ty
-    q1, q2 = rotate(x1, x2, cos1, cos2, sin1, sin2)
+    q1, q2 = _rotate(x1, x2, cos1, cos2, sin1, sin2)
     q1, q2 = q1.to(dtype), q2.to(dtype)
     k_ptr = QKV + seq * stride_t + (NUM_HEADS + kv_head) * (2 * HALF) + half
     k1 = tl.load(k_ptr).to(tl.float32)
     k2 = tl.load(k_ptr + HALF).to(tl.float32)
-    new_k1, new_k2 = rotate(k1, k2, cos1, cos2, sin1, sin2)
+    new_k1, new_k2 = _rotate(k1, k2, cos1, cos2, sin1, sin2)
     new_k1, new_k2 = new_k1.to(dtype), new_k2.to(dtype)
     v_ptr = k_ptr + NUM_KV * (2 * HALF)
     new_v1 = tl.load(v_ptr)

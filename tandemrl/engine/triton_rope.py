@@ -1,7 +1,5 @@
-"""RoPE inside the Triton attention kernels: a token's cos/sin rows and the rotation, as fp32 halves.
-
-Shared by the fused RoPE + store kernel of `triton_attention` and the fused RoPE + decode kernel of
-`triton_decode` (both rotate exactly as `engine/rope.py` does in torch).
+"""RoPE inside Triton kernels, shared by the paged attention (engine/triton_attention.py) and the split-KV
+decode (engine/triton_decode.py): a token's cos/sin rows and the rotation of a head given as halves.
 """
 
 from __future__ import annotations
@@ -11,7 +9,7 @@ import triton.language as tl
 
 
 @triton.jit
-def rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
+def _rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
     """A token's cos and sin rows as fp32 halves: (cos1, cos2, sin1, sin2)."""
     half = tl.arange(0, HALF)
     cos1 = tl.load(Cos + row * stride + half).to(tl.float32)
@@ -22,6 +20,6 @@ def rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
 
 
 @triton.jit
-def rotate(x1, x2, cos1, cos2, sin1, sin2):
+def _rotate(x1, x2, cos1, cos2, sin1, sin2):
     """RoPE of heads given as fp32 halves `[..., HALF]`: x * cos + rotate_half(x) * sin, half by half."""
     return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2

@@ -30,6 +30,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES, DecodeConfig, PrefillConfig
 from tandemrl.host.home import tandem_home
 from tandemrl.host.startup import mark
 
@@ -39,14 +40,7 @@ CACHE_ENV = "TANDEM_TUNING_CACHE"
 CACHE_DIR_ENV = "TANDEM_TUNING_CACHE_DIR"
 SHIPPED_DIR_ENV = "TANDEM_TUNED_DIR"
 FORMAT = 1
-KERNEL_SOURCES = (
-    "kernel_tuning.py",
-    "attention_tiles.py",
-    "triton_attention.py",
-    "triton_decode.py",
-    "triton_rope.py",
-    "fast_layers.py",
-)
+KERNEL_SOURCES = ("kernel_tuning.py", "triton_attention.py", "triton_decode.py", "fast_layers.py")
 SOFTWARE_KEYS = ("torch", "cuda", "triton", "kernels_sha256")  # what a shipped choice is not keyed by
 
 # per process: lookups the local cache answered, the shipped choices answered, and the timing did
@@ -171,9 +165,9 @@ def _splits_codec(batch_sizes: list[int], parts: tuple[int, ...]) -> tuple[Calla
 
 @dataclass
 class KernelChoices:
-    decode_config: Any
+    decode_config: DecodeConfig
     decode_timings: dict[str, float]
-    prefill_config: Any
+    prefill_config: PrefillConfig
     prefill_timings: dict[str, float]
     down_splits: dict[int, int] = field(default_factory=dict)
     down_split_timings: dict[str, float] = field(default_factory=dict)
@@ -193,7 +187,6 @@ def choose_kernels(
     """The fast runner's decode attention, prefill tiling and down-projection splits: each timed on
     these shapes (kernel_tuning.py), or read from the cache."""
     from tandemrl.engine import kernel_tuning as kt
-    from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES
 
     kv = kv_caches[0]
     base = {

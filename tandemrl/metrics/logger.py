@@ -93,7 +93,7 @@ class MetricsLogger:
                 self._drop(tracker, "closing failed", error)
 
     def _drop(self, tracker: Any, what: str, error: BaseException) -> None:
-        from tandemrl.config.errors import one_line
+        from tandemrl.host.messages import one_line
 
         self.trackers.remove(tracker)
         log.warning(
@@ -135,8 +135,8 @@ def read_history(jsonl_path: str | Path, skipped: list[str] | None = None) -> li
     """The rows of `metrics.jsonl` (none if it does not exist); a resumed run appends, so a later row for a
     step replaces an earlier. Every row must be a JSON object with an integer `step` >= 0 and numbers for
     values, else `InputFileError` names the line. With `skipped`, an incomplete last line (a run still
-    writing) is skipped and described there (data/files.py)."""
-    from tandemrl.data.files import InputFileError, is_missing, iter_json_lines
+    writing) is skipped and described there (host/files.py)."""
+    from tandemrl.host.files import InputFileError, is_missing, iter_json_lines
 
     path = Path(jsonl_path)
     if is_missing(path):

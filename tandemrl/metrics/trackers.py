@@ -197,6 +197,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _one_line(error: BaseException) -> str:
-    from tandemrl.config.errors import one_line
+    from tandemrl.host.messages import one_line
 
     return one_line(error)

@@ -9,10 +9,6 @@
          │        │
          └── sync weights: pause (retract | in_place) or drain ─► push v+1 ─► continue
 
-Backpressure: the hand-off waits for finished groups (agent loops unblock it); admission waits on the
-buffer's limits (a finishing group frees an in-flight slot, a hand-off frees buffer room, a weight sync
-frees staleness room); a sync waits for the engines to pause (or, drain, for in-flight groups to finish).
-
 A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
 version, docs/DESIGN.md, Rollout buffer); how far behind it may be is bounded by max_buffered_groups and
 agentloop.max_actor_accept_staleness.
@@ -28,9 +24,10 @@ from __future__ import annotations
 
 import logging
 
-from tandemrl.runner.context import RunContext
-from tandemrl.runner.step import (
+from tandemrl.runner.context import (
+    RunContext,
     end_of_step,
+    engine_busy_fraction,
     stand_down,
     start_clock,
     sync_weights,
@@ -38,7 +35,6 @@ from tandemrl.runner.step import (
     validate_before_training,
     wait_for_data,
 )
-from tandemrl.runner.step_metrics import engine_busy_fraction
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 
 LOCK_FILE = ".tandem.lock"
 _held: dict[str, int] = {}  # resolved output dir -> this process's locked descriptor

@@ -1,17 +1,18 @@
-"""The files a run writes every step besides its metrics: the prompt ledger (`prompts.jsonl`, the buffer's
-transitions) and the trained trajectories (`trajectories/step_<N>.jsonl`). Append-only; a checkpoint
-writes the ledger before it saves, so a resume sees every transition up to its step.
+"""What a run writes about its data each step, under its output directory: the prompt ledger
+(`prompts.jsonl`: every issue, finish, drop and hand-off of the rollout buffer) and the trained
+trajectories (`trajectories/step_<N>.jsonl`). runner/context.py writes them at the end of a step,
+runner/checkpoint.py the ledger again at a save (the ledger up to a checkpoint is what it resumes from).
 """
 
 from __future__ import annotations
 
 import json
-import logging
+from typing import TYPE_CHECKING
 
 from tandemrl.buffer.rollout_buffer import HandOff
-from tandemrl.runner.context import RunContext
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from tandemrl.runner.context import RunContext
 
 
 def write_ledger(ctx: RunContext, step: int) -> None:

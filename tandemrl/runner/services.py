@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 from tandemrl.host.devices import resolve_device
 
 log = logging.getLogger(__name__)

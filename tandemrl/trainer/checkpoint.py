@@ -13,7 +13,7 @@ the previous checkpoint untouched and no half-written `global_step_*`):
 Loading unpickles nothing but through a restricted unpickler: DCP's `.metadata` through
 `checkpoint_check.RestrictedUnpickler` (DCP's own metadata classes only), its plain-value items and
 every .pt file through torch's `weights_only`; and a checkpoint is checked whole before it is loaded
-(`verify_checkpoint`, also run by the start-up check for `runner.resume_from` (commands/preflight.py) and by `tandem export`).
+(`verify_checkpoint`, also run at config load for `runner.resume_from` and by `tandem export`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The supervised cold start on the actor's own machinery (`tandem sft` is commands/sft.py).
+"""The supervised cold start on the actor's own machinery (`tandem sft`, commands/sft.py, renders the
+demonstrations and calls `train_sft`).
 
-Demonstrations rendered to token ids (commands/sft.py, agent/demos.py) are trained on with token-mean cross-entropy over the model turns
+Demonstration samples (token ids with their loss mask, rendered by commands/sft.py) are trained on with token-mean cross-entropy over the model turns
 (loss_mask 1; prompt and information blocks 0). The result is an HF directory that RL starts from
 (`actor.model.model_path` / `rollout.model.model_path`).
 Invariant: SFT uses `Actor.sft_step`, so packing, FSDP, precision and export are those of RL.
@@ -27,7 +28,7 @@ def read_rendered(path: str | Path) -> list[TrainSample]:
             f"actor.sft.rendered_path={str(path)!r} does not exist; write a jsonl of "
             '{"input_ids": [...], "loss_mask": [...]} or unset it to render the demos.'
         )
-    from tandemrl.data.files import InputFileError, iter_json_lines
+    from tandemrl.host.files import InputFileError, iter_json_lines
 
     samples = []
     for line_number, row in iter_json_lines(path, "actor.sft.rendered_path"):

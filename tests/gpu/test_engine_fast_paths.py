@@ -171,11 +171,11 @@ def _model_dir(root: Path, init_std: float = 0.2, seed: int = 0) -> Path:
 def _pin_kernels(monkeypatch, down_split: int = 1) -> None:
     """The default attention kernels and `down_split` parts for the down projection at every batch size,
     instead of the start-up tuners' timed choices (which may differ between two engines of one test)."""
-    from tandemrl.engine import attention_tiles, kernel_tuning, tuning_cache
+    from tandemrl.engine import kernel_tuning, triton_attention, tuning_cache
 
     monkeypatch.setenv(tuning_cache.CACHE_ENV, "0")  # neither read other choices nor write these to the cache
-    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (attention_tiles.DEFAULT_DECODE, {}))
-    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (attention_tiles.DEFAULT_PREFILL, {}))
+    monkeypatch.setattr(kernel_tuning, "tune_decode", lambda *args: (triton_attention.DEFAULT_DECODE, {}))
+    monkeypatch.setattr(kernel_tuning, "tune_prefill", lambda *args: (triton_attention.DEFAULT_PREFILL, {}))
     monkeypatch.setattr(
         kernel_tuning, "tune_down_split", lambda weights, norm, sizes: ({b: down_split for b in sizes}, {})
     )

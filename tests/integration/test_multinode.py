@@ -82,7 +82,7 @@ def test_a_placement_ray_cannot_hold_is_refused_before_anything_starts(
     prepared_home, two_node_cluster, overrides, message
 ):
     """The embedded model of the prepared home: its path is checked before the placement is."""
-    from tandemrl.config.errors import ConfigError
+    from tandemrl.config.schema import ConfigError
     from tandemrl.runner.services import Services
 
     base = ["cluster.use_ray=true", f"cluster.gpu_resource={FAKE_GPU}", "retrieval.launch=false"]

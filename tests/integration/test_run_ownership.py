@@ -123,7 +123,7 @@ def test_a_second_run_on_an_index_another_process_serves_is_refused_at_start_up(
 @pytest.mark.parametrize("where", ["a file", "under a file", "a link loop"])
 def test_an_output_dir_that_cannot_hold_a_run_is_refused_in_one_line(where, tmp_path):
     import tandemrl.runner.output_lock as output_lock
-    from tandemrl.config.errors import ConfigError
+    from tandemrl.config.schema import ConfigError
 
     (tmp_path / "file").write_text("x")
     (tmp_path / "loop").symlink_to(tmp_path / "loop")

@@ -22,7 +22,7 @@ from tandemrl.agent.prompt import (
 )
 from tandemrl.agent.search_tool import SearchError
 from tandemrl.config.agent import AgentLoopConfig
-from tandemrl.config.errors import ConfigError
+from tandemrl.config.schema import ConfigError
 from tandemrl.data.loader import Prompt
 from tandemrl.rollout.client import GenerateResult
 

@@ -11,8 +11,8 @@ import pickle
 import pytest
 import torch
 
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tandemrl.engine.weight_updates import decode_ipc_entries
 from tandemrl.rollout.backends import make_client, make_weight_sender
 from tandemrl.rollout.client import EngineClient

@@ -11,9 +11,8 @@ import pytest
 
 from tandemrl.commands.show import render
 from tandemrl.config.derive import derive_and_validate, parse_gpu_range
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import apply_override, load_config
-from tandemrl.config.schema import TandemConfig
+from tandemrl.config.schema import ConfigError, TandemConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "searchr1" / "config"

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandemrl.commands import train as train_command
+from tandemrl.commands import train as launch
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml"
 
@@ -50,8 +50,8 @@ def no_reaper(monkeypatch):
 @pytest.mark.parametrize("error", [ConnectionResetError("payload cut"), RuntimeError("engine gone")])
 def test_an_error_after_ctrl_c_is_reported_as_the_interrupt(tmp_path, monkeypatch, capsys, no_reaper, error):
     before = signal.getsignal(signal.SIGINT)
-    monkeypatch.setattr(train_command, "train", _ctrl_c_swallowed_then(error))
-    assert train_command.run_train(_args(tmp_path)) == train_command.EXIT_INTERRUPTED
+    monkeypatch.setattr(launch, "train", _ctrl_c_swallowed_then(error))
+    assert launch.run_train(_args(tmp_path)) == launch.EXIT_INTERRUPTED
     err = capsys.readouterr().err
     assert err.startswith("tandem train: stopped by SIGINT after step 0 of 3;"), err
     assert "no checkpoint to resume from" in err
@@ -62,14 +62,14 @@ def test_an_error_without_a_signal_still_raises(tmp_path, monkeypatch, no_reaper
     def failing_train(config, started_s=None):
         raise RuntimeError("a real bug")
 
-    monkeypatch.setattr(train_command, "train", failing_train)
+    monkeypatch.setattr(launch, "train", failing_train)
     with pytest.raises(RuntimeError, match="a real bug"):
-        train_command.run_train(_args(tmp_path))
+        launch.run_train(_args(tmp_path))
 
 
 @pytest.fixture
 def interrupt():
-    handler = train_command.Interrupt()
+    handler = launch.Interrupt()
     previous = signal.signal(signal.SIGINT, handler.handle)
     yield handler
     signal.signal(signal.SIGINT, previous)

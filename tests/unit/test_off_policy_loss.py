@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tandemrl.config.actor import AlgorithmConfig
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.batching import TrainSample, build_micro_batch, plan_rank_micro_batches
 from tandemrl.trainer.loss import PolicyLossConfig, importance_weights, masked_sums, ppo_token_losses
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tandemrl.cluster.placement import format_gpus, plan_placement
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 GLM = ROOT / "examples/searchr1/config/train_glm4.7_flash_2node_async.yaml"

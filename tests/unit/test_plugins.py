@@ -16,8 +16,8 @@ from tandemrl.agent.reward import RewardError, RewardFunction, exact_match, f1, 
 from tandemrl.agent.tools import AgentEnv, build_env, check_plugins
 from tandemrl.cli import main
 from tandemrl.config.agent import AgentLoopConfig
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tests.unit.test_agent_loop import PROMPT, FakeEngine, FakeSearch, check_alignment, masked_segments
 
 ROOT = Path(__file__).resolve().parents[2]

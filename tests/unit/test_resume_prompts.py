@@ -7,8 +7,8 @@ import logging
 
 import pytest
 
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tandemrl.data.loader import Prompt
 from tandemrl.runner.checkpoint import resume_prompts
 from tandemrl.runner.prompt_feed import PromptFeed

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"
 
 FAKE_STUCK_RUN = """
 import sys, threading
-from tandemrl.commands import train as train_command
+from tandemrl.commands import train as launch
 
 def fake_train(config, started_s=None):
     '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
@@ -40,8 +40,8 @@ def fake_train(config, started_s=None):
             never.wait()  # the teardown waits for it too
 
 TEARDOWN_WAITS = sys.argv[3] == "waits"
-train_command.train = fake_train
-train_command.check_startable = lambda config: None
+launch.train = fake_train
+launch.check_startable = lambda config: None
 import tandemrl.cluster.reaper
 tandemrl.cluster.reaper.start_reaper = lambda: None
 from tandemrl.cli import main

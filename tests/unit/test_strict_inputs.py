@@ -87,7 +87,13 @@ CONFIG_CASES = {
     "top_k 0": (lambda t: ASYNC, ["agentloop.top_k=0"], "agentloop.top_k=0"),
     # round two (docs/RELIABILITY.md rows 15 and 17): bounded input, and what `train` refused at once
     "max_turns 0": (lambda t: ASYNC, ["agentloop.max_turns=0"], "agentloop.max_turns=0: must be >= 1"),
-    "vllm without server_addrs": (lambda t: ASYNC, ["rollout.backend=vllm"], "without rollout.server_addrs"),
+    # launched vLLM is accepted where its interpreter imports vllm (tests/unit/test_engine_launch_cli.py);
+    # the suite's interpreter has none, and the refusal names it and the keys that change it
+    "vllm where its interpreter cannot import it": (
+        lambda t: ASYNC,
+        ["rollout.backend=vllm"],
+        "`import vllm` there failed: ModuleNotFoundError: No module named 'vllm'. Point rollout.vllm.python",
+    ),
     "a model path that does not exist": (
         lambda t: ASYNC,
         ["rollout.model.model_path={missing}"],

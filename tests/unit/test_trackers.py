@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
+from tandemrl.config.schema import ConfigError
 from tandemrl.metrics.logger import MetricsLogger, read_history, read_tensorboard_scalars
 from tandemrl.metrics.trackers import MlflowTracker, TrackerError, check_installed, resolved_config
 from tests.tracker_readback import mlflow_run, offline_wandb, wandb_offline_run

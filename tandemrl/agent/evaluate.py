@@ -1,5 +1,5 @@
 """Greedy Search-R1 evaluation of prompts against engines: one trajectory per question, summarized per
-data source and overall (exact match, mean searches and turns). The run's validation (runner/context.py)
+data source and overall (exact match, mean searches and turns). The run's validation (runner/step.py)
 and `tandem eval` (commands/evaluate.py, which starts the services) both use it.
 """
 

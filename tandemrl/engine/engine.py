@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from tandemrl.config.engine import EngineConfig
-from tandemrl.engine.cuda_graphs import build_runner
+from tandemrl.engine.fast_model_runner import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
 from tandemrl.engine.model_runner import StepResult

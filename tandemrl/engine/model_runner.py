@@ -4,7 +4,7 @@ Owns the model, the KV cache tensors and the sampling generator. Invariant: afte
 sequence in the batch has its tokens up to the step's end in the cache (`num_cached_tokens` =
 `Sequence.step_end`: a prefill chunk's end, else all its tokens but the newly sampled one); the caller
 appends the sampled token once the step's `StepResult` is read, and ignores a chunk's row. This
-reference runner computes the step inside `launch`; the CUDA runner (`cuda_graphs.FastModelRunner`,
+reference runner computes the step inside `launch`; the CUDA runner (`fast_model_runner.FastModelRunner`,
 `overlaps`) returns while the GPU works, so the engine can schedule the next step meanwhile.
 """
 

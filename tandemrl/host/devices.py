@@ -1,7 +1,8 @@
 """`auto` devices and dtypes made concrete, one rule for every component: `auto` is CUDA where torch sees a
 GPU, else CPU; an `auto` dtype is bfloat16 on CUDA and float32 on CPU. The engine (engine/engine.py), the
-actor (trainer/policy.py) and the run's launch (runner/services.py, cluster/server_supervisor.py) all
-resolve through here, so one config means the same device everywhere. torch is imported only to look.
+actor (trainer/policy.py), the retrieval encoder (retrieval/encoders.py) and the run's launch
+(runner/services.py, cluster/server_supervisor.py) all resolve through here, so one config means the same
+device everywhere. torch is imported only to look.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandemrl.host.devices import resolve_device
 from tandemrl.host.home import tandem_home
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,6 @@ def resolve_encoder(spec: str) -> EncoderSpec:
     return EncoderSpec(spec, path)
 
 
-def default_device() -> str:
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 class Encoder:
     """A sentence-transformers model plus its prefixes; `encode_*` return normalised float32 [N, dim]."""
 
@@ -76,7 +71,7 @@ class Encoder:
         self.spec = spec
         self.batch_size = batch_size
         self.model = SentenceTransformer(
-            str(spec.path), device=device or default_device(), local_files_only=True
+            str(spec.path), device=device or resolve_device("auto"), local_files_only=True
         )
         self.max_seq_length: int = int(self.model.max_seq_length or 512)
         self.dim: int = int(self.model.get_embedding_dimension())

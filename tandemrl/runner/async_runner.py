@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 
-from tandemrl.runner.context import (
-    RunContext,
+from tandemrl.runner.context import RunContext
+from tandemrl.runner.step import (
     end_of_step,
-    engine_busy_fraction,
     stand_down,
     start_clock,
     sync_weights,
@@ -35,6 +34,7 @@ from tandemrl.runner.context import (
     validate_before_training,
     wait_for_data,
 )
+from tandemrl.runner.step_metrics import engine_busy_fraction
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What a run writes about its data each step, under its output directory: the prompt ledger
 (`prompts.jsonl`: every issue, finish, drop and hand-off of the rollout buffer) and the trained
-trajectories (`trajectories/step_<N>.jsonl`). runner/context.py writes them at the end of a step,
+trajectories (`trajectories/step_<N>.jsonl`). runner/step.py writes them at the end of a step,
 runner/checkpoint.py the ledger again at a save (the ledger up to a checkpoint is what it resumes from).
 """
 

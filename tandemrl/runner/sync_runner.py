@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import logging
 
-from tandemrl.runner.context import (
-    RunContext,
+from tandemrl.runner.context import RunContext
+from tandemrl.runner.step import (
     end_of_step,
-    engine_busy_fraction,
     start_clock,
     sync_weights,
     train_on,
     validate_before_training,
     wait_for_data,
 )
+from tandemrl.runner.step_metrics import engine_busy_fraction
 
 log = logging.getLogger(__name__)
 

@@ -129,7 +129,7 @@ def test_a_step_with_many_failed_searches_warns_naming_the_retrieval_server(capl
     from types import SimpleNamespace
 
     from tandemrl.config.loader import load_config
-    from tandemrl.runner.context import warn_on_search_errors
+    from tandemrl.runner.step_metrics import warn_on_search_errors
 
     ctx = SimpleNamespace(
         config=load_config(None, ["tools.search.warn_error_fraction=0.25"]),

@@ -1,4 +1,4 @@
-"""The step's rollout metrics per data source (runner/context.py): reward, searches, groups without a
+"""The step's rollout metrics per data source (runner/step_metrics.py): reward, searches, groups without a
 learning signal, and the push of the GRPO advantages on the number of searches, from constructed groups
 of real agent trajectories."""
 
@@ -12,7 +12,7 @@ from tandemrl.agent.loop import Trajectory
 from tandemrl.buffer.group import Group
 from tandemrl.buffer.rollout_buffer import HandOff
 from tandemrl.data.loader import Prompt
-from tandemrl.runner.context import rollout_metrics
+from tandemrl.runner.step_metrics import rollout_metrics
 
 
 def group(issue_id: int, source: str, rewards: list[float], searches: list[int]) -> Group:

@@ -1,10 +1,10 @@
-"""The engines' step counters turned into a step's metrics (runner/context.py, engine_step_metrics)."""
+"""The engines' step counters turned into a step's metrics (runner/step_metrics.py, engine_step_metrics)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tandemrl.runner.context import engine_step_metrics
+from tandemrl.runner.step_metrics import engine_step_metrics
 
 
 def test_engine_step_metrics_split_the_busy_time_by_step_kind():
@@ -36,7 +36,7 @@ def test_engine_step_metrics_without_steps_or_counters():
 def test_trajectory_time_metrics_split_the_wall_time():
     from types import SimpleNamespace
 
-    from tandemrl.runner.context import trajectory_time_metrics
+    from tandemrl.runner.step_metrics import trajectory_time_metrics
 
     trajectories = [
         SimpleNamespace(wall_s=2.0, generate_s=1.5, server_s=1.0, search_s=0.25),

@@ -1,0 +1,220 @@
+"""The pieces of a step both runners share: wait for a hand-off, train on it, sync weights under
+`rollout.pause_mode`, validate, then `end_of_step` (ledger, trajectories, checkpoint, metrics).
+
+Invariant: `ctx.weight_version` moves only in `sync_weights`, after the engines hold the new weights.
+Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/train,
+time/sync_weights (= its pause + push + continue parts), and, for embedded engines, the engines' busy
+fraction over the step window (runner/step_metrics.py); `metrics/logger.py` names the bottleneck.
+
+The clock is the wall clock (docs/DESIGN.md, The step clock): `time/step` runs from the end of one step to
+the end of the next, validation and checkpoints included (`time/validation`, `time/checkpoint` say how
+much of it they took), so the steps' times add up to the run's wall time from the first step's start
+(`time/wall`, cumulative). Both runners keep generating training rollouts while they validate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from tandemrl.buffer.rollout_buffer import HandOff
+from tandemrl.runner.context import RunContext
+from tandemrl.runner.records import write_ledger, write_trajectories
+from tandemrl.runner.step_metrics import (
+    engine_busy_fraction,
+    engine_counters,
+    rollout_metrics,
+    warn_on_search_errors,
+)
+
+log = logging.getLogger(__name__)
+
+
+async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple[HandOff, dict[str, float]]:
+    """The next hand-off, and how long the actor waited for it (`time/wait_data`)."""
+    start_s = time.monotonic()
+    handoff = await ctx.driver.next_handoff(ctx.weight_version, pause_admission=pause_admission)
+    mark_first_step(ctx, "generation done (hand-off taken)")
+    return handoff, {"time/wait_data": time.monotonic() - start_s}
+
+
+async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, float]:
+    """One actor train step on the hand-off; also `rollout/engine_steps_during_train` (and the tokens
+    those steps prefilled and decoded) for embedded engines: 0 under time-sharing, by construction.
+    A step in `runner.profile_steps` is recorded into <output_dir>/profiles/train_step_<step>.*."""
+    from tandemrl.trainer.advantages import samples_from_trajectories
+
+    samples = samples_from_trajectories(
+        [g.trajectories for g in handoff.groups], norm_by_std=ctx.config.algorithm.norm_adv_by_std
+    )
+    args: list[Any] = [samples]
+    if step in ctx.config.runner.profile_steps:
+        args.append(str((ctx.output_dir / "profiles" / f"train_step_{step}").resolve()))
+    before = await engine_counters(ctx)
+    start_s = time.monotonic()
+    metrics = dict(await ctx.actor.call("train_step", *args))
+    metrics["time/train"] = time.monotonic() - start_s
+    after = await engine_counters(ctx)
+    if before is not None and after is not None:
+        metrics["rollout/engine_steps_during_train"] = after["num_steps"] - before["num_steps"]
+        for key in ("prefill", "decode"):
+            counter = f"num_{key}_tokens"
+            metrics[f"rollout/engine_{key}_tokens_during_train"] = after[counter] - before[counter]
+    mark_first_step(ctx, "train done")
+    return metrics
+
+
+async def stand_down(ctx: RunContext) -> dict[str, float]:
+    """Time-sharing a GPU (`cluster.colocated_policy=time_share`): pause every engine with
+    `rollout.pause_mode` (retract or in_place: what was generated is kept) before the actor trains, so
+    the actor has the GPU to itself; `sync_weights(..., is_stood_down=True)` pushes and continues them.
+    Agent loops keep running meanwhile: searches finish and their next turns queue in the paused engines."""
+    start_s = time.monotonic()
+    mode = ctx.config.rollout.pause_mode
+    await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+    return {"time/stand_down": time.monotonic() - start_s}
+
+
+async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool = False) -> dict[str, float]:
+    """Push the actor's weights to every engine as `weight_version`; returns time/sync_weights, its
+    pause, push and continue parts, and bytes.
+
+    retract / in_place: the engines pause (in-flight requests are retracted to the queue, or keep
+    their KV cache in place), take the weights, and continue. drain: admission stops and every
+    in-flight group finishes first (SGLang has no such mode, so the client realises it). Marking the
+    version on the clients before `continue_generation` is what stamps streamed tokens (docs/BACKENDS.md).
+    `is_stood_down`: `stand_down` already paused them (its time is `time/stand_down`, not the pause's).
+    """
+    mode = ctx.config.rollout.pause_mode
+    marks_s = [time.monotonic()]  # start, paused, pushed, continued
+    was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
+    if is_stood_down:
+        assert mode != "drain", "time-sharing never stands down with drain (config/derive.py refuses it)"
+    elif mode == "drain":
+        ctx.driver.pause_admission()
+        await ctx.driver.wait_idle()
+    else:
+        await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+    marks_s.append(time.monotonic())
+    try:
+        pushed = await ctx.actor.call("push_weights", weight_version)
+        for engine in ctx.engines:  # the update boundary: tokens received from here on are the new version
+            engine.mark_weight_version(weight_version)
+    finally:
+        marks_s.append(time.monotonic())
+        if mode != "drain":
+            await asyncio.gather(*(engine.continue_generation() for engine in ctx.engines))
+    ctx.weight_version = weight_version
+    ctx.driver.set_weight_version(weight_version)
+    mark_first_step(ctx, "weight sync done")
+    if mode == "drain" and not was_paused:
+        ctx.driver.resume_admission()
+    marks_s.append(time.monotonic())
+    return {
+        "time/sync_weights": marks_s[3] - marks_s[0],
+        "time/sync_weights/pause": marks_s[1] - marks_s[0],
+        "time/sync_weights/push": marks_s[2] - marks_s[1],
+        "time/sync_weights/continue": marks_s[3] - marks_s[2],
+        "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0)),
+    }
+
+
+async def validate(ctx: RunContext) -> dict[str, float]:
+    """Greedy EM and searches per trajectory on the validation prompts, per data source and overall
+    (`val/em/<source>`, `val/em/all`, `val/num_searches/<source>`, `val/num_searches/all`)."""
+    from tandemrl.agent.evaluate import OVERALL, evaluate_prompts, summarize
+
+    if not ctx.val_prompts:
+        return {}
+    driver, num_engines = ctx.driver, len(ctx.engines)
+    shards = [ctx.val_prompts[i::num_engines] for i in range(num_engines)]
+    results = await asyncio.gather(
+        *(
+            evaluate_prompts(shard, engine, driver.search, driver.tokenizer, driver.agent_cfg)
+            for shard, engine in zip(shards, ctx.engines, strict=True)
+            if shard
+        )
+    )
+    summary = summarize([traj for shard in results for traj in shard])
+    metrics = {}
+    for source, row in summary.items():
+        name = "all" if source == OVERALL else source
+        metrics[f"val/em/{name}"] = row["em"]
+        metrics[f"val/num_searches/{name}"] = row["searches"]
+    return metrics
+
+
+async def validate_before_training(ctx: RunContext) -> None:
+    """`runner.val_before_train`: the starting val EM, logged at the start step (0 on a fresh run)
+    before any rollout, so the step clock (`start_clock`) starts after it."""
+    if not (ctx.config.runner.val_before_train and ctx.val_prompts):
+        return
+    ctx.logger.log(ctx.start_step, await validate(ctx), advance=False)
+
+
+def start_clock(ctx: RunContext) -> None:
+    """The first step starts now: `time/wall` counts from here, and the first `time/step` too."""
+    ctx.clock_start_s = ctx.last_step_end_s = time.monotonic()
+
+
+async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
+    """Everything after the weight sync: validation, ledger, checkpoint, then the step's metrics, whose
+    `time/step` covers all of it (the time spent logging falls in the next step)."""
+    from tandemrl.runner.checkpoint import save_checkpoint
+
+    runner = ctx.config.runner
+    metrics = dict(metrics)
+    metrics.update(await engine_busy_fraction(ctx))
+    metrics["rollout/weight_version"] = float(ctx.weight_version)
+    if runner.val_interval and step % runner.val_interval == 0:
+        start_s = time.monotonic()
+        metrics.update(await validate(ctx))
+        metrics["time/validation"] = time.monotonic() - start_s
+    write_ledger(ctx, step)
+    write_trajectories(ctx, step, handoff)
+    if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
+        start_s = time.monotonic()
+        await save_checkpoint(ctx, step)
+        metrics["time/checkpoint"] = time.monotonic() - start_s
+    now_s = time.monotonic()
+    if ctx.clock_start_s is None:  # a caller that never started the clock: its first step starts at creation
+        ctx.clock_start_s = ctx.last_step_end_s
+    metrics = {
+        **rollout_metrics(handoff, now_s - ctx.last_step_end_s, ctx.config.algorithm.norm_adv_by_std),
+        **metrics,
+        "time/wall": now_s - ctx.clock_start_s,
+    }
+    ctx.last_step_end_s = now_s
+    warn_on_search_errors(ctx, step, metrics)
+    ctx.logger.log(step, metrics)
+    if step != ctx.start_step + 1:
+        return
+    mark_first_step(ctx, "done")
+    ctx.is_first_step_done = True
+    if ctx.started_s is not None:
+        ctx.first_step_s = ctx.last_step_end_s - ctx.started_s
+        log.info("time to first step: %.1f s (process start to the end of step %d)", ctx.first_step_s, step)
+    report_startup(ctx)
+
+
+def mark_first_step(ctx: RunContext, phase: str) -> None:
+    """A phase of the run's first step on the start-up timeline (later steps mark nothing)."""
+    if not ctx.is_first_step_done:
+        from tandemrl.host.startup import mark
+
+        mark(f"step {ctx.start_step + 1} {phase}")
+
+
+def report_startup(ctx: RunContext) -> None:
+    """Print the start-up timeline and write startup.json (`tandem train` runs; host/startup.py)."""
+    from tandemrl.host.startup import log_path, report
+
+    path = log_path()
+    if ctx.startup_origin is None or path is None:
+        return
+    origin_epoch, origin = ctx.startup_origin
+    extra = {"time_to_first_step_s": None if math.isnan(ctx.first_step_s) else ctx.first_step_s}
+    report(path, ctx.output_dir, origin_epoch, origin, extra)

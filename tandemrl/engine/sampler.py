@@ -26,10 +26,11 @@ def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Ten
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def _truncated_sample(
-    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor, generator: torch.Generator | None
+def _kept(
+    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
+    """Probs restricted to top-k / top-p and renormalised, over candidates sorted by probability; returns
+    (kept probs, their token ids)."""
     vocab = probs_BV.shape[-1]
     k_limits = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, vocab))
     num = min(vocab, max(_CANDIDATES, int(k_limits.max())))
@@ -43,7 +44,14 @@ def _truncated_sample(
     rank = torch.arange(num, device=probs_BV.device)[None, :]
     keep = (rank < k_limits[:, None]) & (mass_before <= top_ps[:, None])
     kept = torch.where(keep, vals, torch.zeros_like(vals))
-    kept = kept / kept.sum(-1, keepdim=True)
+    return kept / kept.sum(-1, keepdim=True), idx
+
+
+def _truncated_sample(
+    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
+    kept, idx = _kept(probs_BV, top_ps, top_ks)
     choice = draw(kept, generator)[:, None]  # [B, 1] index into candidates
     token_ids = idx.gather(-1, choice).squeeze(-1)
     logprobs = kept.gather(-1, choice).squeeze(-1).log()
@@ -61,14 +69,8 @@ def target_probs(
     truncated = (temperatures != 0) & ((top_ps < 1) | (top_ks > 0))
     if bool(truncated.any()):
         rows = truncated.nonzero().squeeze(-1)
-        vals, idx = probs[rows].sort(dim=-1, descending=True)
-        vocab = probs.shape[-1]
-        k_limits = torch.where(top_ks[rows] > 0, top_ks[rows], torch.full_like(top_ks[rows], vocab))
-        mass_before = torch.cumsum(vals, dim=-1) - vals
-        rank = torch.arange(vocab, device=probs.device)[None, :]
-        keep = (rank < k_limits[:, None]) & (mass_before <= top_ps[rows, None])
-        kept = torch.where(keep, vals, torch.zeros_like(vals))
-        probs[rows] = torch.zeros_like(kept).scatter(-1, idx, kept / kept.sum(-1, keepdim=True))
+        kept, idx = _kept(probs[rows], top_ps[rows], top_ks[rows])
+        probs[rows] = torch.zeros_like(probs[rows]).scatter(-1, idx, kept)
     return probs
 
 

@@ -185,6 +185,28 @@ def test_verify_keeps_the_target_distribution_of_two_tokens(top_p, top_k):
     assert chi2_contingency(table.numpy()).pvalue > SIGNIFICANCE
 
 
+def test_engine_samples_at_t1_have_the_distribution_without_speculation(untied_llama_dir):
+    """Many requests of one prompt at T = 1 (top_k = 2, so the three first tokens have 8 outcomes and the
+    model's favoured draft is often in them), with and without speculation, different seeds: the counts
+    of (t1, t2, t3) -- t2 a verified draft token or a correction, t3 a bonus or a plain sample -- compared
+    by chi-square at SIGNIFICANCE."""
+    prompt = model_copying_prompts(untied_llama_dir, 1, seed=71)["r0"]
+    params = SamplingParams(max_new_tokens=3, temperature=1.0, top_k=2, ignore_eos=True)
+    work = {f"s{i}": (prompt, params) for i in range(500)}
+    counts = []
+    for speculative, seed in (("ngram", 1), ("none", 2)):
+        engine = make_engine(untied_llama_dir, speculative, max_running_requests=256, seed=seed)
+        done = serve(engine, work)
+        outcomes = [tuple(s.output_ids) for s in done.values()]
+        counts.append({o: outcomes.count(o) for o in set(outcomes)})
+        if speculative == "ngram":
+            assert 0 < engine.num_spec_accepted_tokens < engine.num_spec_draft_tokens
+    cells = sorted(set(counts[0]) | set(counts[1]))
+    assert len(cells) > 2
+    table = [[c.get(cell, 0) for cell in cells] for c in counts]
+    assert chi2_contingency(table).pvalue > SIGNIFICANCE
+
+
 def _sample(logits: torch.Tensor, params: SamplingParams, gen) -> tuple[torch.Tensor, torch.Tensor]:
     num = logits.shape[0]
     return sample(

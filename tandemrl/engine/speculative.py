@@ -84,6 +84,7 @@ def verify(
     top_ks = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
     probs_RV = target_probs(logits_RV, temps, top_ps, top_ks)
     greedy_R = temps == 0
+    argmax_R = torch.log_softmax(logits_RV.float(), -1).argmax(-1)  # what `sample` picks for a greedy row
     # row r's draft token is the one that follows its input; a sequence's last row has none (-1)
     nexts = [t for s in seqs for t in [*s.draft_ids, -1]]
     next_R = torch.tensor(nexts, dtype=torch.long, device=device)
@@ -91,7 +92,7 @@ def verify(
     safe_next = torch.where(has_next, next_R, torch.zeros_like(next_R))
     p_next = probs_RV.gather(-1, safe_next[:, None]).squeeze(-1)
     uniform = torch.rand(len(params), generator=generator, device=device)
-    accepted = has_next & torch.where(greedy_R, probs_RV.argmax(-1) == next_R, uniform < p_next)
+    accepted = has_next & torch.where(greedy_R, argmax_R == next_R, uniform < p_next)
     accepted_list = accepted.tolist()
     # per sequence: its first row that is not accepted (a rejection, or the last row: the bonus)
     final_rows, start = [], 0
@@ -105,7 +106,10 @@ def verify(
     residual = probs_RV[final_R]
     rejected = has_next[final_R]  # a final row with a draft token rejected it: draw without it
     residual[rejected, safe_next[final_R][rejected]] = 0
-    final_tokens = torch.where(greedy_R[final_R], probs_RV[final_R].argmax(-1), draw(residual, generator))
+    # a rejected token held all the mass but for rounding (p(x) just below 1, the rest underflowed to 0):
+    # nothing is left to draw from, so the token stands
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, probs_RV[final_R])
+    final_tokens = torch.where(greedy_R[final_R], argmax_R[final_R], draw(residual, generator))
     emitted, rows, start = [], [], 0
     for count, row, token in zip(counts, final_rows, final_tokens.tolist(), strict=True):
         emitted.append(nexts[start:row] + [token])  # the accepted draft tokens, then the final one

@@ -90,8 +90,9 @@ class Scheduler:
         return batch, is_prefill
 
     def _add_drafts(self, batch: list[Sequence]) -> None:
-        """Give each request of a decode batch a draft to verify, with blocks for it where the pool has them.
-        After the batch is made: a draft never retracts a request (retraction is as without speculation).
+        """Give each request of a decode batch a draft to verify, with blocks for it where the pool has them
+        free. After the batch is made: a draft never retracts a request (retraction is as without
+        speculation).
         A draft is cut so every token the step may emit fits `max_new_tokens` and the context."""
         block_size = self.blocks.block_size
         for seq in batch:
@@ -103,7 +104,8 @@ class Scheduler:
             if not draft:
                 continue
             num_tokens = seq.num_tokens + len(draft)
-            if self.blocks.can_allocate(seq.block_table, num_tokens):
+            # free blocks only: a draft evicts no cached prefix block (the block manager would, for it)
+            if self.blocks.blocks_needed(num_tokens) - len(seq.block_table) <= len(self.blocks.free_blocks):
                 self.blocks.allocate(seq.block_table, num_tokens)
             else:  # only what the blocks held already
                 draft = draft[: len(seq.block_table) * block_size - seq.num_tokens]

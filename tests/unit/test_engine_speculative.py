@@ -96,6 +96,29 @@ def test_draft_is_what_followed_the_latest_longest_match():
     assert drafter.propose(Sequence("s", [1, 2, 3], greedy(), max_total_len=100), 5) == []
 
 
+@pytest.mark.parametrize("num_blocks, want_draft", [(4, [3, 1, 2]), (3, [])])
+def test_drafts_take_free_blocks_only(num_blocks, want_draft):
+    """A draft that needs a new block gets it from the free blocks, never by evicting a cached prefix
+    block; without one it is cut to the slots the request holds (none here)."""
+    from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
+
+    blocks = PrefixCachingBlockManager(num_blocks, block_size=4)
+    scheduler = PrefixCachingScheduler(blocks, 4, 64, drafter=NgramDrafter(4, 1, 3))
+    old = Sequence("old", [9, 9, 9, 9, 8], greedy(), max_total_len=64)
+    blocks.allocate(old.block_table, 5)
+    old.num_cached_tokens = 5
+    blocks.register(old)  # its first block is cached, and stays so once it is released
+    blocks.free(old.block_table)
+    seq = Sequence("s", [1, 2, 3, 1, 2, 3, 1], greedy(), max_total_len=64)
+    scheduler.add(seq)
+    assert scheduler.schedule_step() == ([seq], True)
+    seq.num_cached_tokens = 7  # what the prefill step's runner would do, then its sampled token
+    seq.append(2, 0.0, 0)
+    assert scheduler.schedule_step() == ([seq], False)
+    assert seq.draft_ids == want_draft
+    assert blocks.num_cached_blocks == 1 and len(seq.block_table) == 2 + (len(want_draft) > 0)
+
+
 # ---- greedy identity ------------------------------------------------------------------------------
 
 

@@ -52,6 +52,7 @@ bench-vllm: install-vllm
 
 # the default suite: every test not marked slow or vllm (pyproject's addopts); tests/gpu skip without CUDA
 test: install
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q -ra
 
 # the same suite in a random order; pytest-randomly prints the seed: replay an order with
@@ -71,6 +72,7 @@ test-gpu: install
 lint: install
 	$(VENV)/bin/ruff check tandemrl tests benchmarks
 	$(VENV)/bin/ruff format --check tandemrl tests benchmarks
+	$(VENV)/bin/lint-imports --no-cache
 
 format: install
 	$(VENV)/bin/ruff format tandemrl tests benchmarks

@@ -12,9 +12,9 @@ import importlib
 import logging
 import sys
 
+from tandemrl.config.engine import add_engine_flags
 from tandemrl.config.schema import ConfigError
-from tandemrl.data.files import InputFileError
-from tandemrl.engine.config import add_engine_flags
+from tandemrl.host.files import InputFileError
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +56,7 @@ def _add_servers(sub) -> None:
     serve_engine.add_argument("--max-running-requests", type=int, default=64)
     serve_engine.add_argument("--max-context-len", type=int, default=4096)
     serve_engine.add_argument("--seed", type=int, default=0)
-    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/engine/config.py)
+    add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/config/engine.py)
     serve_engine.add_argument(
         "--api-key",
         default=None,
@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also run every check `tandem train` makes before it starts a service: the data files read "
         "whole, the retrieval index, the model directory, placeholder paths",
     )
-    show.set_defaults(handler="tandemrl.config.show:run_show")
+    show.set_defaults(handler="tandemrl.commands.show:run_show")
 
     train = sub.add_parser("train", help="RL training (sync or async runner)")
     _add_config_args(train)
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="print the placement plan (each process with its node and GPUs), the derived limits and the "
         "weight-sync route, then exit without starting anything",
     )
-    train.set_defaults(handler="tandemrl.runner.launch:run_train")
+    train.set_defaults(handler="tandemrl.commands.train:run_train")
 
     demo = sub.add_parser("demo", help="prepare the embedded defaults and run a short async training on them")
     demo.add_argument(
@@ -116,18 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
         "always redoes it, never trains the base SmolLM2 (whose reward is all zeros)",
     )
     demo.add_argument("overrides", nargs="*")
-    demo.set_defaults(handler="tandemrl.runner.demo:run_demo")
+    demo.set_defaults(handler="tandemrl.commands.demo:run_demo")
 
     sft = sub.add_parser("sft", help="supervised cold start on knowledge-base demonstrations")
     _add_config_args(sft)
-    sft.set_defaults(handler="tandemrl.trainer.sft:run_sft")
+    sft.set_defaults(handler="tandemrl.commands.sft:run_sft")
 
     evaluate = sub.add_parser("eval", help="greedy evaluation: EM per data source")
     _add_config_args(evaluate)
     evaluate.add_argument("--split", default="test", choices=["train", "val", "test"])
     evaluate.add_argument("--limit", type=int, default=None)
     evaluate.add_argument("--out", default=None, help="jsonl of trajectories (default: next to the run)")
-    evaluate.set_defaults(handler="tandemrl.agent.evaluate:run_eval")
+    evaluate.set_defaults(handler="tandemrl.commands.evaluate:run_eval")
 
     export = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face directory")
     export.add_argument("checkpoint")
@@ -151,12 +151,12 @@ def build_parser() -> argparse.ArgumentParser:
         ("all", "model, retriever, knowledge base and index"),
     ):
         p = prepare.add_parser(what, help=helptext)
-        p.set_defaults(handler=f"tandemrl.data.prepare:run_prepare_{what}")
+        p.set_defaults(handler=f"tandemrl.commands.prepare:run_prepare_{what}")
     kb = prepare.add_parser("kb", help="generate a knowledge base with questions")
     kb.add_argument("--seed", type=int, default=0)
     kb.add_argument("--num-entities", type=int, default=5000)
     kb.add_argument("--out", required=True)
-    kb.set_defaults(handler="tandemrl.data.prepare:run_prepare_kb")
+    kb.set_defaults(handler="tandemrl.commands.prepare:run_prepare_kb")
 
     index = sub.add_parser("index", help="retrieval index").add_subparsers(dest="action", required=True)
     build = index.add_parser("build", help="encode a corpus into Qdrant")
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     except InputFileError as error:  # a data or log file the user named: the message names file and line
         print(f"tandem {args.command}: {error}", file=sys.stderr)
         return 2
-    # `tandem train` reports its own (runner/launch.py); the others have unwound their services
+    # `tandem train` reports its own (commands/train.py); the others have unwound their services
     except KeyboardInterrupt:
         from tandemrl.runner import exit_guard
 

@@ -45,7 +45,7 @@ else:
     OUTER_TANDEM_HOME = None
     EMPTY_HOME = Path(os.environ[SESSION_HOME_ENV])
 
-from tandemrl.cluster.child_server import free_port  # noqa: E402,F401  (tests import it from here)
+from tandemrl.host.child_server import free_port  # noqa: E402,F401  (tests import it from here)
 from tests.home_guard import contents, guarded_homes, snapshot, tree_changes  # noqa: E402
 
 _GUARD: dict[Path, dict] = {}  # guarded home -> its snapshot at the session start
@@ -125,8 +125,8 @@ def prepared_home_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_dir(prepared_home_dir) -> Path:
     """The real SmolLM2-135M-Instruct HF directory, prepared once from its wheel into the prepared home."""
-    from tandemrl.data.home import default_model_dir, tandem_home
     from tandemrl.data.prepare_model import prepare_model
+    from tandemrl.host.home import default_model_dir, tandem_home
 
     return prepare_model(prepared_home_dir / default_model_dir().relative_to(tandem_home()))
 
@@ -136,8 +136,8 @@ def minilm_dir(prepared_home_dir) -> Path:
     """The MiniLM sentence-transformers directory (the "minilm" encoder), copied once into the prepared
     home. Session- and module-scoped fixtures pass it as the encoder (`encoder=str(minilm_dir)`), since
     they cannot point TANDEM_HOME at the prepared home for just their own tests."""
-    from tandemrl.data.home import default_retriever_dir, tandem_home
     from tandemrl.data.prepare_model import prepare_retriever
+    from tandemrl.host.home import default_retriever_dir, tandem_home
 
     return prepare_retriever(prepared_home_dir / default_retriever_dir().relative_to(tandem_home()))
 

@@ -25,8 +25,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from tandemrl.commands.demo import demo_config_path  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
-from tandemrl.runner.demo import demo_config_path  # noqa: E402
 from tandemrl.trainer.actor import Actor  # noqa: E402
 from tandemrl.trainer.sft import read_rendered  # noqa: E402
 

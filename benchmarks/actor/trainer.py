@@ -207,7 +207,7 @@ async def measure_sync(actor, engine_url: str, backend: str, bucket_mb: int, rep
 
 
 def run_sync(actor, engine_model, args, device: torch.device) -> dict:
-    from tandemrl.engine.config import EngineOptions
+    from tandemrl.config.engine import EngineOptions
     from tandemrl.rollout.engine_process import EngineProcess
 
     backend = "cuda_ipc" if device.type == "cuda" else "gloo"

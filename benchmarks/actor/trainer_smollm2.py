@@ -123,7 +123,7 @@ def make_rl_samples(num: int, min_len: int, max_len: int, vocab: int, seed: int)
 
 def model_dir_for(args, tmp: Path) -> tuple[Path, str]:
     """The prepared SmolLM2 (full run) or a random model of its (or the tiny) shape saved to `tmp`."""
-    from tandemrl.data.home import default_model_dir
+    from tandemrl.host.home import default_model_dir
 
     prepared = default_model_dir()
     if not args.tiny and (prepared / "config.json").is_file():

@@ -43,7 +43,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, decode_metadata, rope_store
+    from tandemrl.engine.attention_tiles import DECODE_CANDIDATES
+    from tandemrl.engine.triton_attention import decode_metadata, rope_store
 
     device, block_size, heads, kv_heads, dim = torch.device("cuda"), 16, 12, 2, 128
     max_ctx = max(args.contexts)

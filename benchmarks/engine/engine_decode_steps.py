@@ -166,7 +166,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.tiny:
         from benchmarks.engine.model_shapes import make_tiny_model_dir
-        from tandemrl.data.home import tandem_home
+        from tandemrl.host.home import tandem_home
 
         model_dir = make_tiny_model_dir(
             Path("/tmp/tandem_decode_steps_tiny"), tandem_home() / "models" / "SmolLM2-135M-Instruct"

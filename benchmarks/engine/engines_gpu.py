@@ -110,7 +110,7 @@ def start_server(backend: str, model_dir: Path, overrides: list[str], max_runnin
     """The server `tandem train` would start (build_server of its ServerSpec); returns (server, key, s)."""
     from tandemrl.cluster.server_supervisor import ServerSpec, build_server
     from tandemrl.config.loader import load_config
-    from tandemrl.engine.http_guard import new_api_key
+    from tandemrl.host.http_guard import new_api_key
 
     config = load_config(
         None,
@@ -218,7 +218,7 @@ def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
 
 
 def default_smollm2() -> Path:
-    from tandemrl.data.home import default_model_dir
+    from tandemrl.host.home import default_model_dir
 
     base = Path(default_model_dir())
     coldstart = base.with_name(base.name + "-coldstart")

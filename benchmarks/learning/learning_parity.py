@@ -2,7 +2,8 @@
 
     python -m benchmarks.learning.learning_parity [--prepare] [--steps 60] [--seeds 1 2 3] [--concurrency 3]
         [--variants sync async async_tis] [--check-steps 10 | --no-check] [--deadline-s S]
-        [--sync-config C] [--async-config C] [--runs-dir DIR] [--out JSON] [key=value ...]
+        [--sync-config C] [--async-config C] [--runs-dir DIR] [--out JSON]
+        [--realtext DIR [--realtext-split test] [--realtext-limit 200]] [key=value ...]
     python -m benchmarks.learning.learning_parity --summarize --runs-dir DIR [--out JSON]
 
 A seed sets `data.seed` (the prompt order) and `runner.seed` (the engines' sampling seed: engine i
@@ -18,6 +19,13 @@ daemon). Timings of concurrent runs are not comparable: this measures learning o
 The staleness-0 check: an async run with `rollout_buffer.max_head_offpolicyness=0` (no overlap, the
 sync schedule) for `--check-steps`, seeded as the first seed; its mean reward and searches per
 trajectory over those steps must lie inside the range of the sync seeds' means over the same steps.
+
+Held-out real text (`--realtext DIR`, the directory `python -m benchmarks.retrieval.realtext_data --out DIR`
+writes: FanOutQA questions over Wikipedia summaries, text no run trained or validated on): once every
+run is done, each seed's final policy (its last checkpoint, exported with `tandem export`) answers the
+split's questions through `tandem eval`, over an index of that corpus built once under the runs
+directory (`tandem index build`); the EM lands in `<run>/realtext_eval/val_summary.json` and in the
+JSON as `realtext_em` per seed, with mean and sd per mode. The check run is not evaluated.
 
 A run whose metrics.jsonl reaches its last step is not run again, so the same command can be repeated
 until every run is done: `--deadline-s` stops the runs still going in time, and the next invocation
@@ -124,8 +132,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", default=None, help="default: benchmarks/results/learning/learning_parity_<gpu>.json"
     )
+    parser.add_argument(
+        "--realtext",
+        default=None,
+        help="a directory of benchmarks.retrieval.realtext_data: evaluate every final policy on it",
+    )
+    parser.add_argument("--realtext-split", choices=["dev", "test"], default="test")
+    parser.add_argument("--realtext-limit", type=int, default=200, help="questions per evaluation")
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     args = parser.parse_args(argv)
+    if args.realtext is not None:
+        missing = [
+            n
+            for n in ("corpus.jsonl", f"{args.realtext_split}.jsonl")
+            if not (Path(args.realtext) / n).is_file()
+        ]
+        if missing:
+            parser.error(
+                f"--realtext {args.realtext}: no {', '.join(missing)} there; build it with "
+                "`python -m benchmarks.retrieval.realtext_data --out DIR`"
+            )
+    if args.realtext_limit < 1:
+        parser.error("--realtext-limit must be >= 1")
     if args.concurrency < 1 or args.steps < 1 or args.check_steps < 1:
         parser.error("--concurrency, --steps and --check-steps must be >= 1")
     return args
@@ -221,7 +249,7 @@ def private_index(index_dir: Path, runs_dir: Path) -> Path:
 def start_retrieval(config_path: str, overrides: list[str], runs_dir: Path):
     """One retrieval server over (a copy of) the configs' index for every run (`retrieval.launch=false`)."""
     from tandemrl.config.loader import load_config
-    from tandemrl.data.home import default_index_dir
+    from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.server_process import RetrievalServerProcess
 
     retrieval = load_config(config_path, overrides).retrieval
@@ -295,7 +323,8 @@ def run_all(specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shar
             (run_dir / "run.json").write_text(json.dumps(record) + "\n")
             print(f"{spec.variant}/seed{spec.seed}: exit {proc.returncode} after {record['wall_s']:.0f} s")
             is_done = is_complete(run_dir, spec.steps)
-            prune_checkpoints(run_dir, keep_latest=not is_done or args.keep_checkpoints)
+            keep = not is_done or args.keep_checkpoints or needs_realtext_eval(spec, run_dir, args)
+            prune_checkpoints(run_dir, keep_latest=keep)
         if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
             for spec, proc, _ in running:
                 print(
@@ -310,6 +339,85 @@ def run_all(specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shar
     return [f"{s.variant}/seed{s.seed}" for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
 
 
+REALTEXT_EVAL = "realtext_eval"  # under a run's directory: trajectories.jsonl and val_summary.json
+
+
+def needs_realtext_eval(spec: RunSpec, run_dir: Path, args: argparse.Namespace) -> bool:
+    """A training run (not the check) whose final policy has no real-text summary yet."""
+    return (
+        args.realtext is not None
+        and spec.variant != CHECK
+        and not (run_dir / REALTEXT_EVAL / "val_summary.json").is_file()
+    )
+
+
+def realtext_inputs(args: argparse.Namespace, runs_dir: Path) -> tuple[Path, Path, Path]:
+    """(questions, corpus, index): the split's questions under a name that becomes their data source
+    (`realtext_<split>`), and the corpus's index, built once with `tandem index build`."""
+    source = Path(args.realtext).resolve()
+    questions = runs_dir / f"realtext_{args.realtext_split}.jsonl"
+    if not questions.is_file():
+        shutil.copyfile(source / f"{args.realtext_split}.jsonl", questions)
+    index = runs_dir / "realtext_index"
+    if not (index / "index.json").is_file():
+        shutil.rmtree(index, ignore_errors=True)
+        command = [sys.executable, "-m", "tandemrl.cli", "index", "build",
+                   "--corpus", str(source / "corpus.jsonl"), "--index", str(index)]  # fmt: skip
+        print("$", " ".join(command), flush=True)
+        subprocess.run(command, check=True, cwd=ROOT)
+    return questions, source / "corpus.jsonl", index
+
+
+def realtext_commands(
+    spec: RunSpec, run_dir: Path, inputs: tuple[Path, Path, Path], limit: int, shared: list[str]
+) -> list[list[str]]:
+    """`tandem export` of the run's final checkpoint, then `tandem eval` of that policy on the real-text
+    questions (its own retrieval server over the real-text index; the runs' shared one serves the KB)."""
+    from tandemrl.trainer.checkpoint import latest_checkpoint
+
+    checkpoint = latest_checkpoint(run_dir)
+    if checkpoint is None or checkpoint.name != f"global_step_{spec.steps}":
+        raise RuntimeError(
+            f"{run_dir}: no checkpoint of step {spec.steps} to evaluate (found {checkpoint}); the last step "
+            "always saves one: was it pruned? Run it again, or leave --realtext out"
+        )
+    questions, corpus, index = inputs
+    final = run_dir / "final_hf"
+    tandem = [sys.executable, "-m", "tandemrl.cli"]
+    kept = [o for o in shared if not o.startswith(("retrieval.", "tools.search.server_addr"))]
+    return [
+        [*tandem, "export", str(checkpoint), "--out", str(final)],
+        [*tandem, "eval", spec.config, "--split", "val", "--limit", str(limit),
+         "--out", str(run_dir / REALTEXT_EVAL / "trajectories.jsonl"),
+         f"rollout.model.model_path={final}", f"actor.model.model_path={final}",
+         f"data.val_data_paths=[{questions}]", f"retrieval.index_dir={index}", f"retrieval.corpus_path={corpus}",
+         "retrieval.launch=true", f"runner.output_dir={run_dir / REALTEXT_EVAL}",
+         *[f"{key}={spec.seed}" for key in SEED_KEYS], *spec.overrides, *kept],
+    ]  # fmt: skip
+
+
+def evaluate_realtext(
+    specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shared: list[str]
+) -> None:
+    """Every finished training run's final policy on the held-out real text, one at a time (each eval
+    opens the real-text index, which one process may hold)."""
+    todo = [s for s in specs if is_complete(s.run_dir(runs_dir), s.steps)]
+    todo = [s for s in todo if needs_realtext_eval(s, s.run_dir(runs_dir), args)]
+    if not todo:
+        return
+    inputs = realtext_inputs(args, runs_dir)
+    for spec in todo:
+        run_dir = spec.run_dir(runs_dir)
+        log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
+        for command in realtext_commands(spec, run_dir, inputs, args.realtext_limit, shared):
+            print("$", " ".join(command), flush=True)
+            subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
+        prune_checkpoints(run_dir, keep_latest=args.keep_checkpoints)
+        summary = json.loads((run_dir / REALTEXT_EVAL / "val_summary.json").read_text())["summary"]
+        print(f"{spec.variant}/seed{spec.seed}: real-text EM {summary['overall']['em']:.3f}", flush=True)
+
+
 def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
     """What to bring back from the GPU machine besides the JSON: each run's metrics.jsonl, config.yaml,
     run.json and startup.json, the last lines of its log, and `extra_files` (the plots)."""
@@ -319,7 +427,13 @@ def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: 
     with tarfile.open(path, "w:gz") as tar:
         for spec in specs:
             run_dir, name = spec.run_dir(runs_dir), f"{spec.variant}/seed{spec.seed}"
-            for file in ("metrics.jsonl", "config.yaml", "run.json", "startup.json"):
+            for file in (
+                "metrics.jsonl",
+                "config.yaml",
+                "run.json",
+                "startup.json",
+                f"{REALTEXT_EVAL}/val_summary.json",
+            ):
                 if (run_dir / file).is_file():
                     tar.add(run_dir / file, arcname=f"{name}/{file}")
             log = run_dir.parent / f"seed{spec.seed}.log"
@@ -355,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             left = run_all(specs, args, runs_dir, [*search, *shared])
         finally:
             server.stop()
+        if args.realtext is not None and not left:
+            evaluate_realtext(specs, args, runs_dir, shared)
     out = Path(args.out) if args.out else default_out(gpu)
     setup = {
         "gpu": gpu,
@@ -367,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
         "variant_overrides": {name: extra for name, (_, extra) in VARIANTS.items()}
         | {CHECK: CHECK_OVERRIDES},
         "command": " ".join(sys.argv),
+        "realtext": None
+        if args.realtext is None
+        else {"dir": args.realtext, "split": args.realtext_split, "limit": args.realtext_limit},
     }
     result = summarize(specs, runs_dir, setup)
     out.parent.mkdir(parents=True, exist_ok=True)

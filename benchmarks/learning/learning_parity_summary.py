@@ -22,7 +22,8 @@ OVERALL = {
     "rollout/reward/": "mean",
 }
 DIAGNOSTICS = ("search_advantage", "equal_reward_groups", "handoff_mix", "issued_mix")
-KEY_FIGURES = ("val_em_start", "val_em_end", "kb_2hop_start", "kb_2hop_end")
+KEY_FIGURES = ("val_em_start", "val_em_end", "kb_2hop_start", "kb_2hop_end", "ratio_abs_range", "realtext_em")
+REALTEXT_SUMMARY = "realtext_eval/val_summary.json"  # learning_parity.py's evaluation of the final policy
 MIN_VAL_EM_RISE = 0.15
 MAX_FINAL_VAL_EM_GAP = 0.05
 
@@ -53,6 +54,15 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def read_realtext(run_dir: Path) -> dict[str, float | None]:
+    """The final policy's real-text EM and searches (None where it was not evaluated)."""
+    path = run_dir / REALTEXT_SUMMARY
+    if not path.is_file():
+        return {"realtext_em": None, "realtext_searches": None}
+    overall = json.loads(path.read_text())["summary"]["overall"]
+    return {"realtext_em": overall["em"], "realtext_searches": overall["searches"]}
+
+
 def summarize_run(rows: list[dict], steps: int, check_steps: int) -> dict[str, Any]:
     """One run: its curves and figures (`figures`: the numbers the means, the check and the plots use)."""
     trained = [row for row in rows if row["step"] >= 1 and "time/step" in row]
@@ -77,6 +87,11 @@ def summarize_run(rows: list[dict], steps: int, check_steps: int) -> dict[str, A
         figures[f"num_searches_{name}_start"] = _mean(values[:WINDOW])
         figures[f"num_searches_{name}_end"] = _mean(values[-WINDOW:])
     figures["mean_staleness"] = _mean([row["rollout/data_staleness/mean"] for row in trained])
+    # the rollout-training gap the seed compares: |pi/pi_old - 1| per step, its spread over the run
+    ratios = [row["train/actor/ratio_abs"] for row in trained if "train/actor/ratio_abs" in row]
+    figures["ratio_abs_mean"] = _mean(ratios)
+    figures["ratio_abs_max"] = max(ratios) if ratios else None
+    figures["ratio_abs_range"] = max(ratios) - min(ratios) if ratios else None
     first = [row for row in trained if row["step"] <= check_steps]
     figures["first_steps_reward"] = _mean([row["rollout/reward/mean"] for row in first])
     figures["first_steps_num_searches"] = _mean([row["rollout/num_searches/mean"] for row in first])
@@ -139,6 +154,12 @@ def acceptance(result: dict[str, Any]) -> dict[str, Any]:
     ends = [result.get(v, {}).get("mean", {}).get("val_em_end") for v in ("sync", "async")]
     gap = None if None in ends else abs(ends[1] - ends[0])
     out["final_val_em_gap"] = {"value": gap, "passes": None if gap is None else gap <= MAX_FINAL_VAL_EM_GAP}
+    texts = [result.get(v, {}).get("mean", {}).get("realtext_em") for v in ("sync", "async")]
+    text_gap = None if None in texts else abs(texts[1] - texts[0])
+    out["final_realtext_em_gap"] = {
+        "value": text_gap,
+        "passes": None if text_gap is None else text_gap <= MAX_FINAL_VAL_EM_GAP,
+    }
     out["staleness0_check"] = result.get("staleness0_check", {}).get("passes")
     return out
 
@@ -151,6 +172,7 @@ def summarize(specs: list, runs_dir: Path, setup: dict[str, Any]) -> dict[str, A
     for spec in specs:
         run_dir = spec.run_dir(runs_dir)
         run = summarize_run(read_rows(run_dir), spec.steps, check_steps)
+        run["figures"].update(read_realtext(run_dir))
         by_variant.setdefault(spec.variant, {})[str(spec.seed)] = {"run_dir": str(run_dir), **run}
     check = by_variant.pop("staleness0", None)
     for variant, runs in by_variant.items():

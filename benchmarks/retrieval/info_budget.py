@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--budgets {args.budgets!r}: each budget must be >= 16 tokens.")
     from transformers import AutoTokenizer
 
-    from tandemrl.data.home import default_index_dir, default_kb_dir, default_model_dir
+    from tandemrl.host.home import default_index_dir, default_kb_dir, default_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or default_model_dir())
     results = {

@@ -171,7 +171,7 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, list[Path
     """(corpus, question files, name) from --corpus/--questions or --kb."""
     if args.corpus:
         return Path(args.corpus), [Path(q) for q in args.questions], Path(args.corpus).parent.name
-    from tandemrl.data.home import default_kb_dir
+    from tandemrl.host.home import default_kb_dir
 
     if args.kb == "generate":
         from tandemrl.data.kb import generate_kb

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     sets: dict[str, tuple[Path, Path]] = {}
     with tempfile.TemporaryDirectory(prefix="tandem-fusion-") as tmp:
         if args.kb:
-            from tandemrl.data.home import default_kb_dir
+            from tandemrl.host.home import default_kb_dir
 
             kb_dir = default_kb_dir() if args.kb == "default" else Path(args.kb)
             sets["kb"] = (Path(args.kb_index), kb_question_files(kb_dir, Path(tmp))[0])  # kb_dev.jsonl

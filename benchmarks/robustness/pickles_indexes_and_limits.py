@@ -473,8 +473,8 @@ def _join(url: str, group_name: str, auth: dict) -> None:
     """Form a gloo group with the engine (this process is rank 0, as a trainer is)."""
     import threading
 
-    from tandemrl.cluster.child_server import free_port
     from tandemrl.engine.weight_transport import new_process_group
+    from tandemrl.host.child_server import free_port
 
     port, groups = free_port(), []
     thread = threading.Thread(
@@ -488,7 +488,7 @@ def _join(url: str, group_name: str, auth: dict) -> None:
 
 
 def _serve_engine_cases(model_dir: Path) -> None:
-    from tandemrl.cluster.child_server import free_port
+    from tandemrl.host.child_server import free_port
 
     name = "serve-engine on 0.0.0.0 without a key"
     flags = ["--model", str(model_dir), "--device", "cpu"]
@@ -508,7 +508,7 @@ def _serve_engine_cases(model_dir: Path) -> None:
 
 
 def retrieval_probe(tmp: Path) -> None:
-    from tandemrl.cluster.child_server import free_port
+    from tandemrl.host.child_server import free_port
     from tandemrl.retrieval.server_process import RetrievalServerProcess
 
     index = tmp / "where-the-index-lives" / "index"

@@ -107,8 +107,8 @@ async def engine_probe(model_dir):
     kwargs = {"api_key": KEY} if "api_key" in inspect.signature(EngineProcess).parameters else {}
     with EngineProcess(model_dir, max_context_len=256, **kwargs) as proc:
         auth = {"Authorization": f"Bearer {KEY}"}
-        from tandemrl.cluster.child_server import free_port
         from tandemrl.engine.weight_transport import new_process_group
+        from tandemrl.host.child_server import free_port
 
         port = free_port()
         join = asyncio.to_thread(new_process_group, "127.0.0.1", port, 0, 2, "g", "gloo", 10.0)

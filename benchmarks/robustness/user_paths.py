@@ -353,7 +353,7 @@ def key_probe() -> None:
 
 STUCK = """
 import sys, threading
-from tandemrl.runner import launch
+from tandemrl.commands import train as launch
 
 def fake_train(config, started_s=None):
     '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''

@@ -49,7 +49,7 @@ from tandemrl.agent.tools import AgentEnv
 
 if TYPE_CHECKING:
     from tandemrl.agent.search_tool import SearchTool
-    from tandemrl.config.schema import AgentLoopConfig
+    from tandemrl.config.agent import AgentLoopConfig
     from tandemrl.data.loader import Prompt
     from tandemrl.rollout.client import EngineClient, GenerateResult
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandemrl.config.errors import ConfigError
+from tandemrl.host.messages import one_line
 
 FORMS = '"module.path:callable" or "path/to/file.py:callable"'
 
@@ -78,9 +79,3 @@ def _import(module_name: str, where: str):
                 "path of its file (path/to/file.py:callable)."
             ) from None
         raise
-
-
-def one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__

@@ -16,8 +16,8 @@ import string
 from collections.abc import Callable
 
 from tandemrl.agent.parser import extract_answer
-from tandemrl.agent.plugin import one_line as _one_line
 from tandemrl.config.errors import ConfigError
+from tandemrl.host.messages import one_line as _one_line
 
 # Search-R1's qa_em_format.py weights (the values its comments give: 1, 0.8, 0.3, 0.2, 0.1).
 STRUCTURE_FORMAT_SCORE = 0.2  # a well-formed think/search/information/answer sequence

@@ -15,7 +15,7 @@ import time
 
 import aiohttp
 
-from tandemrl.engine.http_guard import auth_headers
+from tandemrl.host.http_guard import auth_headers
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ Invariants: a tool's block is whole text produced here, cut to its token budget 
 kept, and the loop appends it with loss mask 0 (it is never trained on); a tool that raises, returns
 something that is not text or runs past its timeout answers with an error text in its block (counted
 in the trajectory), never kills the run. `search` is the built-in tool behind the same interface;
-plug-in tools come from `tools.<name>.function` (config/schema.py, CustomToolConfig).
+plug-in tools come from `tools.<name>.function` (config/agent.py, CustomToolConfig).
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from tandemrl.agent.plugin import load_callable, one_line
+from tandemrl.agent.plugin import load_callable
 from tandemrl.agent.prompt import (
     INFO_CLOSE,
     INFO_OPEN,
@@ -32,6 +32,11 @@ from tandemrl.agent.prompt import (
 from tandemrl.agent.reward import RewardFunction, load_reward
 from tandemrl.agent.search_tool import SearchError
 from tandemrl.config.errors import ConfigError
+from tandemrl.host.messages import one_line
+
+if TYPE_CHECKING:
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,7 @@ class SearchCall:
 
     tag = SEARCH_TAG
 
-    def __init__(self, search_tool: Any, max_tokens: int):
+    def __init__(self, search_tool: SearchTool, max_tokens: int):
         self.search_tool, self.max_tokens = search_tool, max_tokens
 
     def min_tokens(self, tokenizer) -> int:
@@ -124,14 +129,14 @@ class AgentEnv:
     stood (the rollout driver, the watchdog, validation): `url`, `health`, `search` and `close` are the
     search tool's."""
 
-    def __init__(self, search_tool: Any, tools: dict[str, Any], reward: RewardFunction):
+    def __init__(self, search_tool: SearchTool, tools: dict[str, Any], reward: RewardFunction):
         assert SEARCH_TAG in tools, "search is always a tool"
         self.search_tool, self.tools, self.reward = search_tool, tools, reward
         self.tags = tuple(tools)
         self.stop_strings = [*STOP_STRINGS, *(f"</{tag}>" for tag in tools if tag != SEARCH_TAG)]
 
     @classmethod
-    def builtin(cls, search_tool: Any, max_info_tokens: int, format_reward: bool = False) -> AgentEnv:
+    def builtin(cls, search_tool: SearchTool, max_info_tokens: int, format_reward: bool = False) -> AgentEnv:
         """Search only, and the built-in reward: what the loop uses when handed a bare search tool."""
         return cls(
             search_tool,
@@ -153,7 +158,7 @@ class AgentEnv:
         await self.search_tool.close()
 
 
-def build_env(config: Any, search_tool: Any) -> AgentEnv:
+def build_env(config: TandemConfig, search_tool: SearchTool) -> AgentEnv:
     """The run's environment: the search tool, the plug-in tools of `tools.<name>` and `reward.function`,
     each loaded and checked (ConfigError in one line naming the key)."""
     tools: dict[str, Any] = {SEARCH_TAG: SearchCall(search_tool, config.agentloop.max_info_tokens)}
@@ -165,7 +170,7 @@ def build_env(config: Any, search_tool: Any) -> AgentEnv:
     return AgentEnv(search_tool, tools, load_reward(config))
 
 
-def check_plugins(config: Any) -> None:
+def check_plugins(config: TandemConfig) -> None:
     """The start-up check of every plug-in (`tandem config show`, `tandem train`, `tandem eval`): the
     reward imports and its dry call returns a finite number; each tool imports and takes one argument."""
     load_reward(config)

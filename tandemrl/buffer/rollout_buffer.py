@@ -50,21 +50,6 @@ class BufferLimits:
     def __post_init__(self):
         assert self.max_buffered_groups >= self.rollout_batch_size, "validated by config.derive"
 
-    @classmethod
-    def from_config(cls, config: Any) -> BufferLimits:
-        """From a derived `TandemConfig` (the derived limits are concrete after `derive_and_validate`)."""
-        buffer = config.rollout_buffer
-        return cls(
-            rollout_batch_size=config.data.rollout_batch_size,
-            max_inflight_groups=buffer.max_inflight_groups,
-            max_buffered_groups=buffer.max_buffered_groups,
-            max_dropped_groups_per_step=buffer.max_dropped_groups_per_step,
-            max_staleness=config.agentloop.max_actor_accept_staleness,
-            reject_equal_reward=config.down_sampling.down_sampling_config.reject_equal_reward,
-            max_head_offpolicyness=buffer.max_head_offpolicyness,
-            handoff_order=buffer.handoff_order,
-        )
-
 
 @dataclass
 class HandOff:

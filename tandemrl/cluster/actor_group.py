@@ -14,11 +14,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.cluster.actor_worker import ActorWorker
 from tandemrl.cluster.mps import sm_percent_env
 from tandemrl.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from tandemrl.cluster.placement import PlacementPlan
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ class ActorGroup:
     """The actor's worker(s) behind an awaitable `call(method, *args)`. Construction only submits the
     workers (they load while the servers boot); `wait_ready()` blocks until every rank is built."""
 
-    def __init__(self, config: Any, plan: Any, nodes: Any = None):
+    def __init__(self, config: TandemConfig, plan: PlacementPlan, nodes: Any = None):
         self.config = config
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
@@ -52,7 +56,7 @@ class ActorGroup:
         import ray.util.scheduling_strategies
 
         from tandemrl.cluster.ray_nodes import NodeMap, init_ray
-        from tandemrl.metrics.startup import log_path
+        from tandemrl.host.startup import log_path
 
         init_ray(config)
         nodes = nodes or NodeMap(config, plan)

@@ -10,7 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -19,8 +22,8 @@ class ActorWorker:
     """`startup_log`: the run's start-up timeline file, given to a worker that is a Ray actor (a process of
     its own, named `actor rank <RANK>` there); an in-process worker marks as its host process."""
 
-    def __init__(self, config: Any, startup_log: str | None = None):
-        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+    def __init__(self, config: TandemConfig, startup_log: str | None = None):
+        from tandemrl.host.startup import adopt, mark, mark_process_started
 
         if startup_log:
             adopt(startup_log, f"actor rank {os.environ.get('RANK', '0')}")

@@ -22,7 +22,10 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +93,7 @@ class MpsDaemon:
         self.binary = None
 
 
-def start_for_run(config: Any) -> MpsDaemon | None:
+def start_for_run(config: TandemConfig) -> MpsDaemon | None:
     """The run's daemon when `cluster.mps` is set (None otherwise); every process started from now on
     inherits its pipe directory through this process's environment (local Ray's workers included)."""
     if not config.cluster.mps:
@@ -101,7 +104,7 @@ def start_for_run(config: Any) -> MpsDaemon | None:
     return daemon
 
 
-def sm_percent_env(config: Any, component: str) -> dict[str, str]:
+def sm_percent_env(config: TandemConfig, component: str) -> dict[str, str]:
     """CUDA_MPS_ACTIVE_THREAD_PERCENTAGE for `component` (actor or rollout) whenever the async runner
     overlaps the two under MPS: its `cluster.mps_sm_percent` cap, else 100 (set explicitly, so that a
     child never inherits the other side's cap); {} when nothing overlaps."""

@@ -13,10 +13,13 @@ rollout only where the placement says so. See docs/DESIGN.md (processes and wher
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandemrl.config.derive import parse_gpu_range
 from tandemrl.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 
 @dataclass
@@ -70,7 +73,7 @@ def format_gpus(gpus: list[int]) -> str:
     return ",".join(parts)
 
 
-def _global_gpus(config: Any, component: str) -> list[int] | None:
+def _global_gpus(config: TandemConfig, component: str) -> list[int] | None:
     placement = config.cluster.component_placement
     for key, spec in placement.items():
         if component in key.split(","):
@@ -78,7 +81,7 @@ def _global_gpus(config: Any, component: str) -> list[int] | None:
     return None
 
 
-def _locate(config: Any, gpus: list[int], key: str) -> list[tuple[int, int]]:
+def _locate(config: TandemConfig, gpus: list[int], key: str) -> list[tuple[int, int]]:
     """Global GPU ids -> (node, local GPU id), checked against num_nodes x num_gpus_per_node."""
     cluster = config.cluster
     per_node = cluster.num_gpus_per_node
@@ -100,7 +103,7 @@ def _locate(config: Any, gpus: list[int], key: str) -> list[tuple[int, int]]:
     return [(gpu // per_node, gpu % per_node) for gpu in gpus]
 
 
-def _actor_ranks(config: Any) -> list[ProcessPlacement]:
+def _actor_ranks(config: TandemConfig) -> list[ProcessPlacement]:
     num_ranks = config.actor.num_ranks
     gpus = _global_gpus(config, "actor")
     if gpus is None:
@@ -115,7 +118,7 @@ def _actor_ranks(config: Any) -> list[ProcessPlacement]:
     return [ProcessPlacement(f"actor rank {r}", node, [gpu]) for r, (node, gpu) in enumerate(located)]
 
 
-def _engines(config: Any) -> list[ProcessPlacement]:
+def _engines(config: TandemConfig) -> list[ProcessPlacement]:
     rollout = config.rollout
     if rollout.server_addrs:
         return []
@@ -143,7 +146,9 @@ def _engines(config: Any) -> list[ProcessPlacement]:
     return engines
 
 
-def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[ProcessPlacement]) -> str:
+def weight_sync_route(
+    config: TandemConfig, actor: list[ProcessPlacement], engines: list[ProcessPlacement]
+) -> str:
     """rollout.weight_sync=auto: gloo when either side is on CPU; CUDA IPC when actor rank 0 and every
     engine share one GPU; otherwise NCCL from actor rank 0 (every backend; disk only when asked for)."""
     if config.rollout.weight_sync != "auto":
@@ -157,7 +162,7 @@ def weight_sync_route(config: Any, actor: list[ProcessPlacement], engines: list[
     return "nccl"
 
 
-def resolve_colocated_policy(config: Any, shares_gpu: bool) -> tuple[str, str]:
+def resolve_colocated_policy(config: TandemConfig, shares_gpu: bool) -> tuple[str, str]:
     """(policy, why) for `cluster.colocated_policy`: auto is time_share exactly when the async runner has
     the actor and an engine on one GPU and nothing asks for overlap (drain, SM caps); the sync runner and
     separate GPUs keep running both sides as they always did (docs/DESIGN.md, Sharing a GPU)."""
@@ -175,7 +180,7 @@ def resolve_colocated_policy(config: Any, shares_gpu: bool) -> tuple[str, str]:
     return "time_share", "auto: the actor and an engine share a GPU; the engines stand down while it trains"
 
 
-def plan_placement(config: Any) -> PlacementPlan:
+def plan_placement(config: TandemConfig) -> PlacementPlan:
     """The plan of a derived config; raises `ConfigError` when the placement does not fit."""
     cluster = config.cluster
     actor, engines = _actor_ranks(config), _engines(config)
@@ -226,7 +231,7 @@ def _check_local_gpus(actor: list[ProcessPlacement], engines: list[ProcessPlacem
         )
 
 
-def describe_plan(config: Any, plan: PlacementPlan) -> list[str]:
+def describe_plan(config: TandemConfig, plan: PlacementPlan) -> list[str]:
     """The dry run's lines: processes with node and GPUs, the derived limits, the weight-sync route."""
     rollout, buffer = config.rollout, config.rollout_buffer
     lines = [f"cluster: {plan.num_nodes} node(s) x {plan.num_gpus_per_node} GPU(s)", "processes:"]

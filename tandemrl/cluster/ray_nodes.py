@@ -18,10 +18,14 @@ import os
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandemrl.cluster.reaper import note_ray_session
 from tandemrl.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from tandemrl.cluster.placement import PlacementPlan
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +37,8 @@ NODE_ID_LABEL = "ray.io/node-id"
 _started_here: list[bool] = []  # whether init_ray connected this process (then shutdown_ray disconnects it)
 
 
-def init_ray(config: Any) -> None:
-    from tandemrl.metrics.startup import mark
+def init_ray(config: TandemConfig) -> None:
+    from tandemrl.host.startup import mark
 
     mark("ray import and init started", once=True)
     import ray
@@ -43,7 +47,7 @@ def init_ray(config: Any) -> None:
         return
     _started_here.append(True)
     # ray.init makes SIGTERM a bare sys.exit in the main thread; give back the handler the caller set
-    # (`tandem train`'s stops the run as Ctrl-C does: exit 130, one line; runner/launch.py)
+    # (`tandem train`'s stops the run as Ctrl-C does: exit 130, one line; commands/train.py)
     caller_sigterm = (
         signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     )
@@ -55,7 +59,7 @@ def init_ray(config: Any) -> None:
     mark("ray initialized")
 
 
-def _connect(config: Any) -> None:
+def _connect(config: TandemConfig) -> None:
     import ray
 
     address = config.cluster.ray_address or ("auto" if config.cluster.num_nodes > 1 else None)
@@ -139,7 +143,7 @@ class NodeInfo:
 
 
 class NodeMap:
-    def __init__(self, config: Any, plan: Any):
+    def __init__(self, config: TandemConfig, plan: PlacementPlan):
         import ray
 
         self.gpu_resource = config.cluster.gpu_resource
@@ -164,7 +168,7 @@ class NodeMap:
         self.nodes.sort(key=lambda info: info.rank)
         self._check(config, plan)
 
-    def _check(self, config: Any, plan: Any) -> None:
+    def _check(self, config: TandemConfig, plan: PlacementPlan) -> None:
         if [info.rank for info in self.nodes] != list(range(config.cluster.num_nodes)):
             raise ConfigError(
                 f"Ray's nodes got ranks {[info.rank for info in self.nodes]}, not 0-{config.cluster.num_nodes - 1}: "

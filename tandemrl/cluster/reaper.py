@@ -27,7 +27,8 @@ import time
 import uuid
 from pathlib import Path
 
-RUN_ID_ENV = "TANDEM_RUN_ID"
+from tandemrl.host.child_server import RUN_ID_ENV
+
 GRACE_S = 3.0
 RAY_SESSION = "ray-session"  # the pipe's one message: "ray-session <dir>\n"
 _SESSION_FLAGS = ("--session-dir=", "--session_dir=", "--log_dir=", "--logs-dir=", "--log-dir=")

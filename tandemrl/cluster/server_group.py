@@ -99,7 +99,7 @@ class ServerGroup:
 
     def wait(self) -> list[str]:
         """Block until every server answers /health (a remote server's launch errors surface here)."""
-        from tandemrl.metrics.startup import mark
+        from tandemrl.host.startup import mark
 
         remote = [h for h in self.handles if h.is_remote]
         if remote:

@@ -16,9 +16,12 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tandemrl.metrics.startup import log_path as startup_log_path
+from tandemrl.host.startup import log_path as startup_log_path
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
@@ -27,13 +30,13 @@ KINDS = ("embedded", "sglang", "vllm", "retrieval")
 class ServerSpec:
     kind: str  # one of KINDS
     index: int  # the rollout instance (0 for the retrieval server)
-    config: Any  # the run's TandemConfig
+    config: TandemConfig  # the run's TandemConfig
     model_path: str | None = None  # engines: the resolved weights directory
     index_dir: str | None = None  # retrieval: the resolved index directory
     port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port
     api_key: str | None = None  # the run's key for this server
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
-    # the run's start-up timeline file (metrics/startup.py), which a supervisor in a Ray actor joins
+    # the run's start-up timeline file (host/startup.py), which a supervisor in a Ray actor joins
     startup_log: str | None = field(default_factory=startup_log_path)
 
     @property
@@ -59,7 +62,7 @@ def server_log_path(spec: ServerSpec) -> Path:
 
 def build_server(spec: ServerSpec, host: str) -> Any:
     """The `ChildServer` for `spec`, bound to `host`."""
-    from tandemrl.runner.services import resolve_device, resolve_dtype
+    from tandemrl.host.devices import resolve_device, resolve_dtype
 
     config = spec.config
     if spec.kind == "retrieval":
@@ -98,7 +101,7 @@ class ServerSupervisor:
     """`remote`: it runs as a Ray actor (a process of its own), which joins the start-up timeline."""
 
     def __init__(self, spec: ServerSpec, multi_node: bool, remote: bool = False):
-        from tandemrl.metrics.startup import adopt, mark, mark_process_started
+        from tandemrl.host.startup import adopt, mark, mark_process_started
 
         self.spec = spec
         if remote:

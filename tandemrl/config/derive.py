@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from tandemrl.config.errors import value_summary
+from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ def _derive_model_paths(config: TandemConfig) -> None:
     rollout serves (a model path set on the rollout side alone would otherwise leave the actor on the
     default SmolLM2 until the first weight push failed), and two different paths are an error unless
     `actor.allow_different_model` says they differ on purpose."""
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     for key, model in (
         ("rollout.model.model_path", config.rollout.model),
@@ -149,8 +150,6 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
 
 
 def _derive_pause_mode(config: TandemConfig) -> None:
-    from tandemrl.rollout.vllm_client import UNSUPPORTED_PAUSE_MODES
-
     rollout = config.rollout
     if rollout.pause_mode is None:
         rollout.pause_mode = "in_place" if rollout.backend == "vllm" else "retract"
@@ -306,20 +305,7 @@ def _validate_sizes(config: TandemConfig) -> None:
 
 def _validate_paths(config: TandemConfig) -> None:
     """Paths the run reads long after start-up, checked now (no torch: files and JSON only)."""
-    resume_from = config.runner.resume_from
-    if resume_from:
-        from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
-
-        state = Path(resume_from) / DATA_FILE
-        if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
-            raise ConfigError(
-                f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
-                "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
-            )
-        try:  # the whole checkpoint, before any service starts (torch-free: files and pickles parsed)
-            verify_checkpoint(resume_from, need_data=True)
-        except CheckpointError as error:
-            raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None
+    # runner.resume_from is checked whole by commands/preflight.py (`check_resume`), before any service
     for key, path in (
         ("rollout.model.model_path", config.rollout.model.model_path),
         ("actor.model.model_path", config.actor.model.model_path),

@@ -356,7 +356,7 @@ def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
     )
 
 
-def to_dict(config: Any) -> dict[str, Any]:
+def to_dict(config: TandemConfig) -> dict[str, Any]:
     """The user-facing keys as nested dicts (internal fields such as `derived` left out)."""
     if dataclasses.is_dataclass(config):
         out = {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}

@@ -15,42 +15,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-QUESTION_MARKER = "Question:"
-
-
-def searchr1_question(raw: dict) -> str | None:
-    """The question inside a Search-R1 prompt: the text after the last "Question:" of the user turn."""
-    messages = raw.get("prompt")
-    if not messages:
-        return None
-    if isinstance(messages, str):
-        content = messages
-    else:
-        user_turns = [
-            m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"
-        ]
-        content = user_turns[-1] if user_turns else ""
-    if QUESTION_MARKER in content:
-        content = content.rsplit(QUESTION_MARKER, 1)[1]
-    return content.strip() or None
-
-
-def searchr1_answers(raw: dict) -> list[str] | None:
-    """`reward_model.ground_truth.target` as a list of strings (it may be one string or a list)."""
-    reward_model = raw.get("reward_model") or {}
-    target = (
-        (reward_model.get("ground_truth") or {}).get("target") if isinstance(reward_model, dict) else None
-    )
-    if target is None:
-        return None
-    if isinstance(target, str):
-        return [target]
-    return [str(answer) for answer in target]
+from tandemrl.data.dataset import normalize_record, read_raw_records
 
 
 def convert_searchr1_parquet(src: str | Path, dst: str | Path, limit: int | None = None) -> int:
     """Write a Search-R1 question parquet as our jsonl; returns the number of records written."""
-    from tandemrl.data.dataset import normalize_record, read_raw_records
 
     src, dst = Path(src), Path(dst)
     raws = read_raw_records(src)[:limit]

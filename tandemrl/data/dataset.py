@@ -11,16 +11,49 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from tandemrl.data.convert import searchr1_answers, searchr1_question
-from tandemrl.data.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
+from tandemrl.host.files import InputFileError, is_missing, iter_json_lines, open_regular, read_json_document
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 WHAT = "data file"
 
 
+# Search-R1's records (data/convert.py writes ours from them; this reader takes either layout)
+QUESTION_MARKER = "Question:"
+
+
+def searchr1_question(raw: dict) -> str | None:
+    """The question inside a Search-R1 prompt: the text after the last "Question:" of the user turn."""
+    messages = raw.get("prompt")
+    if not messages:
+        return None
+    if isinstance(messages, str):
+        content = messages
+    else:
+        user_turns = [
+            m.get("content", "") for m in messages if isinstance(m, dict) and m.get("role") == "user"
+        ]
+        content = user_turns[-1] if user_turns else ""
+    if QUESTION_MARKER in content:
+        content = content.rsplit(QUESTION_MARKER, 1)[1]
+    return content.strip() or None
+
+
+def searchr1_answers(raw: dict) -> list[str] | None:
+    """`reward_model.ground_truth.target` as a list of strings (it may be one string or a list)."""
+    reward_model = raw.get("reward_model") or {}
+    target = (
+        (reward_model.get("ground_truth") or {}).get("target") if isinstance(reward_model, dict) else None
+    )
+    if target is None:
+        return None
+    if isinstance(target, str):
+        return [target]
+    return [str(answer) for answer in target]
+
+
 def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
     """(where: "line N" / "row N", record) of a jsonl / json-lines / JSON-array / parquet file, in file
-    order. The file is checked as data/files.py checks every file a user names (regular, bounded)."""
+    order. The file is checked as host/files.py checks every file a user names (regular, bounded)."""
     path = Path(path)
     if is_missing(path):
         raise FileNotFoundError(

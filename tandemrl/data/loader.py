@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandemrl.data.dataset import read_records
-from tandemrl.data.files import InputFileError
+from tandemrl.host.files import InputFileError
 
 log = logging.getLogger(__name__)
 

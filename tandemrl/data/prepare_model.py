@@ -13,7 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tandemrl.data.home import default_model_dir, default_retriever_dir
+from tandemrl.host.home import default_model_dir, default_retriever_dir
 
 log = logging.getLogger(__name__)
 

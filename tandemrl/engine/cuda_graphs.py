@@ -23,7 +23,7 @@ from tandemrl.engine.model import CausalLM
 from tandemrl.engine.model_runner import ModelRunner, StepResult, flatten_uncached
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 # Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
 

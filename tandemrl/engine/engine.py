@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandemrl.engine.config import EngineConfig
+from tandemrl.config.engine import EngineConfig
 from tandemrl.engine.cuda_graphs import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
@@ -36,7 +36,8 @@ from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
 from tandemrl.engine.speculative import NgramDrafter
 from tandemrl.engine.stops import StopChecker
-from tandemrl.metrics.startup import mark
+from tandemrl.host.devices import resolve_device, resolve_dtype
+from tandemrl.host.startup import mark
 
 MAX_WEIGHT_VERSION = 2**31 - 1  # one version per training step: no run gets near it
 
@@ -59,10 +60,8 @@ class _Launched:
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     resolved = torch.device(device)
     if resolved.type == "cuda" and resolved.index is None:
         resolved = torch.device("cuda", torch.cuda.current_device())

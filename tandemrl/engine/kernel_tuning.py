@@ -12,16 +12,15 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tandemrl.engine.triton_attention import (
+from tandemrl.engine.attention_tiles import (
     DECODE_CANDIDATES,
     DEFAULT_DECODE,
     DEFAULT_PREFILL,
     PREFILL_CANDIDATES,
     DecodeConfig,
     PrefillConfig,
-    attend,
-    decode_metadata,
 )
+from tandemrl.engine.triton_attention import attend, decode_metadata
 
 
 def fastest(candidates: tuple, timings: dict[str, float], default):

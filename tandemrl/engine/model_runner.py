@@ -18,7 +18,7 @@ from tandemrl.engine.model import CausalLM
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
 from tandemrl.engine.speculative import verify
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 
 
 class StepResult:

@@ -26,9 +26,12 @@ import torch
 from aiohttp import web
 
 from tandemrl.config.derive import check_model_dir
-from tandemrl.engine.config import options_from_args
+from tandemrl.config.engine import options_from_args
 from tandemrl.engine.engine import Engine, EngineConfig
-from tandemrl.engine.http_guard import (
+from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
+from tandemrl.engine.sequence import SamplingParams, Sequence
+from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
+from tandemrl.host.http_guard import (
     ENGINE_KEY_ENV,
     PORT_IN_USE_EXIT,
     PortInUseError,
@@ -38,10 +41,7 @@ from tandemrl.engine.http_guard import (
     key_from_env,
     open_beyond_loopback_message,
 )
-from tandemrl.engine.loop import PAUSE_MODES, EngineLoop
-from tandemrl.engine.sequence import SamplingParams, Sequence
-from tandemrl.engine.weight_updates import WeightUpdateRoutes, bad_request, read_json
-from tandemrl.metrics.startup import mark, mark_process_started
+from tandemrl.host.startup import mark, mark_process_started
 
 logger = logging.getLogger(__name__)
 

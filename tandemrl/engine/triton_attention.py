@@ -22,57 +22,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tandemrl.engine.attention_tiles import DEFAULT_DECODE, DEFAULT_PREFILL, DecodeConfig, PrefillConfig
+from tandemrl.engine.triton_rope import _rope_tables, _rotate
+
 _DECODE_BLOCK_M = 16  # tl.dot needs >= 16 rows; one decode query x GQA group fits in it
-
-
-@dataclass(frozen=True)
-class DecodeConfig:
-    """How decode attention runs: one program per (sequence, KV head), or split over the context."""
-
-    split: bool
-    block_n: int
-    num_warps: int
-    partition: int = 0  # context tokens per program when split
-    num_stages: int = 3  # software pipelining depth of the K/V loads (Triton's default is 3)
-
-
-@dataclass(frozen=True)
-class PrefillConfig:
-    """Tiles of the ragged kernel when steps carry many queries per sequence: `block_m` rows (queries x
-    the GQA group) per program, `block_n` keys per iteration."""
-
-    block_m: int
-    block_n: int
-    num_warps: int
-    num_stages: int
-
-
-DEFAULT_PREFILL = PrefillConfig(block_m=64, block_n=64, num_warps=8, num_stages=3)
-PREFILL_CANDIDATES = (
-    DEFAULT_PREFILL,
-    PrefillConfig(64, 64, 4, 3),
-    PrefillConfig(64, 128, 8, 2),
-    PrefillConfig(128, 64, 8, 3),
-    PrefillConfig(128, 64, 8, 2),
-    PrefillConfig(128, 32, 8, 3),
-    PrefillConfig(128, 128, 8, 2),
-    PrefillConfig(128, 64, 4, 3),
-)
-DEFAULT_DECODE = DecodeConfig(split=False, block_n=64, num_warps=4)
-DECODE_CANDIDATES = (
-    DEFAULT_DECODE,
-    DecodeConfig(False, 32, 4),
-    DecodeConfig(False, 32, 2),
-    DecodeConfig(False, 64, 2),
-    DecodeConfig(False, 64, 4, num_stages=2),
-    DecodeConfig(False, 64, 4, num_stages=4),
-    DecodeConfig(False, 64, 8),
-    DecodeConfig(False, 128, 4),
-    DecodeConfig(False, 128, 8),
-    DecodeConfig(True, 64, 4, 128),
-    DecodeConfig(True, 64, 4, 256),
-    DecodeConfig(True, 128, 4, 512),
-)
 
 
 @triton.jit
@@ -99,23 +52,6 @@ def _store_kv_kernel(
     dest = Cache + slot * stride_c_slot + (offs // HEAD_DIM) * stride_c_head + offs % HEAD_DIM
     tl.store(dest, k, mask=mask)
     tl.store(dest + stride_c_kv, v, mask=mask)
-
-
-@triton.jit
-def _rope_tables(Cos, Sin, row, stride, HALF: tl.constexpr):
-    """A token's cos and sin rows as fp32 halves: (cos1, cos2, sin1, sin2)."""
-    half = tl.arange(0, HALF)
-    cos1 = tl.load(Cos + row * stride + half).to(tl.float32)
-    cos2 = tl.load(Cos + row * stride + HALF + half).to(tl.float32)
-    sin1 = tl.load(Sin + row * stride + half).to(tl.float32)
-    sin2 = tl.load(Sin + row * stride + HALF + half).to(tl.float32)
-    return cos1, cos2, sin1, sin2
-
-
-@triton.jit
-def _rotate(x1, x2, cos1, cos2, sin1, sin2):
-    """RoPE of heads given as fp32 halves `[..., HALF]`: x * cos + rotate_half(x) * sin, half by half."""
-    return x1 * cos1 - x2 * sin1, x2 * cos2 + x1 * sin2
 
 
 @triton.jit

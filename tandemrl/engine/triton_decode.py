@@ -13,8 +13,9 @@ import torch
 import triton
 import triton.language as tl
 
+from tandemrl.engine.attention_tiles import DecodeConfig
 from tandemrl.engine.pdl import use_pdl
-from tandemrl.engine.triton_attention import DecodeConfig, _rope_tables, _rotate
+from tandemrl.engine.triton_rope import _rope_tables, _rotate
 
 
 @triton.jit(do_not_specialize=["stride_bt"])

@@ -30,8 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tandemrl.data.home import tandem_home
-from tandemrl.metrics.startup import mark
+from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES, DecodeConfig, PrefillConfig
+from tandemrl.host.home import tandem_home
+from tandemrl.host.startup import mark
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +165,9 @@ def _splits_codec(batch_sizes: list[int], parts: tuple[int, ...]) -> tuple[Calla
 
 @dataclass
 class KernelChoices:
-    decode_config: Any
+    decode_config: DecodeConfig
     decode_timings: dict[str, float]
-    prefill_config: Any
+    prefill_config: PrefillConfig
     prefill_timings: dict[str, float]
     down_splits: dict[int, int] = field(default_factory=dict)
     down_split_timings: dict[str, float] = field(default_factory=dict)
@@ -186,7 +187,6 @@ def choose_kernels(
     """The fast runner's decode attention, prefill tiling and down-projection splits: each timed on
     these shapes (kernel_tuning.py), or read from the cache."""
     from tandemrl.engine import kernel_tuning as kt
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, PREFILL_CANDIDATES
 
     kv = kv_caches[0]
     base = {

@@ -13,7 +13,10 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import MetricsConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,7 @@ class MetricsLogger:
         start_step: int = 0,
         show_progress: bool = True,
         is_async: bool = False,
-        metrics_cfg: Any = None,
+        metrics_cfg: MetricsConfig | None = None,
         config: dict | None = None,
     ):
         from tqdm import tqdm
@@ -93,7 +96,7 @@ class MetricsLogger:
                 self._drop(tracker, "closing failed", error)
 
     def _drop(self, tracker: Any, what: str, error: BaseException) -> None:
-        from tandemrl.agent.plugin import one_line
+        from tandemrl.host.messages import one_line
 
         self.trackers.remove(tracker)
         log.warning(
@@ -135,8 +138,8 @@ def read_history(jsonl_path: str | Path, skipped: list[str] | None = None) -> li
     """The rows of `metrics.jsonl` (none if it does not exist); a resumed run appends, so a later row for a
     step replaces an earlier. Every row must be a JSON object with an integer `step` >= 0 and numbers for
     values, else `InputFileError` names the line. With `skipped`, an incomplete last line (a run still
-    writing) is skipped and described there (data/files.py)."""
-    from tandemrl.data.files import InputFileError, is_missing, iter_json_lines
+    writing) is skipped and described there (host/files.py)."""
+    from tandemrl.host.files import InputFileError, is_missing, iter_json_lines
 
     path = Path(jsonl_path)
     if is_missing(path):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tandemrl.config.errors import ConfigError
-from tandemrl.data.files import InputFileError, check_directory, is_missing, read_text
+from tandemrl.host.files import InputFileError, check_directory, is_missing, read_text
 from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 
 PLOTS = {  # file stem -> (title, y label, [(metric, legend)])

@@ -16,9 +16,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.config.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import MetricsConfig, TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,7 @@ class MlflowTracker:
 
 
 def start_trackers(
-    names: list[str], metrics_cfg: Any, output_dir: Path, config: dict | None, tensorboard_dir: Path
+    names: list[str], metrics_cfg: MetricsConfig, output_dir: Path, config: dict | None, tensorboard_dir: Path
 ) -> list[Any]:
     """Start every named tracker (a resumed run continues its tracker runs); TrackerError names the
     one that failed, after closing those already started."""
@@ -167,7 +170,7 @@ def start_trackers(
     return started
 
 
-def resolved_config(config: Any) -> dict:
+def resolved_config(config: TandemConfig) -> dict:
     """The run's resolved config as the trackers get it: every key, API keys shown only as `<set>`."""
     from tandemrl.config.loader import to_dict
 
@@ -197,6 +200,6 @@ def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def _one_line(error: BaseException) -> str:
-    from tandemrl.agent.plugin import one_line
+    from tandemrl.host.messages import one_line
 
     return one_line(error)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandemrl.data.home import tandem_home
+from tandemrl.host.home import tandem_home
 
 log = logging.getLogger(__name__)
 

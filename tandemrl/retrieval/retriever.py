@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.fusion import FusionParams
 from tandemrl.retrieval.store import MODES, Hit, QdrantStore
@@ -44,7 +44,7 @@ class IndexMeta:
                 f"{path} not found: {index_dir} is not a built index. "
                 f"Build it with `tandem index build --corpus CORPUS --index {index_dir}`."
             )
-        from tandemrl.data.files import read_text
+        from tandemrl.host.files import read_text
 
         try:  # bounded: an index description is a few hundred bytes
             data = json.loads(read_text(path, "index description", 1 << 20))

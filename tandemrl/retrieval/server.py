@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
-from tandemrl.engine.http_guard import (
+from tandemrl.host.http_guard import (
     OPEN_PATHS,
     PORT_IN_USE_EXIT,
     RETRIEVAL_KEY_ENV,
@@ -37,7 +37,7 @@ from tandemrl.engine.http_guard import (
     open_beyond_loopback_message,
     too_large_message,
 )
-from tandemrl.metrics.startup import mark, mark_process_started
+from tandemrl.host.startup import mark, mark_process_started
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.store import Hit, server_errors
 

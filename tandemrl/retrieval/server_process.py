@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandemrl.cluster.child_server import ChildServer
+from tandemrl.host.child_server import ChildServer
 
 
 class RetrievalServerProcess(ChildServer):
@@ -27,7 +27,7 @@ class RetrievalServerProcess(ChildServer):
         api_key: str | None = None,
         fusion: str | None = None,  # zscore | rrf; None: the server's default (zscore)
     ):
-        from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV
+        from tandemrl.host.http_guard import RETRIEVAL_KEY_ENV
 
         # the key travels in the environment, never on the command line; "" clears an inherited one
         super().__init__(port, host, startup_timeout_s, log_path, {RETRIEVAL_KEY_ENV: api_key or ""})

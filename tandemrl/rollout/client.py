@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from tandemrl.engine.http_guard import auth_headers
-from tandemrl.metrics.startup import mark
+from tandemrl.host.http_guard import auth_headers
+from tandemrl.host.startup import mark
 from tandemrl.rollout.retract import RetractGate, resumed_body
 
 ENGINE_KINDS = ("embedded", "sglang")

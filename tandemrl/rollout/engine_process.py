@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tandemrl.cluster.child_server import ChildServer
-from tandemrl.engine.config import EngineOptions, engine_flags
-from tandemrl.engine.http_guard import ENGINE_KEY_ENV, new_api_key
+from tandemrl.config.engine import EngineOptions, engine_flags
+from tandemrl.host.child_server import ChildServer
+from tandemrl.host.http_guard import ENGINE_KEY_ENV, new_api_key
 
 
 class EngineProcess(ChildServer):

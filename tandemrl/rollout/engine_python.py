@@ -1,6 +1,6 @@
 """Whether the interpreter a launched vLLM or SGLang server will run can import its engine.
 
-`tandem config show` and `tandem train` ask before anything starts (config/preflight.py): the
+`tandem config show` and `tandem train` ask before anything starts (commands/preflight.py): the
 interpreter `rollout.<backend>.python` (None: tandem's own) with `rollout.<backend>.pythonpath` first on
 its PYTHONPATH, exactly the environment the launch gives the server (rollout/sglang_process.py
 `engine_env`), runs `import <engine>` in a child process. A failure names the interpreter, what the

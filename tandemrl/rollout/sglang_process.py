@@ -23,14 +23,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tandemrl.cluster.child_server import ChildServer
+from tandemrl.host.child_server import ChildServer
 
 KEY_DIR_PREFIX = "tandem-sglang-key-"  # then the owner (cluster/reaper.py removes those of dead owners)
 
 
 def key_owner() -> str:
     """Who a key directory belongs to: the run (its TANDEM_RUN_ID), else this process (`pid<N>`)."""
-    from tandemrl.cluster.reaper import RUN_ID_ENV
+    from tandemrl.host.child_server import RUN_ID_ENV
 
     run_id = os.environ.get(RUN_ID_ENV, "")
     return run_id if run_id.isalnum() else f"pid{os.getpid()}"

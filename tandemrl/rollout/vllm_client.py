@@ -24,16 +24,13 @@ from __future__ import annotations
 import json
 import logging
 
+from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
 
 log = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "tandemrl.rollout.vllm_worker.WeightLoader"
 PAUSE_MODES = {"in_place": "keep"}  # ours -> vLLM's; drain needs no engine call
-UNSUPPORTED_PAUSE_MODES = {
-    "retract": "vLLM's /pause has modes abort, wait and keep; none returns running requests to the "
-    "queue with their KV cache freed (keep freezes them in place: that is our in_place)"
-}
 # SGLang sampling params (what the agent loop sends) -> vLLM completion fields
 SAMPLING_FIELDS = {
     "max_new_tokens": "max_tokens",

@@ -22,7 +22,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tandemrl.cluster.child_server import ChildServer
+from tandemrl.host.child_server import ChildServer
 from tandemrl.rollout.sglang_process import engine_env
 from tandemrl.rollout.vllm_client import WORKER_EXTENSION
 

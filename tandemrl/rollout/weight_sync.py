@@ -131,7 +131,7 @@ class WeightSender:
         if self.backend == "cuda_ipc":
             return
         if self.master_port is None:
-            from tandemrl.cluster.child_server import free_port
+            from tandemrl.host.child_server import free_port
 
             self.master_port = free_port()
         offsets, world_size = rank_offsets(self.tp_sizes)

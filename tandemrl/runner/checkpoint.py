@@ -13,9 +13,12 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.config.schema import ConfigError
+
+if TYPE_CHECKING:
+    from tandemrl.runner.context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"global_step_{step}"
 
 
-def resume_summary(ctx: Any, step: int) -> dict:
+def resume_summary(ctx: RunContext, step: int) -> dict:
     """The data state of a save: what resuming from it restores and re-issues (or skips)."""
     buffer, feed = ctx.driver.buffer, ctx.driver.feed
     open_groups = sorted(buffer.unfinished_groups(), key=lambda group: group.issue_id)
@@ -71,8 +74,8 @@ def resume_prompts(state: dict, prompts_by_id: dict[str, Any], reissue: bool, re
     return [prompts_by_id[prompt_id] for prompt_id in open_ids]
 
 
-async def save_checkpoint(ctx: Any, step: int) -> Path:
-    from tandemrl.runner.context import write_ledger
+async def save_checkpoint(ctx: RunContext, step: int) -> Path:
+    from tandemrl.runner.records import write_ledger
 
     summary = resume_summary(ctx, step)
     write_ledger(ctx, step)  # the ledger up to this line is what the saved position covers

@@ -16,16 +16,19 @@ much of it they took), so the steps' times add up to the run's wall time from th
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.buffer.rollout_buffer import HandOff
+from tandemrl.runner.records import write_ledger, write_trajectories
 from tandemrl.runner.rollout_driver import RolloutDriver
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +48,7 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
 
 @dataclass
 class RunContext:
-    config: Any
+    config: TandemConfig
     driver: RolloutDriver
     actor: Any  # tandemrl.cluster.actor_group.ActorGroup
     engines: list[Any]  # EngineClient per engine
@@ -299,31 +302,6 @@ def per_source_metrics(handoff: HandOff, norm_adv_by_std: bool) -> dict[str, flo
     return metrics
 
 
-def write_ledger(ctx: RunContext, step: int) -> None:
-    """Append the buffer's transitions (issued, finished, dropped, trained) of this step to prompts.jsonl."""
-    with ctx.ledger_path.open("a") as f:
-        for event in ctx.driver.buffer.events():
-            f.write(json.dumps({"step": step, **event}) + "\n")
-
-
-def write_trajectories(ctx: RunContext, step: int, handoff: HandOff) -> None:
-    """The trained trajectories of a step, whole, in `trajectories/step_<N>.jsonl` (with their group's
-    issue id and version figures), for inspecting what the policy actually did."""
-    directory = ctx.output_dir / "trajectories"
-    directory.mkdir(exist_ok=True)
-    with (directory / f"step_{step}.jsonl").open("w") as f:
-        for group in handoff.groups:
-            figures = {
-                "issue_id": group.issue_id,
-                "staleness": group.staleness(handoff.actor_weight_version),
-                "version_span": group.version_span(),
-                "queue_steps": group.queue_steps(handoff.actor_weight_version),
-            }
-            for traj in group.trajectories:
-                row = traj.to_dict() if hasattr(traj, "to_dict") else dict(vars(traj))
-                f.write(json.dumps({"step": step, **figures, **row}) + "\n")
-
-
 async def validate(ctx: RunContext) -> dict[str, float]:
     """Greedy EM and searches per trajectory on the validation prompts, per data source and overall
     (`val/em/<source>`, `val/em/all`, `val/num_searches/<source>`, `val/num_searches/all`)."""
@@ -427,14 +405,14 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
 def mark_first_step(ctx: RunContext, phase: str) -> None:
     """A phase of the run's first step on the start-up timeline (later steps mark nothing)."""
     if not ctx.is_first_step_done:
-        from tandemrl.metrics.startup import mark
+        from tandemrl.host.startup import mark
 
         mark(f"step {ctx.start_step + 1} {phase}")
 
 
 def report_startup(ctx: RunContext) -> None:
-    """Print the start-up timeline and write startup.json (`tandem train` runs; metrics/startup.py)."""
-    from tandemrl.metrics.startup import log_path, report
+    """Print the start-up timeline and write startup.json (`tandem train` runs; host/startup.py)."""
+    from tandemrl.host.startup import log_path, report
 
     path = log_path()
     if ctx.startup_origin is None or path is None:

@@ -16,10 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.buffer.rollout_buffer import HandOff, TaskBuffer
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
+
+if TYPE_CHECKING:
+    from tandemrl.agent.tools import AgentEnv
+    from tandemrl.data.loader import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +36,7 @@ class RolloutDriver:
         buffer: TaskBuffer,
         feed: Any,
         engines: list[Any],
-        search: Any,
+        search: AgentEnv,
         tokenizer: Any,
         agent_cfg: Any,
         group_size: int,
@@ -99,7 +103,7 @@ class RolloutDriver:
             wants = self._wants_to_issue()
             self.buffer.set_admission_open(wants)
 
-    def _issue(self, prompt: Any) -> None:
+    def _issue(self, prompt: Prompt) -> None:
         group = self.buffer.issue(prompt, self.weight_version)
         mark("first group issued", once=True)
         engine_index = min(range(len(self.engines)), key=self._engine_load.__getitem__)

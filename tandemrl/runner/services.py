@@ -17,9 +17,16 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.config.schema import ConfigError
+from tandemrl.host.devices import resolve_device
+
+if TYPE_CHECKING:
+    from tandemrl.cluster.placement import PlacementPlan
+    from tandemrl.config.agent import SearchToolConfig
+    from tandemrl.config.rollout import RolloutConfig
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +48,7 @@ class RetrievalDiedError(ServiceDiedError):
     """The retrieval server exited, or an external one stopped answering /health."""
 
 
-def resolve_device(device: str) -> str:
-    if device != "auto":
-        return device
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    if dtype != "auto":
-        return dtype
-    return "bfloat16" if device == "cuda" else "float32"
-
-
-def resolve_auto_devices(config: Any) -> None:
+def resolve_auto_devices(config: TandemConfig) -> None:
     """`auto` devices become what this machine has, before planning: a Ray bundle without GPUs hides
     them from its process (Ray sets CUDA_VISIBLE_DEVICES to none), so the plan must know."""
     for section, key in ((config.actor, "actor.device"), (config.rollout, "rollout.device")):
@@ -64,9 +57,9 @@ def resolve_auto_devices(config: Any) -> None:
             config.derived[key] = f"{section.device} (auto: what this machine has)"
 
 
-def model_path(config: Any) -> str:
+def model_path(config: TandemConfig) -> str:
     """The weights the engines serve and the actor trains (one path, see config/derive.py)."""
-    from tandemrl.data.home import default_model_dir
+    from tandemrl.host.home import default_model_dir
 
     path = Path(config.rollout.model.model_path or default_model_dir())
     if not path.is_dir():
@@ -77,8 +70,8 @@ def model_path(config: Any) -> str:
     return str(path)
 
 
-def index_dir(config: Any) -> str:
-    from tandemrl.data.home import default_index_dir
+def index_dir(config: TandemConfig) -> str:
+    from tandemrl.host.home import default_index_dir
 
     path = Path(config.retrieval.index_dir or default_index_dir())
     if not path.exists():
@@ -90,14 +83,14 @@ def index_dir(config: Any) -> str:
     return str(path)
 
 
-def check_index_free(config: Any) -> None:
+def check_index_free(config: TandemConfig) -> None:
     """ConfigError at once if the index a launched retrieval server would open (Qdrant local mode, one
     process per index) is open in another process, typically another run's retrieval server: without
     this the server dies at start-up and the run with it, a minute later. The lock is only tried, and
     let go at once."""
     import fcntl
 
-    from tandemrl.data.home import default_index_dir
+    from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.store import LOCAL_DIR
 
     if not config.retrieval.launch:
@@ -124,15 +117,15 @@ def check_index_free(config: Any) -> None:
         os.close(fd)  # closing drops the lock, if it was taken
 
 
-def external_engine_api_key(rollout: Any) -> str | None:
+def external_engine_api_key(rollout: RolloutConfig) -> str | None:
     """The key of external engines: rollout.api_key, else $TANDEM_ENGINE_API_KEY, else $SGLANG_API_KEY."""
-    from tandemrl.engine.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
+    from tandemrl.host.http_guard import ENGINE_KEY_ENV, SGLANG_KEY_ENV, key_from_env
 
     return rollout.api_key or key_from_env(ENGINE_KEY_ENV, SGLANG_KEY_ENV)
 
 
-def search_api_key(search: Any) -> str | None:
-    from tandemrl.engine.http_guard import RETRIEVAL_KEY_ENV, key_from_env
+def search_api_key(search: SearchToolConfig) -> str | None:
+    from tandemrl.host.http_guard import RETRIEVAL_KEY_ENV, key_from_env
 
     return search.api_key or key_from_env(RETRIEVAL_KEY_ENV)
 
@@ -140,7 +133,7 @@ def search_api_key(search: Any) -> str | None:
 class Services:
     """`with_engines=False`: the retrieval server only (`tandem sft`)."""
 
-    def __init__(self, config: Any, plan: Any = None, with_engines: bool = True):
+    def __init__(self, config: TandemConfig, plan: PlacementPlan | None = None, with_engines: bool = True):
         from tandemrl.cluster.placement import plan_placement
 
         self.config = config
@@ -210,7 +203,7 @@ class Services:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
         from tandemrl.cluster.mps import sm_percent_env
         from tandemrl.cluster.server_supervisor import ServerSpec
-        from tandemrl.engine.http_guard import new_api_key
+        from tandemrl.host.http_guard import new_api_key
 
         config, plan = self.config, self.plan
         use_ray = config.cluster.use_ray

@@ -14,18 +14,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
-from tandemrl.runner.context import RunContext, write_ledger
+from tandemrl.runner.context import RunContext
 from tandemrl.runner.prompt_feed import PromptFeed
+from tandemrl.runner.records import write_ledger
 from tandemrl.runner.rollout_driver import RolloutDriver
 from tandemrl.runner.services import ServiceDiedError, Services, model_path
+
+if TYPE_CHECKING:
+    from tandemrl.agent.tools import AgentEnv
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
 
-def train_paths(config: Any, split: str) -> list[str]:
+def train_paths(config: TandemConfig, split: str) -> list[str]:
     from tandemrl.agent.evaluate import split_paths
 
     return split_paths(config, split)
@@ -40,13 +45,13 @@ class PreparedSession:
     val_prompts: list[Any]
 
 
-def prepare_session(config: Any) -> PreparedSession:
+def prepare_session(config: TandemConfig) -> PreparedSession:
     """Load the tokenizer and the prompts, and import what the runner will (TensorBoard's writer, the
     clients, the agent loop), so none of it stands between the services' readiness and step 1."""
     from transformers import AutoTokenizer
 
     from tandemrl.data.loader import PromptLoader, load_prompts
-    from tandemrl.metrics.startup import mark
+    from tandemrl.host.startup import mark
 
     mark("driver: transformers imported")
     tokenizer = AutoTokenizer.from_pretrained(model_path(config))
@@ -71,9 +76,9 @@ def prepare_session(config: Any) -> PreparedSession:
 
 
 def build_driver(
-    config: Any,
+    config: TandemConfig,
     engines: list[Any],
-    search: Any,
+    search: AgentEnv,
     tokenizer: Any,
     weight_version: int,
     resume_state: dict | None,
@@ -87,7 +92,7 @@ def build_driver(
         by_id = {prompt.prompt_id: prompt for prompt in loader.prompts}
         runner = config.runner
         feed.reissue(resume_prompts(resume_state, by_id, runner.reissue_on_resume, runner.resume_from))
-    buffer = RolloutBuffer(BufferLimits.from_config(config)).task(config.agentloop.task_name or "default")
+    buffer = RolloutBuffer(buffer_limits(config)).task(config.agentloop.task_name or "default")
     return RolloutDriver(
         buffer,
         feed,
@@ -101,7 +106,7 @@ def build_driver(
 
 
 async def run_session(
-    config: Any,
+    config: TandemConfig,
     services: Services,
     actor: Any,
     started_s: float | None = None,
@@ -114,8 +119,8 @@ async def run_session(
     `startup_origin` (epoch, what it is): the start-up timeline is reported after the first step."""
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.agent.tools import build_env
+    from tandemrl.host.startup import mark
     from tandemrl.metrics.logger import MetricsLogger
-    from tandemrl.metrics.startup import mark
     from tandemrl.metrics.trackers import resolved_config
     from tandemrl.rollout.backends import make_client
     from tandemrl.runner.checkpoint import load_resume_state
@@ -232,3 +237,19 @@ async def _blame_dead_engine(services: Services, error: BaseException, interval_
         if time.monotonic() >= deadline:
             return
         await asyncio.sleep(0.1)
+
+
+def buffer_limits(config: TandemConfig) -> BufferLimits:
+    """The buffer's limits from a derived config (concrete after `derive_and_validate`): the buffer
+    takes these numbers only and imports nothing of config/."""
+    buffer = config.rollout_buffer
+    return BufferLimits(
+        rollout_batch_size=config.data.rollout_batch_size,
+        max_inflight_groups=buffer.max_inflight_groups,
+        max_buffered_groups=buffer.max_buffered_groups,
+        max_dropped_groups_per_step=buffer.max_dropped_groups_per_step,
+        max_staleness=config.agentloop.max_actor_accept_staleness,
+        reject_equal_reward=config.down_sampling.down_sampling_config.reject_equal_reward,
+        max_head_offpolicyness=buffer.max_head_offpolicyness,
+        handoff_order=buffer.handoff_order,
+    )

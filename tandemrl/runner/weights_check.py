@@ -11,7 +11,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandemrl.runner.context import RunContext
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +30,7 @@ class WeightsCheckError(RuntimeError):
     """An engine's greedy output differs from the actor's after a weight sync."""
 
 
-async def check_weights(ctx: Any) -> dict:
+async def check_weights(ctx: RunContext) -> dict:
     num_tokens = ctx.config.runner.weights_check_tokens
     prompts = [ctx.driver.tokenizer.encode(text) for text in PROBES]
     actor = await ctx.actor.call("greedy", prompts, num_tokens)

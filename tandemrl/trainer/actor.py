@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from tandemrl.config.schema import TandemConfig
-from tandemrl.metrics.startup import mark
+from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
@@ -94,7 +94,7 @@ class Actor:
     def __init__(
         self, config: TandemConfig, hf_model: torch.nn.Module | None = None, total_updates: int | None = None
     ):
-        from tandemrl.data.home import default_model_dir
+        from tandemrl.host.home import default_model_dir
 
         self.config = config
         self.device = resolve_device(config.actor.device)

@@ -11,7 +11,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from tandemrl.config.schema import OptimConfig
+from tandemrl.config.actor import OptimConfig
 
 
 def lr_factor(update: int, optim: OptimConfig, total_updates: int) -> float:

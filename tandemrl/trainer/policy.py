@@ -25,6 +25,8 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from tandemrl.host.devices import resolve_device as resolve_device_name
+from tandemrl.host.devices import resolve_dtype
 from tandemrl.trainer.varlen import VARLEN_ATTN, register_varlen_attention, varlen_kernel_works
 
 log = logging.getLogger(__name__)
@@ -225,8 +227,7 @@ def compile_layers(hf_model: nn.Module) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+    name = resolve_device_name(name)
     if name == "cuda":
         if not torch.cuda.is_available():
             raise ValueError("actor.device=cuda but CUDA is not available. Set actor.device=cpu or auto.")
@@ -288,8 +289,7 @@ def resolve_micro_batch_tokens(value: int | None, model_config, device: torch.de
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """auto: bf16 compute on GPU (fp32 master weights), fp32 on CPU."""
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    name = resolve_dtype(name, device.type)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 

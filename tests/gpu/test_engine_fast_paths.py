@@ -70,7 +70,8 @@ def _attention_case(
 def test_triton_attention_matches_reference(
     num_heads, num_kv_heads, head_dim, query_lens, context_lens, decode_index, head_major
 ):
-    from tandemrl.engine.triton_attention import DECODE_CANDIDATES, build_fast_metadata
+    from tandemrl.engine.attention_tiles import DECODE_CANDIDATES
+    from tandemrl.engine.triton_attention import build_fast_metadata
 
     assert len(DECODE_CANDIDATES) == 12, "parametrize decode_index over every candidate"
     tables, cache, q, k, v, ref_cache, ref = _attention_case(
@@ -104,7 +105,8 @@ def test_prefill_tiles_match_reference(
     num_heads, num_kv_heads, head_dim, query_lens, context_lens, prefill_index
 ):
     """Every prefill tiling equals the reference; `attend_last` gives each sequence's last row of it."""
-    from tandemrl.engine.triton_attention import DEFAULT_DECODE, PREFILL_CANDIDATES, build_fast_metadata
+    from tandemrl.engine.attention_tiles import DEFAULT_DECODE, PREFILL_CANDIDATES
+    from tandemrl.engine.triton_attention import build_fast_metadata
 
     assert len(PREFILL_CANDIDATES) == 8, "parametrize prefill_index over every candidate"
     tables, cache, q, k, v, _, ref = _attention_case(

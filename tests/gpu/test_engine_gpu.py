@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandemrl.engine.config import EngineOptions
+from tandemrl.config.engine import EngineOptions
 from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.sequence import SamplingParams
 from tandemrl.rollout.client import EngineClient

@@ -60,7 +60,7 @@ def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
 
 def test_a_second_engine_reads_its_kernel_choices_from_the_cache(tmp_path, monkeypatch):
     from tandemrl.engine import tuning_cache
-    from tandemrl.metrics import startup
+    from tandemrl.host import startup
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     monkeypatch.delenv(tuning_cache.CACHE_ENV, raising=False)

@@ -44,7 +44,7 @@ def test_sft_step_is_token_mean_nll_and_learns(tiny_llama_dir):
 def test_tandem_sft_on_rendered_samples_writes_hf_model(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from tandemrl.trainer.sft import run_sft
+    from tandemrl.commands.sft import run_sft
 
     torch.set_num_threads(1)
     rendered = tmp_path / "rendered.jsonl"
@@ -76,9 +76,9 @@ def test_tandem_sft_renders_demos_with_the_real_retriever(prepared_home, tiny_ll
     """Knowledge base -> MiniLM/Qdrant index -> retrieval server -> rendered demos -> SFT -> HF model."""
     from transformers import AutoTokenizer
 
+    from tandemrl.commands.sft import run_sft
     from tandemrl.data.kb import generate_kb
     from tandemrl.retrieval.build import build_index
-    from tandemrl.trainer.sft import run_sft
 
     kb = generate_kb(tmp_path / "kb", seed=0, num_entities=80, num_train=40, num_val=5, num_test=5)
     build_index(kb / "corpus.jsonl", tmp_path / "index", batch_size=64, show_progress=False)

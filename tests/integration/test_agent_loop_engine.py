@@ -19,7 +19,7 @@ from tandemrl.agent.loop import Trajectory, run_group
 from tandemrl.agent.prompt import ANSWER_NOW_TEXT, INFO_CLOSE, INFO_OPEN, INVALID_ACTION_TEXT, encode_text
 from tandemrl.agent.reward import normalize_answer
 from tandemrl.agent.search_tool import SearchTool
-from tandemrl.config.schema import AgentLoopConfig
+from tandemrl.config.agent import AgentLoopConfig
 from tandemrl.data.loader import Prompt, load_prompts
 from tandemrl.rollout.client import EngineClient, GenerateResult
 
@@ -206,7 +206,7 @@ def test_searches_through_the_real_retriever(servers, kb_dir, tokenizer):
 def test_tandem_eval(servers, kb_dir, tiny_llama_dir, tmp_path, capsys):
     """`tandem eval` end to end against the running engine (as an external SGLang-protocol server)
     and retrieval server: one greedy trajectory per test question, in file order, and the table."""
-    from tandemrl.agent.evaluate import run_eval
+    from tandemrl.commands.evaluate import run_eval
 
     url, addr = servers
     overrides = [
@@ -241,7 +241,7 @@ def test_tandem_eval(servers, kb_dir, tiny_llama_dir, tmp_path, capsys):
 def test_tandem_eval_scores_with_the_custom_reward(servers, kb_dir, tiny_llama_dir, tmp_path, capsys):
     """`reward.function` by path changes the reward `tandem eval` reports, per trajectory and per source,
     with the function's extra metric; exact match stays as it was."""
-    from tandemrl.agent.evaluate import run_eval
+    from tandemrl.commands.evaluate import run_eval
 
     reward_file = tmp_path / "gold_length_reward.py"
     reward_file.write_text(

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tandemrl.cli import main
+from tandemrl.commands.preflight import check_startable
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.actor import Actor
@@ -99,7 +100,7 @@ def test_metadata_that_runs_code_is_refused_by_export_resume_and_load(copy, tiny
     err = capsys.readouterr().err
     assert code == 2 and "os.system" in err.replace("posix.system", "os.system") and "Refused" in err, err
     with pytest.raises(ConfigError, match="would call .*system when unpickled"):
-        load_config(ASYNC, [f"runner.resume_from={copy}"])
+        check_startable(load_config(ASYNC, [f"runner.resume_from={copy}"]))
     actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
     with pytest.raises(CheckpointError, match="would call .*system"):
         actor.load_checkpoint(copy)
@@ -110,7 +111,7 @@ def test_a_shard_item_that_runs_code_is_refused(copy, tiny_llama_dir, tmp_path):
     marker = tmp_path / "created-by-the-shard"
     _craft_shard_item(copy, marker)
     with pytest.raises(ConfigError, match="optim.param_groups.0.lr.*would call .*system"):
-        load_config(ASYNC, [f"runner.resume_from={copy}"])
+        check_startable(load_config(ASYNC, [f"runner.resume_from={copy}"]))
     actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
     with pytest.raises(CheckpointError, match="would call .*system"):
         actor.load_checkpoint(copy)

@@ -10,9 +10,9 @@ import pytest
 import torch
 import yaml
 
+from tandemrl.commands.demo import ensure_cold_start, is_model_dir, step_rewards
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
-from tandemrl.runner.demo import ensure_cold_start, is_model_dir, step_rewards
 from tandemrl.trainer.sft import write_rendered
 from tests.integration.trainer_helpers import make_samples
 

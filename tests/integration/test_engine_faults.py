@@ -23,9 +23,9 @@ import aiohttp
 import pytest
 import torch
 
-from tandemrl.cluster.child_server import free_port
-from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
 from tandemrl.engine.weight_transport import broadcast, new_process_group
+from tandemrl.host.child_server import free_port
+from tandemrl.host.http_guard import PORT_IN_USE_EXIT
 from tandemrl.rollout.client import EngineClient
 from tandemrl.rollout.engine_process import EngineProcess
 from tandemrl.rollout.weight_sync import WeightSender
@@ -494,7 +494,7 @@ def test_a_port_taken_before_the_engine_binds_it_is_traded_for_another(tiny_llam
     """The launcher picks a free port, then the child binds it: something may take it in between (an
     outgoing connection's source port). The launcher that picked it picks another and launches again;
     a port the user gave is never traded."""
-    import tandemrl.cluster.child_server as child_server
+    import tandemrl.host.child_server as child_server
 
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tandemrl.engine.config import EngineOptions
+from tandemrl.config.engine import EngineOptions
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.engine_process import EngineProcess
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from tandemrl.cluster.child_server import ChildServer
 from tandemrl.cluster.reaper import remove_key_dirs
 from tandemrl.cluster.server_supervisor import ServerSpec, ServerSupervisor
 from tandemrl.config.loader import load_config
+from tandemrl.host.child_server import ChildServer
 
 # `tandem train`'s process, cut down to what matters here: its reaper, and an SGLang server launched
 # with the run's key. The server is a FAKE `sglang.launch_server` (a module that sleeps), standing in

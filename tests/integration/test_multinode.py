@@ -39,7 +39,7 @@ def two_node_cluster():
 def test_actor_on_node_0_rollout_on_node_1_one_async_step(
     tmp_path, tiny_llama_dir, small_kb, two_node_cluster
 ):
-    from tandemrl.runner.launch import train
+    from tandemrl.commands.train import train
 
     head_id, worker_id = two_node_cluster
     kb_dir, index_dir = small_kb

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
 from tandemrl.metrics.trackers import MlflowTracker
-from tandemrl.runner.launch import train
 from tests.integration.runner_helpers import DESIGN_METRICS, small_kb_once, tiny_overrides
 from tests.tracker_readback import mlflow_run, offline_wandb, wandb_offline_run
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tandemrl.data.demos import info_hits, load_demos, render_demo
+from tandemrl.agent.demos import info_hits, render_demo
+from tandemrl.data.demos import load_demos
 from tandemrl.data.kb import generate_kb
 from tandemrl.data.prepare_model import READY_MARKER, greedy_answer
 
@@ -98,7 +99,7 @@ def test_demos_render_with_the_real_retriever(prepared_home, tmp_path):
 
 
 def test_default_index_is_rebuilt_when_the_corpus_changes(tmp_path, monkeypatch):
-    from tandemrl.data.prepare import prepare_default_index
+    from tandemrl.commands.prepare import prepare_default_index
 
     monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
     big = generate_kb(tmp_path / "big", seed=0, num_entities=60, num_train=20, num_val=2, num_test=2)

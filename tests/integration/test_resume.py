@@ -10,10 +10,10 @@ from __future__ import annotations
 import logging
 import re
 
+from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_tensorboard_scalars
 from tandemrl.runner.checkpoint import checkpoint_dir, load_resume_state
-from tandemrl.runner.launch import train
 from tests.integration.runner_helpers import (
     account,
     check_startup_timeline,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
+from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
 from tandemrl.metrics.plots import load_run, overlay_runs
-from tandemrl.runner.launch import train
 from tandemrl.runner.services import EngineDiedError
 from tests.integration.runner_helpers import (
     DESIGN_METRICS,

@@ -30,7 +30,7 @@ import aiohttp
 import pytest
 import torch
 
-from tandemrl.cluster.child_server import free_port
+from tandemrl.host.child_server import free_port
 from tandemrl.rollout.backends import make_weight_sender
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, rank_offsets

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_history
-from tandemrl.runner.launch import train
 from tests.integration.runner_helpers import read_ledger, small_kb_once, tiny_overrides
 
 STEPS = 3

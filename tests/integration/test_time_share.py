@@ -15,9 +15,9 @@ import time
 import pytest
 
 from tandemrl.cluster.actor_worker import ActorWorker
+from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
 from tandemrl.metrics.logger import read_history
-from tandemrl.runner.launch import train
 from tests.integration.runner_helpers import account, read_ledger, small_kb_once, tiny_overrides
 
 HOLD_S = {"time_share": 1.0, "concurrent": 60.0}  # concurrent: held only until the engine has stepped

@@ -21,7 +21,8 @@ from tandemrl.agent.prompt import (
     encode_text,
 )
 from tandemrl.agent.search_tool import SearchError
-from tandemrl.config.schema import AgentLoopConfig, ConfigError
+from tandemrl.config.agent import AgentLoopConfig
+from tandemrl.config.schema import ConfigError
 from tandemrl.data.loader import Prompt
 from tandemrl.rollout.client import GenerateResult
 

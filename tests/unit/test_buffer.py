@@ -18,6 +18,7 @@ from tandemrl.buffer.rollout_buffer import (
     TaskBuffer,
 )
 from tandemrl.config.loader import load_config
+from tandemrl.runner.session import buffer_limits
 
 
 class SimClock:
@@ -70,7 +71,7 @@ def test_derived_limits_from_config():
             "down_sampling.down_sampling_config.reject_equal_reward=true",
         ],
     )
-    limits = BufferLimits.from_config(config)
+    limits = buffer_limits(config)
     assert limits.max_inflight_groups == 6  # ceil(10 * 2 * 1.2 / 4)
     assert limits.max_buffered_groups == 6  # 2 x rollout_batch_size
     assert limits.max_dropped_groups_per_step == 30  # 10 x rollout_batch_size
@@ -78,7 +79,7 @@ def test_derived_limits_from_config():
     explicit = load_config(
         None, ["rollout_buffer.max_inflight_groups=5", "rollout_buffer.max_buffered_groups=9"]
     )
-    limits = BufferLimits.from_config(explicit)
+    limits = buffer_limits(explicit)
     assert (limits.max_inflight_groups, limits.max_buffered_groups) == (5, 9)
     assert limits.max_head_offpolicyness is None  # the default: admission is not bounded by versions
     head = load_config(
@@ -90,8 +91,8 @@ def test_derived_limits_from_config():
             "rollout_buffer.handoff_order=finish",
         ],
     )
-    assert BufferLimits.from_config(head).max_head_offpolicyness == 0
-    assert BufferLimits.from_config(head).handoff_order == "finish" and limits.handoff_order == "issue"
+    assert buffer_limits(head).max_head_offpolicyness == 0
+    assert buffer_limits(head).handoff_order == "finish" and limits.handoff_order == "issue"
 
 
 def test_inflight_limit_blocks_until_a_group_returns():

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from tandemrl.commands.show import render
 from tandemrl.config.derive import derive_and_validate, parse_gpu_range
 from tandemrl.config.loader import apply_override, load_config
 from tandemrl.config.schema import ConfigError, TandemConfig
-from tandemrl.config.show import render
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "searchr1" / "config"
@@ -243,7 +243,7 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path):
     """rollout.engine.* go whole to `serve-engine` under their own names, and on to `EngineConfig`."""
     from tandemrl.cli import build_parser
     from tandemrl.cluster.server_supervisor import build_server
-    from tandemrl.engine.config import EngineConfig, options_from_args
+    from tandemrl.config.engine import EngineConfig, options_from_args
     from tandemrl.runner.services import Services
 
     (tmp_path / "model").mkdir()

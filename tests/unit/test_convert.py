@@ -8,7 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tandemrl.data.convert import convert_searchr1_parquet, iter_corpus, searchr1_question, split_contents
+from tandemrl.data.convert import convert_searchr1_parquet, iter_corpus, split_contents
+from tandemrl.data.dataset import searchr1_question
 from tandemrl.data.loader import load_prompts
 
 PREFIX = (

@@ -135,8 +135,8 @@ def test_held_requests_go_at_once_when_they_fill_a_step_or_nothing_decodes():
 
 
 def test_prefill_delay_steps_is_bounded():
+    from tandemrl.config.engine import EngineOptions
     from tandemrl.config.errors import ConfigError
-    from tandemrl.engine.config import EngineOptions
 
     assert EngineOptions(prefill_delay_steps=8).prefill_delay_steps == 8
     for bad in (-1, 10_000):

@@ -339,8 +339,8 @@ def test_no_block_leaks_through_rejections_retraction_and_aborts(untied_llama_di
 
 def test_speculative_keys_travel_from_the_config_to_the_engine(tmp_path):
     from tandemrl.cli import build_parser
+    from tandemrl.config.engine import EngineOptions, engine_flags, options_from_args
     from tandemrl.config.loader import load_config
-    from tandemrl.engine.config import EngineOptions, engine_flags, options_from_args
 
     (tmp_path / "model").mkdir()
     keys = ["speculative=ngram", "spec_num_draft_tokens=6", "spec_ngram_min=2", "spec_ngram_max=4"]
@@ -367,8 +367,8 @@ def test_speculative_keys_travel_from_the_config_to_the_engine(tmp_path):
     ],
 )
 def test_bad_speculative_keys_are_refused_in_one_line(key, value, match):
+    from tandemrl.config.engine import EngineOptions
     from tandemrl.config.errors import ConfigError
-    from tandemrl.engine.config import EngineOptions
 
     with pytest.raises(ConfigError, match=match) as error:
         EngineOptions(**{key: value})
@@ -376,9 +376,9 @@ def test_bad_speculative_keys_are_refused_in_one_line(key, value, match):
 
 
 def test_speculation_is_refused_with_overlap_and_with_other_backends():
+    from tandemrl.config.engine import EngineOptions
     from tandemrl.config.errors import ConfigError
     from tandemrl.config.loader import load_config
-    from tandemrl.engine.config import EngineOptions
 
     with pytest.raises(
         ConfigError, match="rollout.engine.overlap_steps=true with rollout.engine.speculative"

@@ -1,4 +1,4 @@
-"""Bad files on the user's paths (data/files.py): `tandem plot` on a run's `metrics.jsonl` and
+"""Bad files on the user's paths (host/files.py): `tandem plot` on a run's `metrics.jsonl` and
 `config.yaml`, `tandem eval` and `tandem config show --check` (what `train` checks before it starts a
 service) on question files. Every case is one line on stderr naming the file, the line where there is
 one, and what is wrong, exit 2; never a traceback, a hang or memory run out. The pipe and `/dev/zero`
@@ -237,7 +237,7 @@ def test_sft_inputs_and_index_descriptions_are_read_bounded_and_line_numbered(tm
     """`tandem sft`'s demonstrations and `actor.sft.rendered_path`, and an index's `index.json`, get the
     same treatment as the other files the user names."""
     from tandemrl.data.demos import load_demos
-    from tandemrl.data.files import InputFileError
+    from tandemrl.host.files import InputFileError
     from tandemrl.retrieval.retriever import IndexMeta
     from tandemrl.trainer.sft import read_rendered
 

@@ -1,6 +1,6 @@
 """`tandem train` on Ctrl-C: the signal stops the session even where library code swallows a
 KeyboardInterrupt, and the run exits 130 with the one interrupted line however it ends after the signal
-(tandemrl/runner/launch.py). The runs themselves are stubbed in-process: the real Ctrl-C and SIGTERM
+(tandemrl/commands/train.py). The runs themselves are stubbed in-process: the real Ctrl-C and SIGTERM
 of a real run are tests/integration/test_faults.py."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tandemrl.runner import launch
+from tandemrl.commands import train as launch
 
 CONFIG = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml"
 
@@ -125,6 +125,6 @@ def test_other_commands_end_on_ctrl_c_with_one_line(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("tandemrl.agent.evaluate.run_eval", interrupted)
+    monkeypatch.setattr("tandemrl.commands.evaluate.run_eval", interrupted)
     assert cli.main(["eval", str(CONFIG), "--limit", "1"]) == 130
     assert capsys.readouterr().err == "tandem eval: interrupted; what it started is stopped.\n"

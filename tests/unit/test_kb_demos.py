@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tandemrl.agent.demos import model_turn_texts, render_demo
 from tandemrl.agent.prompt import build_prompt_ids, encode_text, format_information
 from tandemrl.agent.search_tool import SearchTool
-from tandemrl.data.demos import load_demos, model_turn_texts, render_demo
+from tandemrl.data.demos import load_demos
 from tandemrl.data.kb import generate_kb
 
 

@@ -108,3 +108,78 @@ def test_a_check_outside_the_sync_range_fails(tmp_path):
     fake_run(tmp_path / "staleness0/seed1", (0.4, 0.4), (0.3, 0.3), reward=0.5, steps=CHECK_STEPS)
     check = summarize(specs, tmp_path, {})["staleness0_check"]
     assert check["passes"] is False and check["first_steps_reward"]["sync_seeds_range"] == [0.2, 0.25]
+
+
+def _realtext_summary(run_dir: Path, em: float) -> None:
+    path = run_dir / "realtext_eval" / "val_summary.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"summary": {"overall": {"em": em, "searches": 1.25}}}))
+
+
+def test_ratio_spread_and_real_text_em_reach_the_means_and_the_acceptance(tmp_path):
+    specs = run_specs(parse_args(["--seeds", "1", "2", "--steps", str(STEPS), "--no-check",
+                                  "--variants", "sync", "async"]))  # fmt: skip
+    for variant, seed, em in (("sync", 1, 0.30), ("sync", 2, 0.34), ("async", 1, 0.20), ("async", 2, 0.22)):
+        run_dir = tmp_path / f"{variant}/seed{seed}"
+        fake_run(run_dir, (0.4, 0.6), (0.3, 0.3), reward=0.3)
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        for row in rows[1:]:
+            row["train/actor/ratio_abs"] = 0.01 * row["step"] * seed
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        _realtext_summary(run_dir, em)
+    result = summarize(specs, tmp_path, {})
+    seed2 = result["sync"]["seeds"]["2"]["figures"]
+    assert (
+        seed2["ratio_abs_range"] == pytest.approx(0.02 * (STEPS - 1))
+        and seed2["ratio_abs_max"] == 0.02 * STEPS
+    )
+    assert result["sync"]["mean"]["realtext_em"] == pytest.approx(0.32)
+    assert result["sync"]["sd"]["realtext_em"] == pytest.approx(statistics.stdev([0.30, 0.34]))
+    gap = result["acceptance"]["final_realtext_em_gap"]
+    assert gap["value"] == pytest.approx(0.11) and gap["passes"] is False
+    # a run never evaluated on real text: no number is made up
+    (tmp_path / "async/seed2/realtext_eval/val_summary.json").unlink()
+    result = summarize(specs, tmp_path, {})
+    assert result["async"]["mean"]["realtext_em"] is None
+    assert result["acceptance"]["final_realtext_em_gap"] == {"value": None, "passes": None}
+
+
+def test_real_text_evaluation_exports_the_final_checkpoint_and_evaluates_it_on_the_held_out_split(tmp_path):
+    from benchmarks.learning.learning_parity import needs_realtext_eval, realtext_commands
+
+    data = tmp_path / "realtext"
+    data.mkdir()
+    (data / "corpus.jsonl").write_text("{}\n")
+    (data / "test.jsonl").write_text("{}\n")
+    args = parse_args(["--steps", "60", "--realtext", str(data), "--variants", "async_tis", "--seeds", "3"])
+    spec = run_specs(args)[0]
+    run_dir = spec.run_dir(tmp_path / "runs")
+    (run_dir / "checkpoints/global_step_60").mkdir(parents=True)
+    (run_dir / "checkpoints/global_step_50").mkdir()
+    assert needs_realtext_eval(spec, run_dir, args)
+    assert not needs_realtext_eval(run_specs(args)[-1], run_dir, args)  # the staleness-0 check run
+    inputs = (tmp_path / "q.jsonl", data / "corpus.jsonl", tmp_path / "index")
+    export, evaluate = realtext_commands(spec, run_dir, inputs, 200, ["a.b=1", "retrieval.launch=false"])
+    assert export[-4:] == [
+        "export",
+        str(run_dir / "checkpoints/global_step_60"),
+        "--out",
+        str(run_dir / "final_hf"),
+    ]
+    assert evaluate[evaluate.index("eval") + 1] == spec.config and "--limit" in evaluate
+    for override in (f"rollout.model.model_path={run_dir / 'final_hf'}", f"data.val_data_paths=[{inputs[0]}]",
+                     f"retrieval.index_dir={inputs[2]}", "retrieval.launch=true", "runner.seed=3",
+                     "algorithm.off_policy_correction=tis", "a.b=1"):  # fmt: skip
+        assert override in evaluate, override
+    assert "retrieval.launch=false" not in evaluate  # the runs' shared KB server is not the real text's
+    _realtext_summary(run_dir, 0.5)
+    assert not needs_realtext_eval(spec, run_dir, args)  # done once, not again
+    (run_dir / "checkpoints/global_step_60").rmdir()
+    with pytest.raises(RuntimeError, match="no checkpoint of step 60"):
+        realtext_commands(spec, run_dir, inputs, 200, [])
+
+
+def test_a_real_text_directory_without_its_files_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--realtext", str(tmp_path)])
+    assert "no corpus.jsonl, test.jsonl there" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def test_low_var_kl_to_reference():
 
 
 def test_config_from_algorithm_defaults_high_to_low():
-    from tandemrl.config.schema import AlgorithmConfig
+    from tandemrl.config.actor import AlgorithmConfig
 
     cfg = PolicyLossConfig.from_algorithm(AlgorithmConfig(ratio_clip_eps=0.1, dual_clip_c=2.0))
     assert (cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c) == (0.1, 0.1, 2.0)

@@ -148,7 +148,7 @@ def test_mps_keys_are_checked(overrides, message):
 
 
 def test_train_stops_its_daemon_and_gives_the_environment_back_on_error(fake_control, tmp_path, monkeypatch):
-    from tandemrl.runner.launch import train
+    from tandemrl.commands.train import train
 
     for key in (PIPE_ENV, SM_PERCENT_ENV):
         monkeypatch.delenv(key, raising=False)

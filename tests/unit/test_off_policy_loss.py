@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 
+from tandemrl.config.actor import AlgorithmConfig
 from tandemrl.config.loader import load_config
-from tandemrl.config.schema import AlgorithmConfig, ConfigError
+from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.batching import TrainSample, build_micro_batch, plan_rank_micro_batches
 from tandemrl.trainer.loss import PolicyLossConfig, importance_weights, masked_sums, ppo_token_losses
 

@@ -15,8 +15,9 @@ from tandemrl.agent.loop import run_trajectory
 from tandemrl.agent.reward import RewardError, RewardFunction, exact_match, f1, load_reward
 from tandemrl.agent.tools import AgentEnv, build_env, check_plugins
 from tandemrl.cli import main
+from tandemrl.config.agent import AgentLoopConfig
 from tandemrl.config.loader import load_config
-from tandemrl.config.schema import AgentLoopConfig, ConfigError
+from tandemrl.config.schema import ConfigError
 from tests.unit.test_agent_loop import PROMPT, FakeEngine, FakeSearch, check_alignment, masked_segments
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -262,7 +263,7 @@ def test_tandem_eval_refuses_a_broken_reward_before_starting_anything(plugins, c
 def test_tandem_demo_refuses_a_broken_reward_before_the_cold_start(plugins, capsys, monkeypatch):
     """`tandem demo reward.function=...`: the demo scores with the same function, so it checks it before
     its cold start and RL run (preparing the embedded defaults is skipped here; it is idempotent)."""
-    import tandemrl.runner.demo as demo
+    import tandemrl.commands.demo as demo
 
     cold_starts = []
     monkeypatch.setattr(demo, "ensure_prepared", lambda: None)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
+from tandemrl.host.http_guard import PORT_IN_USE_EXIT
 from tandemrl.retrieval.batcher import MicroBatcher
 from tandemrl.retrieval.server import create_app, run_serve
 from tandemrl.retrieval.store import Hit

@@ -24,7 +24,7 @@ CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"
 
 FAKE_STUCK_RUN = """
 import sys, threading
-from tandemrl.runner import launch
+from tandemrl.commands import train as launch
 
 def fake_train(config, started_s=None):
     '''Fake of a run stuck after its last step: a thread that never ends, a teardown that waits for it.'''
@@ -91,7 +91,7 @@ def test_a_run_that_printed_its_stop_line_ends_though_a_thread_still_runs(tmp_pa
 
 
 def test_a_signal_while_the_stop_line_is_written_does_not_cut_it():
-    from tandemrl.runner.launch import Interrupt
+    from tandemrl.commands.train import Interrupt
 
     interrupt = Interrupt()
     interrupt.received.append(signal.SIGINT)

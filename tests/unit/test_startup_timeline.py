@@ -1,4 +1,4 @@
-"""The start-up timeline's marks (metrics/startup.py): appended by any process that has the run's file,
+"""The start-up timeline's marks (host/startup.py): appended by any process that has the run's file,
 read back in time order relative to the run's origin, harmless without a file or with a broken one."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tandemrl.metrics import startup
+from tandemrl.host import startup
 
 
 @pytest.fixture
@@ -48,7 +48,9 @@ def test_once_marks_only_the_first_call_of_each_run(marks_file):
 
 def test_a_child_process_marks_into_the_same_file_under_its_name(marks_file):
     """The variables reach a child (as they reach the servers a run launches), which marks its own start."""
-    code = "from tandemrl.metrics.startup import mark, mark_process_started; mark_process_started(); mark('ready')"
+    code = (
+        "from tandemrl.host.startup import mark, mark_process_started; mark_process_started(); mark('ready')"
+    )
     before = time.time()
     env = {**os.environ, startup.STARTUP_NAME_ENV: "child"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

@@ -227,7 +227,7 @@ def test_readme_two_node_steps_start_the_retrieval_server_the_glm_config_names()
 
 
 def test_config_show_docstring_no_longer_promises_more_than_it_checks():
-    from tandemrl.config import show
+    from tandemrl.commands import show
 
     assert "a config that shows is one that starts" not in show.__doc__
     assert "--check" in show.__doc__

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -155,8 +157,8 @@ def test_async_train_syncs_weights_into_vllm(
 ):
     """`tandem train` (async) against the server: after the run the engine's greedy output equals the
     actor's (its last checkpoint, exported as HF weights), token for token."""
+    from tandemrl.commands.train import train
     from tandemrl.config.loader import load_config
-    from tandemrl.runner.launch import train
     from tandemrl.trainer.export import load_checkpoint_weights
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
@@ -235,29 +237,39 @@ def test_broadcast_weight_sync_through_the_worker_extension(vllm_url, smollm2_di
 
 
 def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, minilm_dir, tmp_path_factory):
-    """`rollout.backend=vllm` without server_addrs: tandem starts the vLLM server itself (CPU), the
-    weights go over gloo through the worker extension (the auto route on CPU), and the run's steps end
-    on the synced versions."""
-    from tandemrl.config.loader import load_config
-    from tandemrl.runner.launch import train
+    """`rollout.backend=vllm` without server_addrs, the user's path: `tandem config show`, `tandem train
+    --dry-run`, then `tandem train`, each as the `tandem` command (issue 37: the CLI once refused what
+    `train()` accepted). tandem starts the vLLM server itself (CPU), the weights go over gloo through the
+    worker extension (the auto route on CPU), and the run's steps end on the synced versions."""
     from tests.integration.runner_helpers import small_kb_once, tiny_overrides
 
     kb_dir, index_dir = small_kb_once(tmp_path_factory, minilm_dir)
-    out = tmp_path_factory.mktemp("vllm_launched")
+    out = tmp_path_factory.mktemp("vllm_launched") / "run"
     overrides = tiny_overrides(smollm2_dir, kb_dir, index_dir, out) + [
         "rollout.backend=vllm",
-        "rollout.pause_mode=in_place",
         "rollout.startup_timeout_s=900",
         "runner.async_mode=true",
         "runner.max_steps=2",
         "runner.val_interval=0",
+        "runner.weights_check_tokens=8",
     ]
-    config = load_config(None, overrides)
-    ctx = train(config, write_plots=False)
-    from tandemrl.cluster.placement import plan_placement
+    config = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml"
+    tandem = [sys.executable, "-m", "tandemrl.cli"]
 
-    assert plan_placement(config).weight_sync == "gloo"
-    assert ctx.weight_version == 2  # both pushes reached the launched server (a failed one raises)
+    def run(*argv: str, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run([*tandem, *argv], capture_output=True, text=True, timeout=timeout)
+
+    shown = run("config", "show", str(config), *overrides, timeout=300)
+    assert shown.returncode == 0 and "pause_mode: in_place" in shown.stdout, shown.stderr
+    planned = run("train", str(config), "--dry-run", *overrides, timeout=300)
+    assert planned.returncode == 0 and "weight sync: gloo" in planned.stdout, planned.stdout + planned.stderr
+    assert "-m vllm.entrypoints.openai.api_server" in planned.stdout
+    trained = run("train", str(config), *overrides, timeout=1800)
+    assert trained.returncode == 0, trained.stderr[-4000:]
+    metrics = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
     rows = [json.loads(line) for line in Path(out, "trajectories", "step_2.jsonl").read_text().splitlines()]
     versions = [v for r in rows for v, m in zip(r["weight_versions"], r["loss_mask"], strict=True) if m]
     assert versions and all(0 <= v <= 1 for v in versions)
+    check = json.loads(Path(out, "weights_check.json").read_text())  # vLLM's greedy equals the actor's
+    assert check["weights_check"] and check["backend"] == "vllm" and check["weight_version"] == 2, check

@@ -22,7 +22,12 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import argparse
+
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +51,7 @@ def demo_config_path() -> Path:
 def ensure_prepared() -> None:
     """`tandem prepare all`: each step is idempotent (ready markers, a resumable index build), so a
     prepared machine only pays the checks."""
-    from tandemrl.data.prepare import prepare_default_index, prepare_default_kb
+    from tandemrl.commands.prepare import prepare_default_index, prepare_default_kb
     from tandemrl.data.prepare_model import prepare_model, prepare_retriever
 
     log.info("preparing the embedded defaults if needed (model, retriever, knowledge base, index)")
@@ -60,11 +65,11 @@ def is_model_dir(path: Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
+def ensure_cold_start(config: TandemConfig, mode: str = "auto") -> bool:
     """Cold-start the policy the rollout serves when it is the `coldstart` directory and that is missing
     (`auto`) or always (`always`); `never` does nothing. Returns whether a cold start ran."""
     from tandemrl.config.schema import ConfigError
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     if mode not in COLD_START_MODES:
         raise ConfigError(
@@ -83,11 +88,12 @@ def ensure_cold_start(config: Any, mode: str = "auto") -> bool:
     return True
 
 
-def run_cold_start(config: Any, target: Path) -> None:
+def run_cold_start(config: TandemConfig, target: Path) -> None:
     """`tandem sft` on the config's `actor.sft` knobs, exported aside and renamed into `target`."""
     import copy
 
-    from tandemrl.trainer.sft import load_sft_samples, train_sft
+    from tandemrl.commands.sft import load_sft_samples
+    from tandemrl.trainer.sft import train_sft
 
     sft = config.actor.sft
     log.info(
@@ -125,12 +131,12 @@ def step_rewards(output_dir: Path) -> list[float]:
     return [row["rollout/reward/mean"] for row in rows if "rollout/reward/mean" in row]
 
 
-def run_demo(args: Any) -> int:
+def run_demo(args: argparse.Namespace) -> int:
     from tandemrl.agent.tools import check_plugins
+    from tandemrl.commands.train import train
     from tandemrl.config.derive import COLDSTART
     from tandemrl.config.loader import load_config
     from tandemrl.metrics.trackers import check_installed
-    from tandemrl.runner.launch import train
 
     mode = getattr(args, "cold_start", "auto")
     ensure_prepared()

@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from tandemrl.data.home import default_index_dir, default_kb_dir
 from tandemrl.data.prepare_model import prepare_model, prepare_retriever
+from tandemrl.host.home import default_index_dir, default_kb_dir
 
 log = logging.getLogger(__name__)
 

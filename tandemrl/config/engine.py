@@ -1,5 +1,5 @@
-"""The embedded engine's configuration, owned here and nowhere else (pure Python: the config schema
-imports it).
+"""The embedded engine's configuration, owned here and nowhere else: config/ holds it (pure Python) so
+the schema and the engine (engine/engine.py, engine/server.py) import it from below both.
 
 `EngineOptions` are the engine's own settings. They go whole from YAML to the engine under one name
 each: `rollout.engine.<name>` in the config = `tandem serve-engine --<name>` (underscores as dashes,

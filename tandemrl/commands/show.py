@@ -1,6 +1,6 @@
 """`tandem config show [--check]`: the resolved configuration as YAML, derived values marked with a
 comment, API keys shown only as `<set>`. It refuses (exit 2) bad keys and combinations and what this
-machine could not start (config/preflight.py `check_startable`); `--check` also runs every other check
+machine could not start (commands/preflight.py `check_startable`); `--check` also runs every other check
 `tandem train` makes before it starts a service (`check_before_services`: data files read whole, the
 index, the model directory, placeholder paths), so a config that passes `config show --check` gets past
 `train`'s start-up checks. Plain `config show` does not read the data: it shows configs meant for
@@ -36,13 +36,13 @@ def render(config) -> str:
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from tandemrl.config.preflight import check_startable
+    from tandemrl.commands.preflight import check_startable
 
     config = load_config(args.config, args.overrides)
     check_startable(config)
     if getattr(args, "check", False):
         from tandemrl.cluster.placement import plan_placement
-        from tandemrl.config.preflight import check_before_services
+        from tandemrl.commands.preflight import check_before_services
         from tandemrl.runner.services import resolve_auto_devices
 
         resolve_auto_devices(config)  # as train does before it plans

@@ -26,9 +26,12 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tandemrl.engine.http_guard import PORT_IN_USE_EXIT
-from tandemrl.metrics.startup import STARTUP_NAME_ENV, mark
+from tandemrl.host.http_guard import PORT_IN_USE_EXIT
+from tandemrl.host.startup import STARTUP_NAME_ENV, mark
 
+# every process of a run carries its id (set by cluster/reaper.py); files a run leaves in the temp
+# directory are named by it, so the reaper of a later run can tell whose they were
+RUN_ID_ENV = "TANDEM_RUN_ID"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -26,7 +26,7 @@ RETRIEVAL_KEY_ENV = "TANDEM_RETRIEVAL_API_KEY"
 OPEN_PATHS = frozenset({"/health"})  # liveness probes carry no key
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # the exit status of a server whose port is taken (Linux's EADDRINUSE): a launcher that picked the
-# port itself (cluster/child_server.py) picks another and launches again
+# port itself (host/child_server.py) picks another and launches again
 PORT_IN_USE_EXIT = 98
 
 

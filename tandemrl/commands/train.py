@@ -6,7 +6,7 @@ spawned, then the actor submitted, all booting at once -> the driver's own prepa
 prompts, heavy imports) while they boot -> wait for all -> runner; teardown is the reverse and
 happens on every exit path, Ctrl-C and SIGTERM included (exit 130, one line). A kill -9 of this
 process is cleaned up by the run's reaper (cluster/reaper.py). Every phase of every process lands on
-the start-up timeline (metrics/startup.py). See docs/DESIGN.md.
+the start-up timeline (host/startup.py). See docs/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -18,9 +18,14 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.config.loader import load_config
+
+if TYPE_CHECKING:
+    import argparse
+
+    from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +82,13 @@ _interrupt: Interrupt | None = None
 def process_age_s() -> float:
     """Seconds since this process started (the figure `time to first step` counts from); 0 where the
     system does not say."""
-    from tandemrl.metrics.startup import process_start_epoch
+    from tandemrl.host.startup import process_start_epoch
 
     started = process_start_epoch()
     return max(0.0, time.time() - started) if started is not None else 0.0
 
 
-def train(config: Any, write_plots: bool = True, started_s: float | None = None) -> Any:
+def train(config: TandemConfig, write_plots: bool = True, started_s: float | None = None) -> Any:
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
     (time.monotonic() at the process start) makes the run log its time to the first step, and starts
     the start-up timeline's clock (else it starts at this call). The run holds `runner.output_dir`
@@ -94,9 +99,9 @@ def train(config: Any, write_plots: bool = True, started_s: float | None = None)
         return _train_in_output_dir(config, write_plots, started_s)
 
 
-def _train_in_output_dir(config: Any, write_plots: bool, started_s: float | None) -> Any:
+def _train_in_output_dir(config: TandemConfig, write_plots: bool, started_s: float | None) -> Any:
     from tandemrl.cluster.mps import LOG_ENV, PIPE_ENV, SM_PERCENT_ENV, start_for_run
-    from tandemrl.metrics import startup
+    from tandemrl.host import startup
 
     origin_epoch = time.time() - (time.monotonic() - started_s) if started_s is not None else time.time()
     output_dir = Path(config.runner.output_dir)
@@ -128,15 +133,17 @@ def _restore_env(saved: dict[str, str | None]) -> None:
             os.environ[key] = value
 
 
-def _train(config: Any, write_plots: bool, started_s: float | None, origin: tuple[float, str]) -> Any:
+def _train(
+    config: TandemConfig, write_plots: bool, started_s: float | None, origin: tuple[float, str]
+) -> Any:
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
     from tandemrl.cluster.ray_nodes import shutdown_ray
-    from tandemrl.config.preflight import check_before_services
-    from tandemrl.config.show import render
+    from tandemrl.commands.preflight import check_before_services
+    from tandemrl.commands.show import render
+    from tandemrl.host.startup import mark
     from tandemrl.metrics.plots import write_plots as plot
-    from tandemrl.metrics.startup import mark
     from tandemrl.runner.services import Services, resolve_auto_devices
     from tandemrl.runner.session import prepare_session, run_session
 
@@ -199,7 +206,7 @@ def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
     return placed
 
 
-def dry_run(config: Any) -> int:
+def dry_run(config: TandemConfig) -> int:
     """Print the plan: processes with node and GPUs, derived limits, weight-sync route, and each launched
     server's command as the launch runs it (its interpreter, PYTHONPATH and key file); start nothing."""
     from tandemrl.cluster.placement import describe_plan, plan_placement
@@ -226,7 +233,7 @@ def dry_run(config: Any) -> int:
     return 0
 
 
-def _launch_command(config: Any, server: Any) -> str:
+def _launch_command(config: TandemConfig, server: Any) -> str:
     """The command line a launch runs: every launched server gets the run's fresh API key, which SGLang
     reads from a private `--config` file (made at launch) and vLLM from VLLM_API_KEY."""
     args = server.command()
@@ -248,7 +255,7 @@ def _quoted(word: str) -> str:
     return word if word.startswith("<") else shlex.quote(word)  # <...>: what the launch fills in
 
 
-def interrupted_line(config: Any, signum: int) -> str:
+def interrupted_line(config: TandemConfig, signum: int) -> str:
     """The one line of an interrupted run: where it stopped and what resume point it left."""
     from tandemrl.metrics.logger import read_history
     from tandemrl.trainer.checkpoint import latest_checkpoint
@@ -269,7 +276,7 @@ def interrupted_line(config: Any, signum: int) -> str:
     )
 
 
-def _report_interrupted(config: Any, received: list[int]) -> int:
+def _report_interrupted(config: TandemConfig, received: list[int]) -> int:
     from tandemrl.runner import exit_guard
 
     print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
@@ -279,8 +286,8 @@ def _report_interrupted(config: Any, received: list[int]) -> int:
     return EXIT_INTERRUPTED
 
 
-def run_train(args: Any) -> int:
-    from tandemrl.config.preflight import check_startable
+def run_train(args: argparse.Namespace) -> int:
+    from tandemrl.commands.preflight import check_startable
     from tandemrl.runner.output_lock import hold_output_dir
     from tandemrl.runner.services import check_index_free
 
@@ -293,7 +300,7 @@ def run_train(args: Any) -> int:
         return _run_held(config)
 
 
-def _run_held(config: Any) -> int:
+def _run_held(config: TandemConfig) -> int:
     from tandemrl.buffer.rollout_buffer import DroppedGroupsLimitError
     from tandemrl.cluster.reaper import start_reaper
     from tandemrl.runner.services import ServiceDiedError

@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tandemrl.config.errors import ConfigError
 
+if TYPE_CHECKING:
+    from tandemrl.config.rollout import RolloutConfig
+    from tandemrl.config.schema import TandemConfig
 
-def check_startable(config: Any) -> None:
+
+def check_startable(config: TandemConfig) -> None:
     """Raise ConfigError for what `tandem train` could not start with."""
+    check_resume(config)
     from tandemrl.agent.tools import check_plugins
     from tandemrl.metrics.trackers import check_installed
 
@@ -43,7 +48,7 @@ def check_startable(config: Any) -> None:
     if config.cluster.num_nodes > 1:
         return  # the engines' interpreters and the model paths live on the nodes
     _check_engine_imports(rollout)
-    from tandemrl.data.home import default_coldstart_dir
+    from tandemrl.host.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
     for key, path in (
@@ -57,7 +62,27 @@ def check_startable(config: Any) -> None:
             )
 
 
-def _check_engine_imports(rollout: Any) -> None:
+def check_resume(config: TandemConfig) -> None:
+    """`runner.resume_from` is a tandemrl checkpoint whose every byte matches its manifest
+    (trainer/checkpoint_check.py: files and pickles parsed, no torch), before any service starts."""
+    resume_from = config.runner.resume_from
+    if not resume_from:
+        return
+    from tandemrl.trainer.checkpoint_check import DATA_FILE, CheckpointError, verify_checkpoint
+
+    state = Path(resume_from) / DATA_FILE
+    if not state.exists() and not state.is_symlink():  # a link or a FIFO there: the check names it
+        raise ConfigError(
+            f"runner.resume_from={resume_from!r}: {state} does not exist, so this is not a tandemrl "
+            "checkpoint directory. Point it at <output_dir>/checkpoints/global_step_N."
+        )
+    try:
+        verify_checkpoint(resume_from, need_data=True)
+    except CheckpointError as error:
+        raise ConfigError(f"runner.resume_from={resume_from!r}: {error}") from None
+
+
+def _check_engine_imports(rollout: RolloutConfig) -> None:
     """A launched vLLM or SGLang server runs `rollout.<backend>.python` with `.pythonpath`: that
     interpreter must import the engine (rollout/engine_python.py), on this node."""
     if rollout.server_addrs or rollout.backend not in ("vllm", "sglang"):
@@ -70,7 +95,7 @@ def _check_engine_imports(rollout: Any) -> None:
         raise ConfigError(engine_import_message(rollout.backend, section.python, section.pythonpath, said))
 
 
-def _check_mps(config: Any) -> None:
+def _check_mps(config: TandemConfig) -> None:
     """`cluster.mps` starts NVIDIA's MPS control daemon for the run; without it (no NVIDIA driver, so no
     GPU for MPS to share) or on CPU devices the key means nothing, and train would fail on it."""
     from tandemrl.cluster.mps import CONTROL
@@ -98,7 +123,7 @@ def _check_mps(config: Any) -> None:
 PLACEHOLDER_PREFIXES = ("/path/to/", "path/to/")
 
 
-def check_before_services(config: Any) -> None:
+def check_before_services(config: TandemConfig) -> None:
     """Raise ConfigError for what `tandem train` would refuse before it starts a service (see above)."""
     from tandemrl.runner.services import index_dir, model_path
 
@@ -110,7 +135,7 @@ def check_before_services(config: Any) -> None:
     _check_data_files(config)
 
 
-def _check_placeholders(config: Any) -> None:
+def _check_placeholders(config: TandemConfig) -> None:
     keys = {
         "rollout.model.model_path": config.rollout.model.model_path,
         "actor.model.model_path": config.actor.model.model_path,
@@ -129,7 +154,7 @@ def _check_placeholders(config: Any) -> None:
             )
 
 
-def _check_data_files(config: Any) -> None:
+def _check_data_files(config: TandemConfig) -> None:
     """Every question file the run reads, read and checked whole (the driver reads them at start-up)."""
     from tandemrl.agent.evaluate import split_paths
     from tandemrl.data.loader import load_prompts

@@ -1,0 +1,197 @@
+"""The actor's sections: `algorithm.*` (GRPO, its loss and off-policy correction), `actor.*` (the model,
+its precision, sharding and micro-batches), `actor.optim.*` and the cold start's `actor.sft.*`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tandemrl.config.checks import _check, _check_choice, _check_positive
+from tandemrl.config.rollout import ModelConfig
+
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+
+
+@dataclass
+class DownSamplingRulesConfig:
+    reject_equal_reward: bool = False
+
+
+@dataclass
+class DownSamplingConfig:
+    down_sampling_config: DownSamplingRulesConfig = field(default_factory=DownSamplingRulesConfig)
+
+
+@dataclass
+class AlgorithmConfig:
+    group_size: int = 4
+    n_minibatches: int = 4
+    # None: derived (true when off_policy_correction needs the proximal logprobs, else false)
+    recompute_logprobs: bool | None = None
+    # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py
+    off_policy_correction: str = "none"
+    tis_cap: float = 2.0  # tis: the importance weight is truncated at this value
+    # decoupled: tokens whose importance weight exceeds this are left out of the gradient
+    decoupled_weight_cap: float = 5.0
+    ratio_clip_eps: float = 0.2
+    ratio_clip_eps_high: float | None = None  # None: same as ratio_clip_eps
+    dual_clip_c: float | None = None  # e.g. 3.0; None disables the dual clip
+    norm_adv_by_std: bool = True
+    kl_coef: float = 0.0  # low-variance KL to the reference model; 0 disables it
+
+    def __post_init__(self):
+        _check_positive("algorithm.group_size", self.group_size)
+        _check_positive("algorithm.n_minibatches", self.n_minibatches)
+        _check_positive("algorithm.ratio_clip_eps", self.ratio_clip_eps)
+        _check_positive("algorithm.ratio_clip_eps_high", self.ratio_clip_eps_high, allow_none=True)
+        if self.dual_clip_c is not None:
+            _check(
+                self.dual_clip_c > 1,
+                "algorithm.dual_clip_c",
+                self.dual_clip_c,
+                "must be > 1",
+                "Use e.g. 3.0, or null to disable the dual clip.",
+            )
+        _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
+        _check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        for key, cap in (("tis_cap", self.tis_cap), ("decoupled_weight_cap", self.decoupled_weight_cap)):
+            _check(
+                cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled)."
+            )
+        _check(
+            self.recompute_logprobs is not False or self.off_policy_correction == "none",
+            "algorithm.recompute_logprobs",
+            self.recompute_logprobs,
+            f"contradicts algorithm.off_policy_correction={self.off_policy_correction!r}, whose importance "
+            "weight needs the actor's own logprobs recomputed before the update",
+            "Leave algorithm.recompute_logprobs unset (or true), or set algorithm.off_policy_correction=none.",
+        )
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0  # in parameter updates
+    lr_schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+
+    def __post_init__(self):
+        _check(
+            math.isfinite(self.lr) and self.lr >= 0,
+            "actor.optim.lr",
+            self.lr,
+            "must be a finite number >= 0",
+            "Set a non-negative learning rate, e.g. 1e-6.",
+        )
+        for key in ("weight_decay", "min_lr_ratio", "max_grad_norm"):
+            value = getattr(self, key)
+            _check(
+                math.isfinite(value) and value >= 0,
+                f"actor.optim.{key}",
+                value,
+                "must be a finite number >= 0",
+                f"Set actor.optim.{key} to a non-negative number.",
+            )
+        _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check(
+            self.warmup_steps >= 0,
+            "actor.optim.warmup_steps",
+            self.warmup_steps,
+            "must be >= 0 (parameter updates of linear warm-up)",
+            "Use 0 for no warm-up.",
+        )
+        _check(
+            len(self.betas) == 2,
+            "actor.optim.betas",
+            self.betas,
+            "must hold two numbers",
+            "Use e.g. [0.9, 0.999].",
+        )
+
+
+@dataclass
+class SftConfig:
+    """`tandem sft`: the supervised cold start on knowledge-base demonstrations."""
+
+    init_model_path: str | None = None  # the model the cold start fine-tunes; None: the embedded SmolLM2
+    demos_path: str | None = None  # None: demos.jsonl of the default KB under $TANDEM_HOME
+    rendered_path: str | None = None  # jsonl of {"input_ids", "loss_mask"}: skip rendering (no retriever)
+    num_demos: int | None = None  # seeded subset of the demos (the cold-start size knob); None: all
+    # seeded subset per data_source instead, e.g. {kb_1hop: 250, kb_2hop: 1250}: the mix decides which
+    # behaviours the cold start teaches (docs/LEARNING.md); sources left out get no demonstrations
+    num_demos_per_source: dict[str, int] = field(default_factory=dict)
+    num_epochs: int = 1
+    batch_size: int = 16  # demonstrations per parameter update
+    lr: float = 1e-5
+    skip_on_miss: bool = True  # drop demos whose searches miss the fact they rely on
+    # None: $TANDEM_HOME/models/SmolLM2-135M-Instruct-coldstart (what `model_path: coldstart` names) when
+    # fine-tuning the embedded SmolLM2, else <runner.output_dir>/sft_model; an HF directory either way
+    out_dir: str | None = None
+
+    def __post_init__(self):
+        _check_positive("actor.sft.num_demos", self.num_demos, allow_none=True)
+        for source, count in self.num_demos_per_source.items():
+            _check(
+                count >= 0,
+                f"actor.sft.num_demos_per_source.{source}",
+                count,
+                "must be >= 0",
+                "Give each data_source a count of demonstrations, 0 to leave it out.",
+            )
+        _check(
+            not (self.num_demos is not None and self.num_demos_per_source),
+            "actor.sft.num_demos",
+            self.num_demos,
+            f"cannot be combined with actor.sft.num_demos_per_source={self.num_demos_per_source!r}",
+            "Set one of the two: a total (num_demos) or a count per data_source (num_demos_per_source).",
+        )
+        _check_positive("actor.sft.num_epochs", self.num_epochs)
+        _check_positive("actor.sft.batch_size", self.batch_size)
+        _check(
+            math.isfinite(self.lr) and self.lr >= 0,
+            "actor.sft.lr",
+            self.lr,
+            "must be finite and >= 0",
+            "Use e.g. 1e-5.",
+        )
+
+
+@dataclass
+class ActorConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    sft: SftConfig = field(default_factory=SftConfig)
+    # tokens per forward/backward (padding included); None: auto (trainer/policy.py
+    # `resolve_micro_batch_tokens`: 8192 on CPU, on CUDA sized from the model's activations and free memory)
+    micro_batch_tokens: int | None = None
+    gradient_checkpointing: bool = False
+    # torch.compile each decoder layer (dynamic shapes): fuses the norm/rotary/activation/cast kernels
+    # around the matmuls; costs compile time at the first steps (trainer/policy.py `compile_layers`)
+    compile_layers: bool = False
+    # HF's eager RMSNorm of Llama/Qwen models through F.rms_norm (trainer/policy.py `fuse_rms_norms`);
+    # off until it is measured on a GPU (CPU tests show the same loss and gradients)
+    fused_rms_norm: bool = False
+    device: str = "auto"
+    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    num_ranks: int = 1
+    # the actor trains rollout.model.model_path (the weights the engines serve); true: actor.model.model_path
+    # may name other weights on purpose (same architecture and tokenizer; the engines get them at step 0)
+    allow_different_model: bool = False
+    # auto (CUDA, bf16): flash_attention_2 when flash_attn is installed, else varlen (torch's own flash
+    # varlen kernel, trainer/varlen.py) when it works, else sdpa; CPU: sdpa. flash/varlen pack
+    # micro-batches into one row, sdpa/eager use length-sorted padded rows
+    attn_implementation: str = "auto"
+
+    def __post_init__(self):
+        _check_positive("actor.micro_batch_tokens", self.micro_batch_tokens, allow_none=True)
+        _check_positive("actor.num_ranks", self.num_ranks)
+        _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
+        _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check_choice(
+            "actor.attn_implementation",
+            self.attn_implementation,
+            ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3"),
+        )

@@ -1,0 +1,35 @@
+"""The checks every config section runs in `__post_init__`: a key whose value is wrong raises `ConfigError`
+naming the key, the value (summarized), why, and what to set instead."""
+
+from __future__ import annotations
+
+import math
+
+from tandemrl.config.errors import ConfigError, value_summary
+
+
+def _check(ok: bool, key: str, value: object, why: str, fix: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}={value_summary(value)}: {why}. {fix}")
+
+
+def _check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    _check(value in choices, key, value, f"must be one of {', '.join(choices)}", f"Set {key} to one of them.")
+
+
+def _check_positive(key: str, value: int | float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    _check(value is not None and value > 0, key, value, "must be > 0", f"Set {key} to a positive number.")
+
+
+def _check_finite_positive(key: str, value: float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    _check(
+        value is not None and math.isfinite(value) and value > 0,
+        key,
+        value,
+        "must be a finite number > 0",
+        f"Set {key} to a positive number of seconds.",
+    )

@@ -24,6 +24,7 @@ def make_tiny_model_dir(
     seed: int = 0,
     num_layers: int = 2,
     hidden: int = 64,
+    tie_word_embeddings: bool = True,
 ) -> Path:
     """Write a random `arch` model with `tokenizer_dir`'s vocabulary and tokenizer to `out_dir`."""
     out_dir = Path(out_dir)
@@ -41,7 +42,7 @@ def make_tiny_model_dir(
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=4096,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie_word_embeddings,
         rms_norm_eps=1e-6,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

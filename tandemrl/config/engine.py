@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from tandemrl.config.errors import ConfigError
 
 MAX_PREFILL_DELAY_STEPS = 256  # a few hundred ms of decode steps at most: a held request must not starve
+SPECULATIVE_MODES = ("none", "ngram")
+MAX_SPEC_DRAFT_TOKENS = 16  # a verify row forwards 1 + this; longer drafts are rarely accepted whole
+MAX_SPEC_NGRAM = 8
 
 
 @dataclass(kw_only=True)
@@ -33,6 +36,13 @@ class EngineOptions:
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (the agent loop resends each turn)
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
+    # speculative decoding (engine/speculative.py): ngram drafts up to `spec_num_draft_tokens` tokens by
+    # prompt lookup (the last spec_ngram_max..spec_ngram_min tokens matched earlier in the request's own
+    # context) and one forward verifies them, with exact sampling; runs on the reference runner
+    speculative: str = "none"
+    spec_num_draft_tokens: int = 4
+    spec_ngram_min: int = 1
+    spec_ngram_max: int = 3
 
     def __post_init__(self):
         for name in ("kv_cache_gb", "block_size", "max_prefill_tokens"):
@@ -51,6 +61,28 @@ class EngineOptions:
                 f"rollout.engine.prefill_delay_steps={self.prefill_delay_steps!r}: must be within 0-"
                 f"{MAX_PREFILL_DELAY_STEPS} (decode steps a waiting request may be held before its prefill; "
                 "0 prefills it at the next step)."
+            )
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        if self.speculative not in SPECULATIVE_MODES:
+            raise ConfigError(
+                f"rollout.engine.speculative={self.speculative!r}: must be one of {', '.join(SPECULATIVE_MODES)}."
+            )
+        if not 1 <= self.spec_num_draft_tokens <= MAX_SPEC_DRAFT_TOKENS:
+            raise ConfigError(
+                f"rollout.engine.spec_num_draft_tokens={self.spec_num_draft_tokens!r}: must be within 1-"
+                f"{MAX_SPEC_DRAFT_TOKENS} (draft tokens one verify step checks per request)."
+            )
+        if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= MAX_SPEC_NGRAM:
+            raise ConfigError(
+                f"rollout.engine.spec_ngram_min={self.spec_ngram_min!r}, spec_ngram_max={self.spec_ngram_max!r}: "
+                f"need 1 <= spec_ngram_min <= spec_ngram_max <= {MAX_SPEC_NGRAM} (n-gram sizes the draft looks up)."
+            )
+        if self.speculative != "none" and self.overlap_steps:
+            raise ConfigError(
+                f"rollout.engine.overlap_steps=true with rollout.engine.speculative={self.speculative}: a verify "
+                "step's tokens decide the next step's inputs, so it cannot overlap; set overlap_steps to null."
             )
 
 

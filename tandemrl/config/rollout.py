@@ -132,6 +132,13 @@ class RolloutConfig:
         _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("rollout.max_context_len", self.max_context_len)
         _check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+        _check(
+            self.engine.speculative == "none" or self.backend == "embedded",
+            "rollout.engine.speculative",
+            self.engine.speculative,
+            f"is the embedded engine's n-gram speculation; rollout.backend={self.backend} gets no speculative flags",
+            "Set rollout.engine.speculative to none (passing it through to vLLM/SGLang is not done yet).",
+        )
 
 
 @dataclass

@@ -6,7 +6,9 @@ and pauses always fall between two steps. On CUDA the runner's `launch` returns 
 a request that stops at step n was already scheduled in step n+1, whose token for it is dropped. Every
 operation that is not a step (abort, retract, weight load, flush) first drains the step in flight.
 A prefill step may forward only a chunk of a long request (see `scheduler.py`): that row samples
-nothing, so it gets no pending token and its postprocessed token is discarded.
+nothing, so it gets no pending token and its postprocessed token is discarded. With speculative decoding
+(`rollout.engine.speculative`) a decode step verifies each request's n-gram draft (`speculative.py`) and
+appends every token it emits, up to a stop; the step does not overlap and runs on the reference runner.
 Invariant: every added request is returned by `step()` or `abort*()` exactly once, with its finish reason
 (requests finished while draining come out of the next `step()` or `take_finished()`); the weight version
 stamped on a token is the version of the weights that produced its logits.
@@ -28,10 +30,11 @@ from tandemrl.config.engine import EngineConfig
 from tandemrl.engine.fast_model_runner import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
-from tandemrl.engine.model_runner import StepResult
+from tandemrl.engine.model_runner import ModelRunner, StepResult
 from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
+from tandemrl.engine.speculative import NgramDrafter
 from tandemrl.engine.stops import StopChecker
 from tandemrl.host.devices import resolve_device, resolve_dtype
 from tandemrl.host.startup import mark
@@ -52,6 +55,8 @@ class _Launched:
     samples: list[bool]  # per row: False for a prefill chunk, whose row's token is not a sample
     result: StepResult
     weight_version: int
+    is_decode: bool = False
+    is_verify: bool = False  # speculative decode step: each row's result is a list of emitted tokens
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -75,23 +80,24 @@ class Engine:
         mark("engine: tokenizer loaded")
         self.stops = StopChecker(self.tokenizer, _eos_ids(config.model_path, self.hf_config, self.tokenizer))
         num_blocks = self._num_blocks()
+        self.drafter = (
+            NgramDrafter(config.spec_num_draft_tokens, config.spec_ngram_min, config.spec_ngram_max)
+            if config.speculative == "ngram"
+            else None
+        )
+        scheduler_args = (config.max_running_requests, config.max_prefill_tokens, config.prefill_delay_steps)
         if config.enable_prefix_caching:
             self.blocks = PrefixCachingBlockManager(num_blocks, config.block_size)
-            self.scheduler = PrefixCachingScheduler(
-                self.blocks,
-                config.max_running_requests,
-                config.max_prefill_tokens,
-                config.prefill_delay_steps,
-            )
+            self.scheduler = PrefixCachingScheduler(self.blocks, *scheduler_args, self.drafter)
         else:
             self.blocks = BlockManager(num_blocks, config.block_size)
-            self.scheduler = Scheduler(
-                self.blocks,
-                config.max_running_requests,
-                config.max_prefill_tokens,
-                config.prefill_delay_steps,
+            self.scheduler = Scheduler(self.blocks, *scheduler_args, self.drafter)
+        if self.drafter is None:
+            self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
+        else:  # verify steps run on the reference path (docs/DESIGN.md, Speculative decoding)
+            self.runner = ModelRunner(
+                self.model, num_blocks, config.block_size, self.device, self.dtype, config.seed
             )
-        self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
         self.overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
         self.weight_version = 0
         self.is_version_set_by_update = False  # whether a call carrying this version loaded it
@@ -101,6 +107,9 @@ class Engine:
         self.num_steps = 0
         self.num_prefill_steps = 0
         self.num_decode_rows = 0  # rows over all decode steps: / (num_steps - num_prefill_steps) = the batch
+        self.num_decode_emitted_tokens = 0  # tokens decode rows appended: > num_decode_rows by speculation
+        self.num_spec_draft_tokens = 0  # draft tokens verified
+        self.num_spec_accepted_tokens = 0  # of those, accepted
         self.last_step_kind = ""  # "prefill" | "decode" | "": the kind of the step launched last
         self.num_requests_added = 0
         self.num_requests_finished = 0
@@ -185,12 +194,14 @@ class Engine:
         """Launch a scheduling step, postprocess the one before it; returns the requests that finished."""
         finished, self.finished = self.finished, []
         finished += self._finish_empty_requests()
-        seqs, is_prefill = self.scheduler.schedule()
+        seqs, is_prefill = self.scheduler.schedule_step()
         launched = None
         if seqs:
-            num_new = sum(s.step_end - s.num_cached_tokens for s in seqs)
+            num_new = sum(s.step_end - s.num_cached_tokens + len(s.draft_ids) for s in seqs)
             samples = [s.chunk_end is None for s in seqs]
-            launched = _Launched(seqs, samples, self.runner.launch(seqs), self.weight_version)
+            is_verify = self.drafter is not None and not is_prefill
+            result = self.runner.launch_verify(seqs) if is_verify else self.runner.launch(seqs)
+            launched = _Launched(seqs, samples, result, self.weight_version, not is_prefill, is_verify)
             for seq, sampled in zip(seqs, samples, strict=True):
                 seq.chunk_end = None
                 if sampled:
@@ -216,19 +227,31 @@ class Engine:
         # blocks they filled) runs while the step computes, not after it.
         self.scheduler.after_step(launched.seqs)
         token_ids, logprobs = launched.result.get()
+        if not launched.is_verify:
+            token_ids, logprobs = [[t] for t in token_ids], [[lp] for lp in logprobs]
         finished = []
         rows = zip(launched.seqs, launched.samples, token_ids, logprobs, strict=True)
-        for seq, sampled, token_id, logprob in rows:
+        for seq, sampled, row_ids, row_logprobs in rows:
             if not sampled:
                 continue
             seq.num_pending -= 1
             if seq.status is Status.FINISHED:  # stopped at the step before: this token is past its end
                 continue
-            seq.append(token_id, logprob, launched.weight_version)
-            reason = self.stops.check(seq)
-            if reason is not None:
-                finished.append(self._finish(seq, reason))
+            if launched.is_verify:
+                self._count_verified(seq, len(row_ids) - 1)
+            for token_id, logprob in zip(row_ids, row_logprobs, strict=True):
+                seq.append(token_id, logprob, launched.weight_version)
+                self.num_decode_emitted_tokens += launched.is_decode
+                reason = self.stops.check(seq)
+                if reason is not None:  # the tokens after a stop were never generated
+                    finished.append(self._finish(seq, reason))
+                    break
         return finished
+
+    def _count_verified(self, seq: Sequence, num_accepted: int) -> None:
+        self.num_spec_draft_tokens += len(seq.draft_ids)
+        self.num_spec_accepted_tokens += num_accepted
+        self.scheduler.after_verify(seq, num_accepted)
 
     def drain(self) -> None:
         """Postprocess the step in flight (its finished requests wait in `take_finished()`)."""
@@ -320,6 +343,9 @@ class Engine:
             num_steps=self.num_steps,
             num_prefill_steps=self.num_prefill_steps,
             num_decode_rows=self.num_decode_rows,
+            num_decode_emitted_tokens=self.num_decode_emitted_tokens,
+            num_spec_draft_tokens=self.num_spec_draft_tokens,
+            num_spec_accepted_tokens=self.num_spec_accepted_tokens,
             num_requests_added=self.num_requests_added,
             num_requests_finished=self.num_requests_finished,
             num_running=len(self.scheduler.running),

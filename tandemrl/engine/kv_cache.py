@@ -39,6 +39,13 @@ class BlockManager:
         for _ in range(missing):
             block_table.append(self.free_blocks.popleft())
 
+    def trim(self, block_table: list[int], num_tokens: int) -> None:
+        """Release the blocks of `block_table` past those `num_tokens` tokens need (a rejected draft's)."""
+        tail = block_table[self.blocks_needed(num_tokens) :]
+        if tail:
+            del block_table[-len(tail) :]
+            self.free(tail)
+
     def match_prefix(self, seq: Sequence) -> int:
         """Tokens of `seq` whose KV the pool already holds: none here (`PrefixCachingBlockManager` finds
         them)."""

@@ -17,16 +17,18 @@ from tandemrl.engine.kv_cache import allocate_kv_caches
 from tandemrl.engine.model import CausalLM
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
+from tandemrl.engine.speculative import verify
 from tandemrl.host.startup import mark
 
 
 class StepResult:
-    """The sampled token and logprob of each sequence of a launched step; `get()` waits for them."""
+    """The sampled token and logprob of each sequence of a launched step (of a verify step: the list of
+    tokens each emits, `launch_verify`); `get()` waits for them."""
 
-    def __init__(self, token_ids: list[int], logprobs: list[float]):
+    def __init__(self, token_ids: list, logprobs: list):
         self._token_ids, self._logprobs = token_ids, logprobs
 
-    def get(self) -> tuple[list[int], list[float]]:
+    def get(self) -> tuple[list, list]:
         return self._token_ids, self._logprobs
 
 
@@ -37,7 +39,7 @@ def flatten_uncached(
     prefill chunk's end, else all its tokens), with the per-sequence query lengths (new tokens) and
     context lengths (cached + new). A pending token (sampled by the last launch, not yet postprocessed)
     is its sequence's last input: its id comes from `pending_ids` (by request id), or is 0 for the CUDA
-    runner to fill in on the device."""
+    runner to fill in on the device. A speculative draft (`Sequence.draft_ids`) follows the last token."""
     input_ids, positions, query_lens, context_lens = [], [], [], []
     for seq in seqs:
         start, end = seq.num_cached_tokens, seq.step_end
@@ -47,9 +49,11 @@ def flatten_uncached(
         input_ids.extend(seq.all_ids[start:end])
         if seq.num_pending:
             input_ids.append(pending_ids[seq.rid] if pending_ids is not None else 0)
-        positions.extend(range(start, end))
-        query_lens.append(end - start)
-        context_lens.append(end)
+        num_draft = len(seq.draft_ids)
+        input_ids.extend(seq.draft_ids)
+        positions.extend(range(start, end + num_draft))
+        query_lens.append(end + num_draft - start)
+        context_lens.append(end + num_draft)
     return input_ids, positions, query_lens, context_lens
 
 
@@ -74,11 +78,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward_logits(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Forward each sequence's uncached tokens up to its step end; returns last-token logits `[B, V]`."""
+        """Forward each sequence's uncached tokens up to its step end; returns last-token logits `[B, V]`,
+        and with speculative drafts the logits of the last token and of every draft token `[R, V]` (the
+        drafts' K/V is written, but `num_cached_tokens` counts it only once the engine accepts it)."""
         input_ids, positions, query_lens, context_lens = flatten_uncached(seqs, self.last_sampled)
         meta = build_metadata(
             query_lens, context_lens, [s.block_table for s in seqs], self.block_size, self.device
         )
+        if any(s.draft_ids for s in seqs):
+            ends = torch.cumsum(torch.tensor(query_lens), 0).tolist()
+            rows = [i for s, e in zip(seqs, ends, strict=True) for i in range(e - 1 - len(s.draft_ids), e)]
+            meta.last_token_index = torch.tensor(rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(positions, dtype=torch.long, device=self.device)
         logits = self.model(ids, pos, self.kv_caches, meta)
@@ -89,6 +99,14 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence]) -> StepResult:
         token_ids, logprobs = self.run(seqs)
         self.last_sampled = {s.rid: t for s, t in zip(seqs, token_ids, strict=True)}
+        return StepResult(token_ids, logprobs)
+
+    @torch.inference_mode()
+    def launch_verify(self, seqs: list[Sequence]) -> StepResult:
+        """A decode step that verifies the sequences' drafts: per sequence a list of emitted tokens and
+        their logprobs (engine/speculative.py)."""
+        token_ids, logprobs = verify(self.forward_logits(seqs), seqs, self.generator)
+        self.last_sampled = {s.rid: t[-1] for s, t in zip(seqs, token_ids, strict=True)}
         return StepResult(token_ids, logprobs)
 
     @torch.inference_mode()

@@ -11,7 +11,9 @@ it, so a retracted request's registered blocks may serve its own re-admission, a
 Invariants: a shared block is never written (a match always leaves at least one token to compute, and
 new tokens land in blocks after the matched ones); KV computed under older weights is never matched:
 `invalidate()` (on a weight update) forgets every hash and marks the blocks still in use as stale, and
-no block of a table that held K/V across an update is registered again (`num_registered_blocks`).
+no block of a table that held K/V across an update is registered again (`num_registered_blocks`); a
+speculative draft's K/V is never registered (`register` stops at the known tokens, which a draft is not
+part of until accepted, and the blocks past the accepted tokens are released unregistered).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections import OrderedDict
 from tandemrl.engine.kv_cache import BlockManager
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import Sequence, Status
+from tandemrl.engine.speculative import NgramDrafter
 
 _ROOT_HASH = 0
 _NEVER = sys.maxsize  # `Sequence.num_registered_blocks` of a table that must not be cached any further
@@ -156,8 +159,9 @@ class PrefixCachingScheduler(Scheduler):
         max_running_requests: int,
         max_prefill_tokens: int,
         prefill_delay_steps: int = 0,
+        drafter: NgramDrafter | None = None,
     ):
-        super().__init__(blocks, max_running_requests, max_prefill_tokens, prefill_delay_steps)
+        super().__init__(blocks, max_running_requests, max_prefill_tokens, prefill_delay_steps, drafter)
         self.num_prefix_hit_tokens = 0
 
     def _prefill_batch(self) -> list[Sequence]:

@@ -15,7 +15,7 @@ import torch
 _CANDIDATES = 1024  # top-p/top-k look at this many candidates first and fall back to a full sort
 
 
-def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+def draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One index per row, drawn from (unnormalised) probs by inverting the CDF (much faster than
     torch.multinomial on CPU for large vocabularies)."""
     cdf = probs_BV.cumsum(-1)
@@ -26,10 +26,11 @@ def _draw(probs_BV: torch.Tensor, generator: torch.Generator | None) -> torch.Te
     return torch.searchsorted(cdf, u, right=True).squeeze(-1)
 
 
-def _truncated_sample(
-    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor, generator: torch.Generator | None
+def _kept(
+    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
+    """Probs restricted to top-k / top-p and renormalised, over candidates sorted by probability; returns
+    (kept probs, their token ids)."""
     vocab = probs_BV.shape[-1]
     k_limits = torch.where(top_ks > 0, top_ks, torch.full_like(top_ks, vocab))
     num = min(vocab, max(_CANDIDATES, int(k_limits.max())))
@@ -43,11 +44,34 @@ def _truncated_sample(
     rank = torch.arange(num, device=probs_BV.device)[None, :]
     keep = (rank < k_limits[:, None]) & (mass_before <= top_ps[:, None])
     kept = torch.where(keep, vals, torch.zeros_like(vals))
-    kept = kept / kept.sum(-1, keepdim=True)
-    choice = _draw(kept, generator)[:, None]  # [B, 1] index into candidates
+    return kept / kept.sum(-1, keepdim=True), idx
+
+
+def _truncated_sample(
+    probs_BV: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor, generator: torch.Generator | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample from probs restricted to top-k / top-p; returns (token ids, logprobs under the kept set)."""
+    kept, idx = _kept(probs_BV, top_ps, top_ks)
+    choice = draw(kept, generator)[:, None]  # [B, 1] index into candidates
     token_ids = idx.gather(-1, choice).squeeze(-1)
     logprobs = kept.gather(-1, choice).squeeze(-1).log()
     return token_ids, logprobs
+
+
+def target_probs(
+    logits_RV: torch.Tensor, temperatures: torch.Tensor, top_ps: torch.Tensor, top_ks: torch.Tensor
+) -> torch.Tensor:
+    """Each row's whole distribution as `sample` draws from it (greedy rows: softmax at T = 1, whose
+    argmax `sample` picks): the probabilities of speculative verification (`speculative.verify`)."""
+    logits_RV = logits_RV.float()
+    temps = torch.where(temperatures == 0, torch.ones_like(temperatures), temperatures)
+    probs = torch.softmax(logits_RV / temps[:, None], dim=-1)
+    truncated = (temperatures != 0) & ((top_ps < 1) | (top_ks > 0))
+    if bool(truncated.any()):
+        rows = truncated.nonzero().squeeze(-1)
+        kept, idx = _kept(probs[rows], top_ps[rows], top_ks[rows])
+        probs[rows] = torch.zeros_like(probs[rows]).scatter(-1, idx, kept)
+    return probs
 
 
 def sample(
@@ -72,7 +96,7 @@ def sample(
     if bool(plain.any()):
         rows = plain.nonzero().squeeze(-1)
         probs = torch.softmax(logits_BV[rows] / temperatures[rows, None], dim=-1)
-        chosen = _draw(probs, generator)
+        chosen = draw(probs, generator)
         token_ids[rows], logprobs[rows] = chosen, probs.gather(-1, chosen[:, None]).squeeze(-1).log()
     if bool(truncated.any()):
         rows = truncated.nonzero().squeeze(-1)

@@ -28,6 +28,7 @@ from collections import deque
 
 from tandemrl.engine.kv_cache import BlockManager
 from tandemrl.engine.sequence import Sequence, Status
+from tandemrl.engine.speculative import NgramDrafter
 
 
 class Scheduler:
@@ -37,8 +38,10 @@ class Scheduler:
         max_running_requests: int,
         max_prefill_tokens: int,
         prefill_delay_steps: int = 0,
+        drafter: NgramDrafter | None = None,
     ):
         self.blocks = blocks
+        self.drafter = drafter
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.prefill_delay_steps = prefill_delay_steps
@@ -78,6 +81,41 @@ class Scheduler:
             self.is_decode_due = self.prefilling is not None
             return batch, True
         return self._decode_batch(), False
+
+    def schedule_step(self) -> tuple[list[Sequence], bool]:
+        """`schedule()`, with drafts added to a decode batch when the engine speculates."""
+        batch, is_prefill = self.schedule()
+        if self.drafter is not None and not is_prefill:
+            self._add_drafts(batch)
+        return batch, is_prefill
+
+    def _add_drafts(self, batch: list[Sequence]) -> None:
+        """Give each request of a decode batch a draft to verify, with blocks for it where the pool has them
+        free. After the batch is made: a draft never retracts a request (retraction is as without
+        speculation).
+        A draft is cut so every token the step may emit fits `max_new_tokens` and the context."""
+        block_size = self.blocks.block_size
+        for seq in batch:
+            room = min(
+                seq.params.max_new_tokens - len(seq.output_ids) - seq.num_pending,
+                seq.max_total_len - seq.num_tokens,
+            )
+            draft = self.drafter.propose(seq, room - 1)  # the step emits up to len(draft) + 1 tokens
+            if not draft:
+                continue
+            num_tokens = seq.num_tokens + len(draft)
+            # free blocks only: a draft evicts no cached prefix block (the block manager would, for it)
+            if self.blocks.blocks_needed(num_tokens) - len(seq.block_table) <= len(self.blocks.free_blocks):
+                self.blocks.allocate(seq.block_table, num_tokens)
+            else:  # only what the blocks held already
+                draft = draft[: len(seq.block_table) * block_size - seq.num_tokens]
+            seq.draft_ids = draft
+
+    def after_verify(self, seq: Sequence, num_accepted: int) -> None:
+        """A verify step accepted `num_accepted` draft tokens: their K/V is kept, the rest is released."""
+        seq.num_cached_tokens += num_accepted
+        seq.draft_ids = []
+        self.blocks.trim(seq.block_table, seq.num_cached_tokens)
 
     def _holds_admissions(self) -> bool:
         """Whether the waiting requests wait one more decode step (`prefill_delay_steps`)."""

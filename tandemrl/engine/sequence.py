@@ -7,7 +7,8 @@ over `prompt_ids + output_ids`. A token the GPU has sampled but the host has not
 steps): it counts in `num_tokens` (its position and KV slot are known) but not in `output_ids` until
 the step that sampled it is postprocessed. A prefill step may forward only a chunk of a request's
 uncached tokens: `chunk_end` then marks where it stops (set by the scheduler, cleared by the engine once
-the step is launched) and the step samples nothing for that request.
+the step is launched) and the step samples nothing for that request. With speculative decoding a decode
+step also forwards `draft_ids` after the last token and may append several tokens at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 SAMPLING_KEYS = {
     "max_new_tokens",
@@ -166,6 +168,10 @@ class Sequence:
     chunk_end: int | None = None  # the scheduled step stops at this token, short of `num_tokens`
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (prefix reuse)
     num_registered_blocks: int = 0  # leading blocks of the table the prefix cache has seen (prefix reuse)
+    # speculative decoding (engine/speculative.py): the draft the scheduled decode step verifies after the
+    # last token (its K/V is provisional: the engine keeps only the accepted part), and the n-gram index
+    draft_ids: list[int] = field(default_factory=list)
+    ngram_index: Any = None
 
     @property
     def num_tokens(self) -> int:

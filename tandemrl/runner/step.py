@@ -188,6 +188,10 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         "time/wall": now_s - ctx.clock_start_s,
     }
     ctx.last_step_end_s = now_s
+    if "rollout/engine_decode_rows" in metrics and metrics.get("rollout/total_num_sequence"):
+        # the window's decode rows (validation's included when it ran) over the hand-off's trajectories
+        num_rows = metrics["rollout/engine_decode_rows"]
+        metrics["rollout/spec/decode_steps_per_trajectory"] = num_rows / metrics["rollout/total_num_sequence"]
     warn_on_search_errors(ctx, step, metrics)
     ctx.logger.log(step, metrics)
     if step != ctx.start_step + 1:

@@ -25,6 +25,9 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
     "num_steps",
     "num_prefill_steps",
     "num_decode_rows",
+    "num_decode_emitted_tokens",
+    "num_spec_draft_tokens",
+    "num_spec_accepted_tokens",
 )
 
 
@@ -67,6 +70,21 @@ def engine_step_metrics(delta: dict[str, float]) -> dict[str, float]:
         metrics["rollout/engine_decode_step_ms"] = 1000 * (delta["busy_s"] - prefill_s) / num_decode
     if num_prefill > 0:
         metrics["rollout/engine_prefill_step_ms"] = 1000 * prefill_s / num_prefill
+    return {**metrics, **spec_metrics(delta)}
+
+
+def spec_metrics(delta: dict[str, float]) -> dict[str, float]:
+    """Speculative decoding over a step window (engine/speculative.py): the share of draft tokens accepted,
+    and the tokens a request's decode (verify) step emits on average, 1 without speculation; the decode
+    steps per trajectory come in `end_of_step`, where the trajectories are counted."""
+    num_rows = delta.get("num_decode_rows", 0.0)
+    num_emitted = delta.get("num_decode_emitted_tokens", 0.0)
+    if num_rows <= 0 or num_emitted <= 0:
+        return {}
+    metrics = {"rollout/spec/tokens_per_step": num_emitted / num_rows, "rollout/engine_decode_rows": num_rows}
+    num_draft = delta.get("num_spec_draft_tokens", 0.0)
+    if num_draft > 0:
+        metrics["rollout/spec/acceptance_rate"] = delta.get("num_spec_accepted_tokens", 0.0) / num_draft
     return metrics
 
 

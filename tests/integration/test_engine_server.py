@@ -1,5 +1,6 @@
 """The engine process over HTTP: SGLang shapes, bad input, the three pause modes each with a weight update
-(over a real gloo group from this process) between pause and continue."""
+(over a real gloo group from this process) between pause and continue; every test runs on an engine
+without and with n-gram speculative decoding (`serve-engine --speculative ngram`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandemrl.config.engine import EngineOptions
 from tandemrl.rollout.client import EngineClient, EngineError
 from tandemrl.rollout.engine_process import EngineProcess
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
@@ -20,9 +22,10 @@ PROMPTS = [[1, 504, 3237, 28, 9], [1, 2817, 314, 1060, 47, 87, 17], [1, 7, 8, 9,
 GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    with EngineProcess(tiny_llama_dir, max_context_len=512, max_running_requests=32) as proc:
+@pytest.fixture(scope="module", params=["none", "ngram"])
+def engine(tiny_llama_dir, request):
+    options = EngineOptions(speculative=request.param)
+    with EngineProcess(tiny_llama_dir, max_context_len=512, max_running_requests=32, options=options) as proc:
         yield proc
 
 
@@ -120,7 +123,8 @@ async def start_and_pause(url: str, mode: str, min_tokens: int):
 
     async def progressed():
         info = await client.server_info()
-        return info["num_decode_tokens"] - before["num_decode_tokens"] >= min_tokens * len(PROMPTS)
+        num_emitted = info["num_decode_emitted_tokens"] - before["num_decode_emitted_tokens"]
+        return num_emitted >= min_tokens * len(PROMPTS)
 
     await wait_for(progressed)
     await client.pause_generation(mode)
@@ -272,6 +276,10 @@ def test_busy_seconds_grow_only_while_requests_run(engine):
     assert 0 < info["num_prefill_steps"] < info["num_steps"]
     assert info["num_decode_rows"] >= info["num_steps"] - info["num_prefill_steps"]
     assert 0 < info["prefill_busy_s"] < info["busy_s"]
+    # greedy, a random tied-embedding model repeats its last token: drafts of the repeat are accepted
+    is_speculative = info["num_spec_draft_tokens"] > 0
+    assert (info["num_spec_accepted_tokens"] > 0) == is_speculative
+    assert (info["num_decode_emitted_tokens"] > info["num_decode_rows"]) == is_speculative
 
 
 def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, tmp_path, reference):

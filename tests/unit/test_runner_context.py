@@ -23,6 +23,24 @@ def test_engine_step_metrics_split_the_busy_time_by_step_kind():
     assert metrics["rollout/engine_prefill_step_ms"] == pytest.approx(1000 * 0.5 / 100)
 
 
+def test_spec_metrics_from_the_engines_counters():
+    delta = {
+        "busy_s": 1.0,
+        "num_steps": 10,
+        "num_prefill_steps": 0,
+        "num_decode_rows": 80,
+        "num_decode_emitted_tokens": 200,
+        "num_spec_draft_tokens": 300,
+        "num_spec_accepted_tokens": 120,
+    }
+    metrics = engine_step_metrics(delta)
+    assert metrics["rollout/spec/acceptance_rate"] == pytest.approx(0.4)
+    assert metrics["rollout/spec/tokens_per_step"] == pytest.approx(2.5)
+    assert metrics["rollout/engine_decode_rows"] == 80
+    plain = engine_step_metrics(delta | {"num_decode_emitted_tokens": 80, "num_spec_draft_tokens": 0})
+    assert plain["rollout/spec/tokens_per_step"] == 1 and "rollout/spec/acceptance_rate" not in plain
+
+
 def test_engine_step_metrics_without_steps_or_counters():
     assert engine_step_metrics({"busy_s": 0.0, "num_steps": 0}) == {}
     assert engine_step_metrics({"busy_s": 1.0}) == {}  # an engine that reports no step counters

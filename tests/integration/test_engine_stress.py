@@ -1,6 +1,7 @@
 """Stress: 200 concurrent requests against one engine process for 60 s while a controller pauses it
 every 0.2 s in a random mode (abort, retract, in_place, or the client-side drain) and pushes new weights
-over gloo each time. Every request must return exactly once, with no token lost and versions in order."""
+over gloo each time. Every request must return exactly once, with no token lost and versions in order.
+Run once more, shorter, with n-gram speculative decoding (`serve-engine --speculative ngram`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import time
 
 import pytest
 
+from tandemrl.config.engine import EngineOptions
 from tandemrl.rollout.client import EngineClient
 from tandemrl.rollout.engine_process import EngineProcess
 from tandemrl.rollout.weight_sync import WeightSender
@@ -89,15 +91,19 @@ class Stress:
 
 
 @pytest.mark.timeout(300)
-def test_stress_pauses_and_updates(tiny_llama_dir):
+@pytest.mark.parametrize("speculative, duration_s", [("none", DURATION_S), ("ngram", 20.0)])
+def test_stress_pauses_and_updates(tiny_llama_dir, speculative, duration_s):
     weight_sets = [hf_state_dict(tiny_llama_dir), forcing_state_dict(tiny_llama_dir)]
-    with EngineProcess(tiny_llama_dir, max_context_len=256, max_running_requests=64) as engine:
+    options = EngineOptions(speculative=speculative)
+    with EngineProcess(
+        tiny_llama_dir, max_context_len=256, max_running_requests=64, options=options
+    ) as engine:
 
         async def run():
             sender = WeightSender([EngineClient(engine.url)], backend="gloo", bucket_mb=16)
             await sender.connect()
             stress = Stress(engine.url, sender, weight_sets)
-            deadline = time.monotonic() + DURATION_S
+            deadline = time.monotonic() + duration_s
             workers = [asyncio.create_task(stress.worker(i, deadline)) for i in range(NUM_WORKERS)]
             await stress.controller(deadline)
             await stress.client.continue_generation()
@@ -118,6 +124,8 @@ def test_stress_pauses_and_updates(tiny_llama_dir):
     )
     assert info["num_requests_added"] == info["num_requests_finished"] == len(finished)
     assert info["num_running"] == 0 and info["num_waiting"] == 0
+    assert info["num_free_blocks"] == info["num_blocks"]  # no KV block leaked (rejected drafts included)
+    assert (info["num_spec_accepted_tokens"] > 0) == (speculative == "ngram")
     assert all(count > 0 for count in stress.num_pauses.values())
     assert reasons["length"] > 0 and reasons["abort"] > 0
     assert any(len(set(r.weight_versions)) > 1 for r in finished)  # some requests spanned an update

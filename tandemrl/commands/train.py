@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tandemrl.config.loader import load_config
+from tandemrl.runner import exit_guard
 
 if TYPE_CHECKING:
     import argparse
@@ -178,13 +179,15 @@ def _train(
             time.monotonic() - start_s,
         )
         placed = placed_nodes(services, actor)
-        session = run_session(config, services, actor, started_s, prepared, origin)
+        session = _stop_on_a_death(run_session(config, services, actor, started_s, prepared, origin))
         try:
             ctx = asyncio.run(_interrupt.run(session) if _interrupt is not None else session)
         except asyncio.CancelledError:
             if _interrupt is not None and _interrupt.received:
                 raise KeyboardInterrupt from None
             raise
+        finally:
+            exit_guard.disarm(STUCK_ON_A_DEATH)  # asyncio.run returned: the command ends by itself
         ctx.placed_nodes = placed
     finally:
         if actor is not None:
@@ -195,6 +198,24 @@ def _train(
         paths = plot(config.runner.output_dir, config.algorithm.n_minibatches)
         log.info("plots: %s", ", ".join(str(p) for p in paths))
     return ctx
+
+
+STUCK_ON_A_DEATH = "a server died, and a thread still waits on it"
+
+
+async def _stop_on_a_death(session: Any) -> Any:
+    """A dead engine can leave a thread blocked on it (a weight broadcast to a peer that is gone waits out
+    its collective's timeout), and `asyncio.run` joins its executor's threads before it returns: the run
+    would print its stop line minutes later. So in the `tandem` process the death arms the exit guard
+    (runner/exit_guard.py): unless `asyncio.run` returns within its grace, the process prints the stop line
+    and exits 1; every server dies with it (PR_SET_PDEATHSIG) and the reaper ends the rest."""
+    from tandemrl.runner.services import ServiceDiedError
+
+    try:
+        return await session
+    except ServiceDiedError as error:
+        exit_guard.arm(1, STUCK_ON_A_DEATH, line=f"tandem train: {error}")
+        raise
 
 
 def placed_nodes(services: Any, actor: Any) -> dict[str, str]:

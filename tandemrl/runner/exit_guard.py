@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 GRACE_S = 5.0  # the normal unwinding (services stopped, logs closed) ends well within this
 
 _enabled = False
 _armed = False
+_disarmed: threading.Event | None = None  # set to cancel the armed guard
+_reason: str | None = None  # what it was armed for
 _lock = threading.Lock()
 
 
@@ -33,19 +34,35 @@ def is_enabled() -> bool:
     return _enabled
 
 
-def arm(exit_code: int, reason: str, grace_s: float = GRACE_S) -> bool:
-    """End this process with `exit_code` `grace_s` from now unless it has exited by then (once; only
-    where enabled). Returns whether a guard runs."""
-    global _armed
+def arm(exit_code: int, reason: str, grace_s: float = GRACE_S, line: str | None = None) -> bool:
+    """End this process with `exit_code` `grace_s` from now unless it has exited by then, or the guard was
+    disarmed (once; only where enabled). `line`, when given, is printed first: the stop line the command
+    would have printed had it got there. Returns whether a guard runs."""
+    global _armed, _disarmed, _reason
     with _lock:
         if not _enabled or _armed:
             return _armed
-        _armed = True
+        _armed, _reason = True, reason
+        disarmed = _disarmed = threading.Event()
 
     def guard() -> None:
-        time.sleep(grace_s)
-        os.write(2, f"tandem: {reason}; ending now, without waiting for what is still running.\n".encode())
+        if disarmed.wait(grace_s):
+            return
+        text = (
+            f"{line}\n" if line else ""
+        ) + f"tandem: {reason}; ending now, without waiting for what is still running.\n"
+        os.write(2, text.encode())
         os._exit(exit_code)
 
     threading.Thread(target=guard, name="tandem-exit-guard", daemon=True).start()
     return True
+
+
+def disarm(reason: str) -> None:
+    """The wait the guard was armed for (`reason`) is over: the command got past it and ends by itself. A
+    guard armed for something else (a second Ctrl-C) stays; a later signal may arm it again."""
+    global _armed
+    with _lock:
+        if _armed and _reason == reason and _disarmed is not None:
+            _disarmed.set()
+            _armed = False

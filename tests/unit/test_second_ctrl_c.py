@@ -119,3 +119,50 @@ def test_weights_check_tokens_is_bounded():
             ],
         )
     assert load_config(CONFIG, ["runner.weights_check_tokens=256"]).runner.weights_check_tokens == 256
+
+
+FAKE_DEATH = """
+import asyncio, sys, threading, time
+from tandemrl.commands.train import STUCK_ON_A_DEATH, _stop_on_a_death
+from tandemrl.runner import exit_guard
+from tandemrl.runner.services import EngineDiedError
+
+exit_guard.enable()  # as in the `tandem` process
+never = threading.Event()
+
+async def fake_session():
+    '''Fake of a run whose engine died mid-push: a thread still blocked on the dead peer (a gloo broadcast
+    waits out its timeout), and the watchdog's error.'''
+    if sys.argv[1] == "stuck":
+        asyncio.get_running_loop().run_in_executor(None, never.wait)
+    await asyncio.sleep(0.1)
+    raise EngineDiedError("rollout engine 0 at http://127.0.0.1:1 died (exit code -9); stopping the run.")
+
+try:
+    asyncio.run(_stop_on_a_death(fake_session()))  # as commands/train.py train() runs the session
+except EngineDiedError:
+    pass
+finally:
+    exit_guard.disarm(STUCK_ON_A_DEATH)
+time.sleep(exit_guard.GRACE_S + 1)  # past the grace: a disarmed guard must not fire
+print("ended by itself", flush=True)
+"""
+
+
+@pytest.mark.parametrize("thread", ["stuck", "free"])
+def test_a_dead_server_ends_the_run_though_a_thread_still_waits_on_it(thread):
+    """The stop line of a dead engine comes within the guard's grace even while `asyncio.run` waits for a
+    thread blocked on that engine (before, it waited out the collective's 600 s timeout); when nothing is
+    stuck the guard is disarmed and the command ends by itself."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, "-c", FAKE_DEATH, thread], capture_output=True, text=True, env=env, timeout=120
+    )
+    if thread == "stuck":
+        assert result.returncode == 1, result.stderr
+        assert "tandem train: rollout engine 0 at http://127.0.0.1:1 died (exit code -9)" in result.stderr
+        assert "a server died, and a thread still waits on it; ending now" in result.stderr
+        assert "ended by itself" not in result.stdout
+    else:
+        assert result.returncode == 0 and "ended by itself" in result.stdout, result.stderr
+        assert "ending now" not in result.stderr

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tandemrl.cluster.actor_worker import ActorWorker
 from tandemrl.cluster.mps import sm_percent_env
 from tandemrl.config.schema import ConfigError
+from tandemrl.host.cpus import id_ranges
 
 if TYPE_CHECKING:
     from tandemrl.cluster.placement import PlacementPlan
@@ -39,8 +40,16 @@ class ActorGroup:
     """The actor's worker(s) behind an awaitable `call(method, *args)`. Construction only submits the
     workers (they load while the servers boot); `wait_ready()` blocks until every rank is built."""
 
-    def __init__(self, config: TandemConfig, plan: PlacementPlan, nodes: Any = None):
+    def __init__(
+        self,
+        config: TandemConfig,
+        plan: PlacementPlan,
+        nodes: Any = None,
+        cpus: tuple[tuple[int, ...], ...] = (),
+    ):
+        """`cpus`: each rank's cores (cluster/cpus.py); (): the run's shared cores."""
         self.config = config
+        self.cpus = cpus
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
         self._worker: Any = None
@@ -83,7 +92,10 @@ class ActorGroup:
             env_vars = {**(env if self.num_ranks > 1 else {}), **sm_percent_env(config, "actor")}
             if env_vars:
                 options["runtime_env"] = {"env_vars": env_vars}
-            self._handles.append(ray.remote(ActorWorker).options(**options).remote(config, log_path()))
+            rank_cpus = cpus[rank] if cpus else ()
+            self._handles.append(
+                ray.remote(ActorWorker).options(**options).remote(config, log_path(), rank_cpus)
+            )
             log.info("actor rank %d: node %d (%s)", rank, placement.node, nodes[placement.node].address)
 
     def wait_ready(self) -> ActorGroup:
@@ -93,6 +105,9 @@ class ActorGroup:
         import ray
 
         ray.get([h.get_weight_version.remote() for h in self._handles])  # construction errors surface here
+        if self.cpus:
+            for rank, cpus in enumerate(ray.get([h.cpus.remote() for h in self._handles])):
+                log.info("actor rank %d runs on cores %s", rank, id_ranges(cpus))
         table = ray.util.placement_group_table(self._placement)["bundles_to_node_id"]
         self.rank_node_ids = [table[rank] for rank in range(self.num_ranks)]  # where Ray put each rank
         return self

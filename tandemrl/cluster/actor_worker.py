@@ -22,8 +22,14 @@ class ActorWorker:
     """`startup_log`: the run's start-up timeline file, given to a worker that is a Ray actor (a process of
     its own, named `actor rank <RANK>` there); an in-process worker marks as its host process."""
 
-    def __init__(self, config: TandemConfig, startup_log: str | None = None):
+    def __init__(self, config: TandemConfig, startup_log: str | None = None, cpus: tuple[int, ...] = ()):
+        """`cpus`: the cores this rank keeps to (cluster/cpus.py), before torch starts its threads."""
         from tandemrl.host.startup import adopt, mark, mark_process_started
+
+        if cpus:
+            from tandemrl.host.cpus import pin_process
+
+            pin_process(cpus)
 
         if startup_log:
             adopt(startup_log, f"actor rank {os.environ.get('RANK', '0')}")
@@ -47,6 +53,10 @@ class ActorWorker:
 
     def get_weight_version(self) -> int:
         return int(self.actor.weight_version)
+
+    def cpus(self) -> list[int]:
+        """The cores this process's main thread may run on."""
+        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
 
     def train_step(self, samples: list[Any], profile_path: str | None = None) -> dict[str, float]:
         """`profile_path`: record the step with torch.profiler (runner.profile_steps)."""

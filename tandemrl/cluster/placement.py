@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from tandemrl.config.derive import parse_gpu_range
 from tandemrl.config.schema import ConfigError
+from tandemrl.host.cpus import id_ranges
 
 if TYPE_CHECKING:
     from tandemrl.config.schema import TandemConfig
@@ -64,13 +65,7 @@ class PlacementPlan:
 
 def format_gpus(gpus: list[int]) -> str:
     """[0, 1, 2, 3] -> '0-3'; [0, 2] -> '0,2'."""
-    parts, start = [], None
-    for index, gpu in enumerate(gpus):
-        start = gpu if start is None else start
-        if index + 1 == len(gpus) or gpus[index + 1] != gpu + 1:
-            parts.append(str(start) if start == gpu else f"{start}-{gpu}")
-            start = None
-    return ",".join(parts)
+    return id_ranges(gpus)
 
 
 def _global_gpus(config: TandemConfig, component: str) -> list[int] | None:
@@ -164,8 +159,9 @@ def weight_sync_route(
 
 def resolve_colocated_policy(config: TandemConfig, shares_gpu: bool) -> tuple[str, str]:
     """(policy, why) for `cluster.colocated_policy`: auto is time_share exactly when the async runner has
-    the actor and an engine on one GPU and nothing asks for overlap (drain, SM caps); the sync runner and
-    separate GPUs keep running both sides as they always did (docs/DESIGN.md, Sharing a GPU)."""
+    the actor and an engine on one GPU without MPS and nothing asks for overlap (drain, SM caps); under
+    MPS their kernels run side by side, and overlapping them measured faster than taking turns (H200,
+    docs/DESIGN.md, Sharing a GPU); the sync runner and separate GPUs run both sides as they always did."""
     cluster = config.cluster
     if cluster.colocated_policy != "auto":
         return cluster.colocated_policy, "set"
@@ -177,7 +173,15 @@ def resolve_colocated_policy(config: TandemConfig, shares_gpu: bool) -> tuple[st
         return "concurrent", "auto: rollout.pause_mode=drain keeps nothing across a stand-down"
     if cluster.mps_sm_percent:
         return "concurrent", "auto: cluster.mps_sm_percent splits the SMs for sides running at once"
-    return "time_share", "auto: the actor and an engine share a GPU; the engines stand down while it trains"
+    if cluster.mps:
+        return (
+            "concurrent",
+            "auto: under cluster.mps (MPS) the actor's and the engines' kernels run side by side",
+        )
+    return (
+        "time_share",
+        "auto: the actor and an engine share a GPU without MPS; the engines stand down while it trains",
+    )
 
 
 def plan_placement(config: TandemConfig) -> PlacementPlan:

@@ -36,6 +36,7 @@ class ServerSpec:
     port_offset: int = 0  # SGLang, vLLM: instances on one node count up from rollout.<backend>.port
     api_key: str | None = None  # the run's key for this server
     env: dict[str, str] = field(default_factory=dict)  # added to the server's environment (cluster/mps.py)
+    cpus: tuple[int, ...] = ()  # the cores it keeps to (cluster/cpus.py); (): the run's shared cores
     # the run's start-up timeline file (host/startup.py), which a supervisor in a Ray actor joins
     startup_log: str | None = field(default_factory=startup_log_path)
 
@@ -111,6 +112,7 @@ class ServerSupervisor:
         if spec.config.runner.output_dir:
             self.server.log_path = server_log_path(spec)
         self.server.env = {**(self.server.env or {}), **spec.env}
+        self.server.cpus = spec.cpus
         self.server.timeline_name = spec.name
         if remote:
             mark("supervisor ready")

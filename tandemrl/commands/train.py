@@ -26,6 +26,8 @@ from tandemrl.runner import exit_guard
 if TYPE_CHECKING:
     import argparse
 
+    from tandemrl.cluster.cpus import CpuPlan
+    from tandemrl.cluster.placement import PlacementPlan
     from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
@@ -143,6 +145,7 @@ def _train(
     from tandemrl.cluster.ray_nodes import shutdown_ray
     from tandemrl.commands.preflight import check_before_services
     from tandemrl.commands.show import render
+    from tandemrl.host.cpus import available_cpus, pin_process
     from tandemrl.host.startup import mark
     from tandemrl.metrics.plots import write_plots as plot
     from tandemrl.runner.services import Services, resolve_auto_devices
@@ -153,7 +156,8 @@ def _train(
     resolve_auto_devices(config)
     plan = plan_placement(config)
     check_before_services(config)  # what `tandem config show --check` also runs
-    for line in describe_plan(config, plan):
+    cpu_plan, cpu_lines = _cpu_plan(config, plan)
+    for line in [*describe_plan(config, plan), *cpu_lines]:
         log.info("%s", line)
     log.info(
         "%s runner, output in %s", "async" if config.runner.async_mode else "sync", config.runner.output_dir
@@ -162,10 +166,13 @@ def _train(
     (output_dir / "config.yaml").write_text(render(config) + "\n")  # read by `tandem plot`
     mark("config loaded, placement planned")
     start_s = time.monotonic()
-    services, actor = Services(config, plan), None
+    services = Services(config, plan, engine_cpus=cpu_plan.engines if cpu_plan else ())
+    actor, own_cpus = None, available_cpus()
     try:
+        if cpu_plan is not None:
+            pin_process(cpu_plan.shared)  # this process and all it starts (Ray, servers) but the pinned
         services.launch()
-        actor = ActorGroup(config, plan, services.nodes)
+        actor = ActorGroup(config, plan, services.nodes, cpus=cpu_plan.actor if cpu_plan else ())
         mark("actor submitted")
         prepared = prepare_session(config)  # while the servers and the actor boot
         actor.wait_ready()
@@ -194,6 +201,8 @@ def _train(
             actor.shutdown()
         services.stop()
         shutdown_ray()
+        if cpu_plan is not None:
+            pin_process(own_cpus)  # as it was: a later run in this process plans from the whole set
     if write_plots:
         paths = plot(config.runner.output_dir, config.algorithm.n_minibatches)
         log.info("plots: %s", ", ".join(str(p) for p in paths))
@@ -201,6 +210,14 @@ def _train(
 
 
 STUCK_ON_A_DEATH = "a server died, and a thread still waits on it"
+
+
+def _cpu_plan(config: TandemConfig, plan: PlacementPlan) -> tuple[CpuPlan | None, list[str]]:
+    """(the run's CPU plan or None, the lines that say it) for `cluster.cpu_pinning` (cluster/cpus.py)."""
+    from tandemrl.cluster.cpus import plan_cpus
+
+    cpu_plan, why = plan_cpus(config, plan)
+    return cpu_plan, [f"cluster.cpu_pinning = {why}", *(cpu_plan.describe() if cpu_plan else [])]
 
 
 async def _stop_on_a_death(session: Any) -> Any:
@@ -233,7 +250,7 @@ def dry_run(config: TandemConfig) -> int:
     from tandemrl.cluster.placement import describe_plan, plan_placement
 
     plan = plan_placement(config)
-    lines = describe_plan(config, plan)
+    lines = [*describe_plan(config, plan), *_cpu_plan(config, plan)[1]]
     if config.rollout.backend in ("sglang", "vllm") and plan.engines:
         from tandemrl.cluster.server_supervisor import ServerSpec, build_server
 

@@ -22,6 +22,8 @@ from tandemrl.config.rollout import RolloutBufferConfig, RolloutConfig
 __all__ = ["ConfigError", "EngineOptions", "TandemConfig", "value_summary"]
 
 COLOCATED_POLICIES = ("auto", "time_share", "concurrent")
+CPU_PINNING = ("auto", "always", "never")  # not on/off: YAML reads those as booleans
+MAX_RESERVED_CPUS = 64
 
 
 MAX_WEIGHTS_CHECK_TOKENS = 256  # runner.weights_check_tokens: see its comment
@@ -196,10 +198,29 @@ class ClusterConfig:
     # trains, and continue after the weight push; concurrent: both run at once (under MPS and its SM caps
     # when cluster.mps is true); auto: time_share on a shared GPU, concurrent otherwise (cluster/placement.py)
     colocated_policy: str = "auto"
+    # cores kept for the processes whose host thread paces the run (cluster/cpus.py): each actor rank
+    # and each engine runs on its own cores, and every other process of the run (driver, retrieval
+    # server, Ray) stays off them. always: on one node, whatever the placement; auto: when the actor and
+    # an engine share a GPU and the node has the cores to spare; never: the OS schedules everything anywhere
+    cpu_pinning: str = "auto"
+    cpus_per_actor_rank: int = 2
+    cpus_per_engine: int = 2  # 0: the engines share the rest of the run's cores
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
         _check_choice("cluster.colocated_policy", self.colocated_policy, COLOCATED_POLICIES)
+        _check_choice("cluster.cpu_pinning", self.cpu_pinning, CPU_PINNING)
+        for key, value, low in (
+            ("cpus_per_actor_rank", self.cpus_per_actor_rank, 1),
+            ("cpus_per_engine", self.cpus_per_engine, 0),
+        ):
+            _check(
+                isinstance(value, int) and low <= value <= MAX_RESERVED_CPUS,
+                f"cluster.{key}",
+                value,
+                f"must be a whole number of cores from {low} to {MAX_RESERVED_CPUS}",
+                "Use e.g. 2.",
+            )
         _check(
             self.num_gpus_per_node >= 0,
             "cluster.num_gpus_per_node",

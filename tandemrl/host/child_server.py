@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import shutil
 import signal
@@ -26,8 +27,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from tandemrl.host.cpus import id_ranges, pin_child
 from tandemrl.host.http_guard import PORT_IN_USE_EXIT
 from tandemrl.host.startup import STARTUP_NAME_ENV, mark
+
+log = logging.getLogger(__name__)
 
 # every process of a run carries its id (set by cluster/reaper.py); files a run leaves in the temp
 # directory are named by it, so the reaper of a later run can tell whose they were
@@ -77,6 +81,7 @@ class ChildServer:
         self.proc: subprocess.Popen | None = None
         self._launched_s = 0.0
         self.timeline_name: str | None = None  # its name on the start-up timeline (default: `name`)
+        self.cpus: tuple[int, ...] = ()  # the cores it runs on (cluster/cpus.py); (): its parent's
 
     @property
     def log_path(self) -> Path:
@@ -120,10 +125,18 @@ class ChildServer:
                 env=env,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,
-                preexec_fn=die_with_parent if sys.platform == "linux" else None,
+                preexec_fn=self._preexec if sys.platform == "linux" else None,
             )
         self._launched_s = time.monotonic()
+        if self.cpus:
+            log.info("%s runs on cores %s", name, id_ranges(os.sched_getaffinity(self.proc.pid)))
         return self
+
+    def _preexec(self) -> None:
+        """In the child, before the server's program runs: die with the parent; keep to `cpus`."""
+        die_with_parent()
+        if self.cpus:
+            pin_child(self.cpus)
 
     def wait_healthy(self):
         """Block until `/health` answers (raises with the log's tail if the child exits or times out)."""

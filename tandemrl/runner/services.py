@@ -133,13 +133,21 @@ def search_api_key(search: SearchToolConfig) -> str | None:
 class Services:
     """`with_engines=False`: the retrieval server only (`tandem sft`)."""
 
-    def __init__(self, config: TandemConfig, plan: PlacementPlan | None = None, with_engines: bool = True):
+    def __init__(
+        self,
+        config: TandemConfig,
+        plan: PlacementPlan | None = None,
+        with_engines: bool = True,
+        engine_cpus: tuple[tuple[int, ...], ...] = (),
+    ):
+        """`engine_cpus`: the cores of each engine instance (cluster/cpus.py); (): the run's shared cores."""
         from tandemrl.cluster.placement import plan_placement
 
         self.config = config
         resolve_auto_devices(config)
         self.plan = plan or plan_placement(config)
         self.with_engines = with_engines
+        self.engine_cpus = engine_cpus
         self.nodes: Any = None  # cluster.ray_nodes.NodeMap once Ray is up
         self.group: Any = None
         self.engine_handles: list[Any] = []
@@ -238,6 +246,7 @@ class Services:
                 port_offset=offset,
                 api_key=self.engine_api_key,
                 env=sm_percent_env(config, "rollout"),
+                cpus=self.engine_cpus[index] if self.engine_cpus else (),
             )
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote

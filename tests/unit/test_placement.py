@@ -197,6 +197,11 @@ SHARED_GPU = (
             "time_share",
             "set",
         ),
+        (
+            ("runner.async_mode=true", "agentloop.task_name=t", "cluster.mps=true", *SHARED_GPU),
+            "concurrent",
+            "MPS",
+        ),
     ],
 )
 def test_colocated_policy_auto_time_shares_exactly_a_shared_gpu_in_async_mode(overrides, policy, why):

@@ -45,6 +45,12 @@ def _add_servers(sub) -> None:
         "needed when --host is not a loopback address",
     )
     serve_retrieval.add_argument("--max-request-mb", type=float, default=4.0, help="larger bodies get 413")
+    serve_retrieval.add_argument(
+        "--num-threads",
+        type=int,
+        default=0,
+        help="cap the BLAS, OpenMP and torch thread pools (0: their default, one thread per core)",
+    )
     serve_retrieval.set_defaults(handler="tandemrl.retrieval.server:run_serve")
 
     serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")

@@ -153,6 +153,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server-latency", action="store_true", help="also time the HTTP server")
     parser.add_argument("--num-requests", type=int, default=200, help="requests per server latency run")
     parser.add_argument(
+        "--server-threads",
+        default="0,4",
+        help="comma-separated sizes of the server's thread pools to time (0: one thread per core)",
+    )
+    parser.add_argument(
         "--out",
         default=None,
         help="results JSON (default: benchmarks/results/retrieval/retrieval_<corpus>.json)",
@@ -208,7 +213,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict:
         from benchmarks.retrieval.retrieval_latency import measure_latency
 
         queries = [q["question"] for q in load_questions(question_files[0], args.max_questions)]
-        out["server_latency"] = measure_latency(index_dir, "hybrid", queries, args.num_requests)
+        threads = tuple(int(n) for n in args.server_threads.split(","))
+        out["server_latency"] = measure_latency(index_dir, "hybrid", queries, args.num_requests, threads)
     if args.provenance:
         out["provenance"] = json.loads(Path(args.provenance).read_text())
     return out

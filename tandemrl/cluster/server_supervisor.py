@@ -70,7 +70,11 @@ def build_server(spec: ServerSpec, host: str) -> Any:
         from tandemrl.retrieval.server_process import RetrievalServerProcess
 
         return RetrievalServerProcess(
-            spec.index_dir, mode=config.retrieval.mode, host=host, api_key=spec.api_key
+            spec.index_dir,
+            mode=config.retrieval.mode,
+            host=host,
+            api_key=spec.api_key,
+            num_threads=config.retrieval.num_threads,
         )
     rollout, seed = config.rollout, config.runner.seed + spec.index
     if spec.kind == "sglang":

@@ -170,10 +170,21 @@ class RetrievalConfig:
     corpus_path: str | None = None  # None: the default KB's corpus
     encoder: str = "minilm"  # minilm | e5 | a sentence-transformers directory
     mode: str | None = None  # dense | bm25 | hybrid; None: the index's own (hybrid when it has BM25)
+    # the launched server's BLAS, OpenMP and torch thread pools (0: one thread per core). OpenBLAS's
+    # threads spin between calls: at one pool thread per core the server used 11 of the H200 machine's
+    # 16 cores beside a training run (docs/RETRIEVAL.md); raise it for a large corpus searched exactly
+    num_threads: int = 4
 
     def __post_init__(self):
         if self.mode is not None:
             _check_choice("retrieval.mode", self.mode, ("dense", "bm25", "hybrid"))
+        _check(
+            isinstance(self.num_threads, int) and 0 <= self.num_threads <= 1024,
+            "retrieval.num_threads",
+            self.num_threads,
+            "must be a whole number of threads from 0 (one per core) to 1024",
+            "Use e.g. 4.",
+        )
 
 
 @dataclass

@@ -46,3 +46,25 @@ def id_ranges(ids: Iterable[int]) -> str:
             parts.append(str(start) if start == cpu else f"{start}-{cpu}")
             start = None
     return ",".join(parts)
+
+
+# the compute thread pools a child reads at start-up (OpenMP, OpenBLAS, MKL)
+THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env(num_threads: int) -> dict[str, str]:
+    """The environment that starts a child's compute pools at `num_threads` ({} for 0: their default)."""
+    return {key: str(num_threads) for key in THREAD_ENV} if num_threads > 0 else {}
+
+
+def limit_threads(num_threads: int) -> int | None:
+    """Cap this process's BLAS and OpenMP pools (already loaded) and torch's intra-op pool at
+    `num_threads`; returns the largest BLAS pool after, None where threadpoolctl is not installed."""
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(num_threads)
+    try:
+        from threadpoolctl import threadpool_info, threadpool_limits
+    except ImportError:
+        return None
+    threadpool_limits(num_threads)
+    return max((pool["num_threads"] for pool in threadpool_info()), default=None)

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 from starlette.exceptions import HTTPException
 
+from tandemrl.host.cpus import limit_threads
 from tandemrl.host.http_guard import (
     OPEN_PATHS,
     PORT_IN_USE_EXIT,
@@ -283,6 +284,15 @@ def run_serve(args) -> int:
     retriever = _open_retriever(args, fusion, sock)
     if retriever is None:
         return 2
+    num_threads = getattr(args, "num_threads", 0)
+    if num_threads < 0:
+        sock.close()
+        print(
+            f"tandem serve-retrieval: --num-threads={num_threads}: use 0 (every core) or more",
+            file=sys.stderr,
+        )
+        return 2
+    blas_threads = limit_threads(num_threads) if num_threads else None  # torch is loaded with the encoder
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request
     mark("warm-up search done")
     info = {
@@ -290,6 +300,8 @@ def run_serve(args) -> int:
         **({"fusion": fusion.method} if retriever.mode == "hybrid" else {}),
         "encoder": Path(retriever.meta.encoder).name,  # a path names the machine's layout: its last part
         "num_passages": retriever.num_passages,
+        **({"num_threads": num_threads} if num_threads else {}),
+        **({"blas_threads": blas_threads} if blas_threads is not None else {}),
     }
     app = create_app(MicroBatcher(retriever.search), info, api_key, getattr(args, "max_request_mb", 4.0))
     log.info(

@@ -26,11 +26,16 @@ class RetrievalServerProcess(ChildServer):
         log_path: str | Path | None = None,
         api_key: str | None = None,
         fusion: str | None = None,  # zscore | rrf; None: the server's default (zscore)
+        num_threads: int = 0,  # its compute thread pools (retrieval.num_threads); 0: one thread per core
     ):
+        from tandemrl.host.cpus import thread_env
         from tandemrl.host.http_guard import RETRIEVAL_KEY_ENV
 
-        # the key travels in the environment, never on the command line; "" clears an inherited one
-        super().__init__(port, host, startup_timeout_s, log_path, {RETRIEVAL_KEY_ENV: api_key or ""})
+        # the key travels in the environment, never on the command line; "" clears an inherited one;
+        # the pools' sizes too, since numpy starts OpenBLAS's on import, before the flag is read
+        env = {RETRIEVAL_KEY_ENV: api_key or "", **thread_env(num_threads)}
+        super().__init__(port, host, startup_timeout_s, log_path, env)
+        self.num_threads = num_threads
         self.api_key = api_key
         self.index_dir = Path(index_dir)
         self.mode = mode
@@ -58,4 +63,6 @@ class RetrievalServerProcess(ChildServer):
             args += ["--qdrant-url", self.qdrant_url]
         if self.fusion:
             args += ["--fusion", self.fusion]
+        if self.num_threads:
+            args += ["--num-threads", str(self.num_threads)]
         return args

@@ -164,3 +164,23 @@ def test_search_tool_when_the_server_goes_down(kb, tmp_path):
         tool, elapsed = asyncio.run(main())
     assert elapsed >= 0.05 + 0.1
     assert (tool.num_calls, tool.num_errors, tool.num_retries) == (2, 1, 2)
+
+
+def test_num_threads_caps_the_servers_thread_pools(server, kb, tmp_path):
+    """retrieval.num_threads reaches the child before numpy starts OpenBLAS (its environment) and caps the
+    pools it loaded (the flag); the module's server, started without it, keeps one thread per core."""
+    capped = RetrievalServerProcess(
+        shutil.copytree(kb["index"], tmp_path / "index"), mode="hybrid", num_threads=1
+    )
+    assert capped.server_args()[-2:] == ["--num-threads", "1"]
+    with capped:
+        health = requests.get(f"{capped.url}/health", timeout=5).json()
+        environ = dict(
+            item.split("=", 1)
+            for item in open(f"/proc/{capped.proc.pid}/environ").read().split("\0")
+            if "=" in item
+        )
+        assert post(capped, {"queries": ["founder"], "topk": 2}).status_code == 200
+    assert health["num_threads"] == 1 and health["blas_threads"] == 1
+    assert environ["OPENBLAS_NUM_THREADS"] == environ["OMP_NUM_THREADS"] == "1"
+    assert "num_threads" not in requests.get(f"{server.url}/health", timeout=5).json()

@@ -107,3 +107,19 @@ def test_always_refuses_what_it_cannot_honour_naming_why(overrides, names):
 def test_bad_values_name_their_key(override, key):
     with pytest.raises(ConfigError, match=key):
         load_config(None, [override])
+
+
+@pytest.mark.parametrize("value", [-1, 1025])
+def test_retrieval_num_threads_out_of_range_names_its_key(value):
+    with pytest.raises(ConfigError, match="retrieval.num_threads"):
+        load_config(None, [f"retrieval.num_threads={value}"])
+
+
+def test_the_runs_retrieval_server_gets_the_configured_threads():
+    from tandemrl.cluster.server_supervisor import ServerSpec, build_server
+
+    config = load_config(None, ["retrieval.num_threads=3"])
+    server = build_server(ServerSpec("retrieval", 0, config, index_dir="/nonexistent/index"), "127.0.0.1")
+    assert server.server_args()[-2:] == ["--num-threads", "3"]
+    assert server.env["OPENBLAS_NUM_THREADS"] == "3"
+    assert load_config(None, []).retrieval.num_threads == 4

@@ -87,7 +87,9 @@ class Engine:
         )
         scheduler_args = (config.max_running_requests, config.max_prefill_tokens, config.prefill_delay_steps)
         if config.enable_prefix_caching:
-            self.blocks = PrefixCachingBlockManager(num_blocks, config.block_size)
+            self.blocks = PrefixCachingBlockManager(
+                num_blocks, config.block_size, config.prefix_cache_max_age
+            )
             self.scheduler = PrefixCachingScheduler(self.blocks, *scheduler_args, self.drafter)
         else:
             self.blocks = BlockManager(num_blocks, config.block_size)
@@ -296,9 +298,13 @@ class Engine:
         self.check_weight_version(weight_version)
         self.drain()
         names = self.model.load_weights(named_tensors)
-        if isinstance(self.scheduler, PrefixCachingScheduler):
-            self.scheduler.invalidate_prefix_cache()  # KV of the old weights must not serve new requests
+        old_version = self.weight_version
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
+        if isinstance(self.scheduler, PrefixCachingScheduler) and self.weight_version != old_version:
+            # cached K/V ages by one version (a push's later buckets repeat it); a version that goes back
+            # (a trainer resumed from an older checkpoint) leaves nothing of the cache
+            went_back = self.weight_version < old_version
+            self.scheduler.next_weights(self.blocks.max_age + 1 if went_back else 1)
         self.is_version_set_by_update = weight_version is not None
         self.is_version_order_restarted = False
         logger.info("loaded %d tensors, weight_version=%d", len(names), self.weight_version)
@@ -346,6 +352,8 @@ class Engine:
             num_decode_emitted_tokens=self.num_decode_emitted_tokens,
             num_spec_draft_tokens=self.num_spec_draft_tokens,
             num_spec_accepted_tokens=self.num_spec_accepted_tokens,
+            num_prefix_hit_tokens=getattr(self.scheduler, "num_prefix_hit_tokens", 0),
+            num_stale_prefix_hit_tokens=getattr(self.blocks, "num_stale_hit_tokens", 0),
             num_requests_added=self.num_requests_added,
             num_requests_finished=self.num_requests_finished,
             num_running=len(self.scheduler.running),

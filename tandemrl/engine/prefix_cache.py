@@ -8,12 +8,22 @@ while the GPU runs the next one, and a finishing request only releases its block
 leading tokens hash the same points its block table at those blocks and starts with them cached. Blocks
 are reference counted; an unreferenced cached block stays in an LRU pool until a fresh allocation needs
 it, so a retracted request's registered blocks may serve its own re-admission, as SGLang's radix cache does.
+Across weight updates (`rollout.engine.prefix_cache_max_age`, default 1): every weight update that
+changes the version starts a new epoch, and a sequence's K/V is as old as the oldest K/V in its table
+(`Sequence.kv_epoch`: the epoch of its first computed block, or of the oldest block it matched; every
+later block attends to those). A cached block carries its chain's epoch, and serves a match while at most
+`max_age` epochs old; older ones are forgotten at the update. It is the approximation `in_place` pausing
+already makes for the running requests' K/V (kept across an update), extended to K/V that waits in the
+cache, and bounded: with age 1 a trajectory that waits on a search across one update reuses its context
+instead of prefilling it again, and nothing older than the previous weights is ever reused. Age 0 is exact:
+no K/V of older weights serves a new request or a next turn.
+
 Invariants: a shared block is never written (a match always leaves at least one token to compute, and
-new tokens land in blocks after the matched ones); KV computed under older weights is never matched:
-`invalidate()` (on a weight update) forgets every hash and marks the blocks still in use as stale, and
-no block of a table that held K/V across an update is registered again (`num_registered_blocks`); a
-speculative draft's K/V is never registered (`register` stops at the known tokens, which a draft is not
-part of until accepted, and the blocks past the accepted tokens are released unregistered).
+new tokens land in blocks after the matched ones); a block is matched only while its epoch is within
+`max_age` of the current one, and a table whose K/V is older than that is never registered again
+(`num_registered_blocks`); a speculative draft's K/V is never registered (`register` stops at the known
+tokens, which a draft is not part of until accepted, and the blocks past the accepted tokens are released
+unregistered).
 """
 
 from __future__ import annotations
@@ -31,13 +41,18 @@ _NEVER = sys.maxsize  # `Sequence.num_registered_blocks` of a table that must no
 
 
 class PrefixCachingBlockManager(BlockManager):
-    def __init__(self, num_blocks: int, block_size: int):
+    """`max_age`: epochs (weight updates) a cached block may serve for after the one it was computed in."""
+
+    def __init__(self, num_blocks: int, block_size: int, max_age: int = 0):
         super().__init__(num_blocks, block_size)
+        self.max_age = max_age
         self.ref_counts = [0] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.block_hash: dict[int, int] = {}
+        self.block_epoch: dict[int, int] = {}  # cached block -> the epoch of the oldest K/V in its chain
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
-        self.stale: set[int] = set()
+        self.epoch = 0
+        self.num_stale_hit_tokens = 0  # matched tokens whose K/V came from earlier weights
 
     @property
     def num_free_blocks(self) -> int:
@@ -62,6 +77,7 @@ class PrefixCachingBlockManager(BlockManager):
         else:
             block, _ = self.evictable.popitem(last=False)  # evict the least recently used cached block
             del self.hash_to_block[self.block_hash.pop(block)]
+            del self.block_epoch[block]
         self.ref_counts[block] = 1
         return block
 
@@ -70,7 +86,8 @@ class PrefixCachingBlockManager(BlockManager):
         tokens hit."""
         if seq.block_table or seq.num_cached_tokens:
             return 0
-        size = self.block_size
+        size, epoch = self.block_size, self.epoch
+        seq.kv_epoch = epoch  # a fresh table: as new as these weights, or as old as the oldest block matched
         for index in range((seq.num_known_tokens - 1) // size):  # leave >= 1 token to compute (for logits)
             block = self.hash_to_block.get(self._hashes(seq, index + 1)[index])
             if block is None:
@@ -79,6 +96,10 @@ class PrefixCachingBlockManager(BlockManager):
                 del self.evictable[block]
             self.ref_counts[block] += 1
             seq.block_table.append(block)
+            block_epoch = self.block_epoch[block]
+            if block_epoch < epoch:
+                self.num_stale_hit_tokens += size
+            seq.kv_epoch = min(seq.kv_epoch, block_epoch)
         seq.num_cached_tokens = len(seq.block_table) * size
         seq.num_registered_blocks = len(seq.block_table)  # a new table: the matched blocks are cached
         return seq.num_cached_tokens
@@ -103,46 +124,50 @@ class PrefixCachingBlockManager(BlockManager):
         end = min(seq.num_cached_tokens, seq.num_known_tokens) // self.block_size
         if end <= start:
             return
+        if seq.kv_epoch < self.epoch - self.max_age:  # its K/V is older than a match may be, from here on
+            seq.num_registered_blocks = _NEVER
+            return
         hashes, table = self._hashes(seq, end), seq.block_table
         for index in range(start, end):
             block = table[index]
-            if block in self.stale:  # K/V of older weights, and every later block attends to it
-                seq.num_registered_blocks = _NEVER
-                return
             block_hash = hashes[index]
             # skip a block cached already (it was matched) or content cached in another block
             if block not in self.block_hash and block_hash not in self.hash_to_block:
                 self.hash_to_block[block_hash] = block
                 self.block_hash[block] = block_hash
+                self.block_epoch[block] = seq.kv_epoch
         seq.num_registered_blocks = end
 
     def free(self, block_table: list[int]) -> None:
         """Release a table: its cached blocks wait in the LRU pool once unreferenced, the others are free."""
-        ref_counts, cached, stale = self.ref_counts, self.block_hash, self.stale
+        ref_counts, cached = self.ref_counts, self.block_hash
         for block in block_table:  # 8,192 blocks when a batch of 256 x 512 tokens ends: keep it lean
             count = ref_counts[block] - 1
             assert count >= 0, f"block {block} freed twice"
             ref_counts[block] = count
             if not count:
-                if stale:  # empty but after a weight update
-                    stale.discard(block)
                 if block in cached:
                     self.evictable[block] = None
                 else:
                     self.free_blocks.append(block)
         block_table.clear()
 
-    def invalidate(self) -> None:
-        """Forget all cached content (weights changed); blocks in use become stale, never to be registered."""
-        self.stale.update(b for b, count in enumerate(self.ref_counts) if count > 0)
-        self.free_blocks.extend(self.evictable)
-        self.evictable.clear()
-        self.hash_to_block.clear()
-        self.block_hash.clear()
+    def next_epoch(self, epochs: int = 1) -> None:
+        """The weights changed: forget the cached blocks that are now more than `max_age` epochs old (those
+        in use stay with their tables, unmatchable; the tables holding them are never registered again).
+        `epochs` > `max_age` forgets everything (the weights went back to an older version)."""
+        self.epoch += epochs
+        oldest = self.epoch - self.max_age
+        for block in [b for b, block_epoch in self.block_epoch.items() if block_epoch < oldest]:
+            del self.hash_to_block[self.block_hash.pop(block)]
+            del self.block_epoch[block]
+            if block in self.evictable:
+                del self.evictable[block]
+                self.free_blocks.append(block)
 
     def reset(self) -> None:
         assert all(count == 0 for count in self.ref_counts), "flush with blocks in use"
-        self.invalidate()
+        self.next_epoch(self.max_age + 1)
         super().reset()
 
 
@@ -181,7 +206,7 @@ class PrefixCachingScheduler(Scheduler):
             self.blocks.register(seq)  # the blocks its last steps filled
         super().finish(seq, reason)
 
-    def invalidate_prefix_cache(self) -> None:
-        self.blocks.invalidate()
-        for seq in self.running:  # their next blocks attend to K/V of the old weights: never cached
-            seq.num_registered_blocks = _NEVER
+    def next_weights(self, epochs: int = 1) -> None:
+        """A weight update (see `PrefixCachingBlockManager.next_epoch`): running requests keep their K/V;
+        the blocks they fill next are cached with their table's epoch, while it is young enough."""
+        self.blocks.next_epoch(epochs)

@@ -168,6 +168,7 @@ class Sequence:
     chunk_end: int | None = None  # the scheduled step stops at this token, short of `num_tokens`
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (prefix reuse)
     num_registered_blocks: int = 0  # leading blocks of the table the prefix cache has seen (prefix reuse)
+    kv_epoch: int = 0  # the prefix cache's epoch of the oldest K/V in its table (engine/prefix_cache.py)
     # speculative decoding (engine/speculative.py): the draft the scheduled decode step verifies after the
     # last token (its K/V is provisional: the engine keeps only the accepted part), and the n-gram index
     draft_ids: list[int] = field(default_factory=list)

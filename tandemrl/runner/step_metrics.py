@@ -28,6 +28,8 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
     "num_decode_emitted_tokens",
     "num_spec_draft_tokens",
     "num_spec_accepted_tokens",
+    "num_prefix_hit_tokens",
+    "num_stale_prefix_hit_tokens",
 )
 
 
@@ -51,6 +53,10 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
         "rollout/engine_busy_fraction": min(1.0, fraction),
         "rollout/engine_prefill_tokens": delta["num_prefill_tokens"],
         "rollout/engine_decode_tokens": delta["num_decode_tokens"],
+        # prompt tokens the prefix cache served, and those of them from the previous weights' K/V
+        # (rollout.engine.prefix_cache_max_age)
+        "rollout/engine_prefix_hit_tokens": delta["num_prefix_hit_tokens"],
+        "rollout/engine_stale_prefix_hit_tokens": delta["num_stale_prefix_hit_tokens"],
     }
     return {**metrics, **engine_step_metrics(delta)}
 

@@ -1,5 +1,5 @@
 """Prefix reuse (issue 9) on CPU: block bookkeeping, multi-turn prefill savings, identical greedy outputs,
-and no reuse of KV computed under older weights."""
+and reuse of K/V computed under older weights only within `prefix_cache_max_age` weight updates."""
 
 from __future__ import annotations
 
@@ -49,11 +49,12 @@ def test_blocks_are_matched_shared_and_evicted_lru():
     assert blocks.num_cached_blocks == 0 and sorted(taken) == list(range(6))
 
 
-def test_invalidate_never_registers_stale_blocks():
-    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+def test_at_age_0_an_update_never_registers_blocks_of_older_weights():
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=0)
     running = _seq(list(range(12)))
+    blocks.match_prefix(running)
     blocks.allocate(running.block_table, 12)
-    blocks.invalidate()  # a weight update while `running` holds its KV (in_place)
+    blocks.next_epoch()  # a weight update while `running` holds its KV (in_place)
     running.num_cached_tokens = 12
     blocks.register(running)
     blocks.free(running.block_table)
@@ -96,14 +97,14 @@ def test_a_pending_token_is_not_hashed_until_known():
 
 
 def test_a_table_held_across_a_weight_update_is_never_cached_again():
-    """Blocks allocated after the update attend to the old weights' K/V: none of them may be matched."""
-    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK)
+    """At age 0, blocks allocated after the update attend to the old weights' K/V: none may be matched."""
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=0)
     scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
     seq = _seq(list(range(3)))
     scheduler.add(seq)
     batch, _ = scheduler.schedule()
     seq.num_cached_tokens = seq.num_tokens
-    scheduler.invalidate_prefix_cache()  # in_place update while `seq` runs
+    scheduler.next_weights()  # in_place update while `seq` runs
     for token in range(3, 10):
         seq.append(token, 0.0, 1)
         blocks.allocate(seq.block_table, seq.num_tokens)
@@ -160,7 +161,7 @@ def _multi_turn(engine: Engine, num_trajectories: int = 4, num_turns: int = 3) -
 
 @pytest.fixture(scope="module")
 def engines(tiny_llama_dir):
-    def make(prefix: bool) -> Engine:
+    def make(prefix: bool, max_age: int = 1) -> Engine:
         return Engine(
             EngineConfig(
                 str(tiny_llama_dir),
@@ -168,14 +169,15 @@ def engines(tiny_llama_dir):
                 max_running_requests=8,
                 block_size=BLOCK,
                 enable_prefix_caching=prefix,
+                prefix_cache_max_age=max_age,
             )
         )
 
-    return make(True), make(False)
+    return make(True), make(False), make(True, max_age=0)
 
 
 def test_multi_turn_reuse_cuts_prefill_and_keeps_greedy_outputs(engines):
-    with_reuse, without = engines
+    with_reuse, without, _ = engines
 
     def counters() -> tuple[int, int, int]:  # the module's engines also serve other tests: count from here
         return (
@@ -193,16 +195,89 @@ def test_multi_turn_reuse_cuts_prefill_and_keeps_greedy_outputs(engines):
     assert hits == prefill_plain - prefill_reuse
 
 
-def test_weight_update_invalidates_cached_prefixes(engines):
-    engine = engines[0]
-    prompt = list(range(200, 240))
-    _run(engine, {"a": prompt}, max_new_tokens=2)
-    before = engine.num_prefill_tokens
-    _run(engine, {"b": prompt}, max_new_tokens=2)
-    assert engine.num_prefill_tokens - before < len(prompt)  # reused
+def _update(engine: Engine, version: int | None = None) -> None:
     weights = [(name, p.detach().clone()) for name, p in engine.model.named_parameters()]
     with torch.no_grad():
-        engine.load_weights(weights)
+        engine.load_weights(weights, version)
+
+
+def _prefilled(engine: Engine, rid: str, prompt: list[int]) -> int:
     before = engine.num_prefill_tokens
-    _run(engine, {"c": prompt}, max_new_tokens=2)
-    assert engine.num_prefill_tokens - before == len(prompt)  # recomputed under the new weights
+    _run(engine, {rid: prompt}, max_new_tokens=2)
+    return engine.num_prefill_tokens - before
+
+
+def test_at_age_0_a_weight_update_drops_cached_prefixes(engines):
+    engine = engines[2]
+    prompt = list(range(200, 240))
+    _run(engine, {"a": prompt}, max_new_tokens=2)
+    assert _prefilled(engine, "b", prompt) < len(prompt)  # reused
+    _update(engine)
+    assert _prefilled(engine, "c", prompt) == len(prompt)  # recomputed under the new weights
+
+
+def test_at_age_1_a_prefix_serves_across_one_update_not_two(engines):
+    engine = engines[0]
+    prompt = list(range(300, 340))
+    _run(engine, {"a": prompt}, max_new_tokens=2)
+    stale_before = engine.blocks.num_stale_hit_tokens
+    _update(engine)
+    assert _prefilled(engine, "b", prompt) < len(prompt)  # the previous weights' K/V served
+    assert engine.blocks.num_stale_hit_tokens - stale_before == 36  # the 9 full blocks before the last token
+    _update(engine)
+    assert _prefilled(engine, "c", prompt) == len(prompt)  # two updates old: recomputed
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # nothing held, nothing lost
+    engine.restart_version_order()  # a trainer resumed from an older checkpoint joins anew
+    _update(engine, 0)  # the version goes back (a trainer resumed from an older checkpoint): nothing kept
+    assert _prefilled(engine, "d", prompt) == len(prompt)
+
+
+def test_a_chain_is_as_old_as_its_oldest_block():
+    """A request that matched blocks of the previous weights caches its new blocks with their epoch: one
+    more update and all of them are too old, and every block comes back free."""
+    blocks = PrefixCachingBlockManager(num_blocks=12, block_size=BLOCK, max_age=1)
+    first = _seq(list(range(9)))
+    blocks.match_prefix(first)
+    _computed(blocks, first)  # 2 full blocks at epoch 0
+    blocks.free(first.block_table)
+    blocks.next_epoch()
+    second = _seq(list(range(17)))
+    assert blocks.match_prefix(second) == 8 and second.kv_epoch == 0
+    _computed(blocks, second)  # its blocks 3 and 4 attend to epoch-0 K/V
+    blocks.free(second.block_table)
+    assert blocks.num_cached_blocks == 4 and set(blocks.block_epoch.values()) == {0}
+    fresh = _seq([90 + i for i in range(9)])
+    blocks.match_prefix(fresh)
+    _computed(blocks, fresh)  # epoch 1
+    blocks.free(fresh.block_table)
+    blocks.next_epoch()  # epoch 2: the epoch-0 chain goes, the epoch-1 blocks stay
+    assert blocks.match_prefix(_seq(list(range(17)))) == 0
+    kept = _seq([90 + i for i in range(9)])
+    assert blocks.match_prefix(kept) == 8
+    blocks.free(kept.block_table)
+    assert blocks.num_cached_blocks == 2 and blocks.num_free_blocks == 12
+
+
+def test_a_table_held_across_an_update_keeps_caching_within_the_age():
+    """in_place at age 1: a request running across one update caches its later blocks (old K/V, as in_place
+    keeps), which serve until the next update."""
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=1)
+    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
+    seq = _seq(list(range(3)))
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_cached_tokens = seq.num_tokens
+    scheduler.next_weights()
+    for token in range(3, 10):
+        seq.append(token, 0.0, 1)
+        blocks.allocate(seq.block_table, seq.num_tokens)
+        seq.num_cached_tokens = seq.num_tokens
+        scheduler.after_step([seq])
+    scheduler.finish(seq, {"type": "length"})
+    assert blocks.num_cached_blocks == 2
+    probe = _seq(list(range(10)))
+    assert blocks.match_prefix(probe) == 8
+    blocks.free(probe.block_table)
+    scheduler.next_weights()
+    assert blocks.match_prefix(_seq(list(range(10)))) == 0
+    assert blocks.num_free_blocks == 8

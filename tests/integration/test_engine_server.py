@@ -24,7 +24,9 @@ GREEDY = {"max_new_tokens": MAX_NEW, "temperature": 0, "ignore_eos": True}
 
 @pytest.fixture(scope="module", params=["none", "ngram"])
 def engine(tiny_llama_dir, request):
-    options = EngineOptions(speculative=request.param)
+    # exact prefixes (age 0): these tests check that KV of older weights never serves after a push
+    # (the age-1 reuse across an update has its own tests in tests/unit/test_engine_prefix_cache.py)
+    options = EngineOptions(speculative=request.param, prefix_cache_max_age=0)
     with EngineProcess(tiny_llama_dir, max_context_len=512, max_running_requests=32, options=options) as proc:
         yield proc
 

@@ -22,6 +22,7 @@ from tandemrl.config.schema import ConfigError
 
 if TYPE_CHECKING:
     from tandemrl.cluster.placement import PlacementPlan
+    from tandemrl.cluster.ray_nodes import NodeMap
     from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
@@ -39,11 +40,11 @@ class ActorGroup:
     """The actor's worker(s) behind an awaitable `call(method, *args)`. Construction only submits the
     workers (they load while the servers boot); `wait_ready()` blocks until every rank is built."""
 
-    def __init__(self, config: TandemConfig, plan: PlacementPlan, nodes: Any = None):
+    def __init__(self, config: TandemConfig, plan: PlacementPlan, nodes: NodeMap | None = None):
         self.config = config
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
-        self._worker: Any = None
+        self._worker: ActorWorker | None = None
         self.rank_node_ids: list[str] = []
         if not self.uses_ray:
             if self.num_ranks > 1:

@@ -18,7 +18,7 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tandemrl.agent.plugin import load_callable
 from tandemrl.agent.prompt import (
@@ -129,7 +129,7 @@ class AgentEnv:
     stood (the rollout driver, the watchdog, validation): `url`, `health`, `search` and `close` are the
     search tool's."""
 
-    def __init__(self, search_tool: SearchTool, tools: dict[str, Any], reward: RewardFunction):
+    def __init__(self, search_tool: SearchTool, tools: dict[str, Tool], reward: RewardFunction):
         assert SEARCH_TAG in tools, "search is always a tool"
         self.search_tool, self.tools, self.reward = search_tool, tools, reward
         self.tags = tuple(tools)
@@ -161,7 +161,7 @@ class AgentEnv:
 def build_env(config: TandemConfig, search_tool: SearchTool) -> AgentEnv:
     """The run's environment: the search tool, the plug-in tools of `tools.<name>` and `reward.function`,
     each loaded and checked (ConfigError in one line naming the key)."""
-    tools: dict[str, Any] = {SEARCH_TAG: SearchCall(search_tool, config.agentloop.max_info_tokens)}
+    tools: dict[str, Tool] = {SEARCH_TAG: SearchCall(search_tool, config.agentloop.max_info_tokens)}
     for name, tool_cfg in config.tools.custom.items():
         fn = load_tool_function(name, tool_cfg.function)
         tools[tool_cfg.tag] = FunctionTool(

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from tandemrl.data.loader import Prompt
 
 UNKNOWN_SOURCE = "unknown"  # the metric name of a prompt or trajectory without a data_source
 
@@ -48,7 +51,7 @@ class Group:
     again each epoch, so `prompt_id` alone is not)."""
 
     issue_id: int
-    prompt: Any  # tandemrl.data.loader.Prompt (needs .prompt_id and .data_source)
+    prompt: Prompt  # the buffer reads only its .prompt_id and .data_source
     task_name: str
     issued_weight_version: int
     issued_at_s: float

@@ -21,9 +21,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.buffer.group import Group, has_equal_rewards
+
+if TYPE_CHECKING:
+    from tandemrl.data.loader import Prompt
 
 INFLIGHT_LIMIT = "inflight_limit"
 BUFFER_FULL = "buffer_full"
@@ -140,7 +143,7 @@ class TaskBuffer:
         self._tick()
         self._is_admission_open = is_open
 
-    def issue(self, prompt: Any, weight_version: int) -> Group:
+    def issue(self, prompt: Prompt, weight_version: int) -> Group:
         self._tick()
         assert self.can_admit(), f"issue while admission is closed ({self.blocking_limit()})"
         group = Group(self._next_issue_id, prompt, self.task_name, weight_version, self._last_tick_s)

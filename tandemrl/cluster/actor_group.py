@@ -23,6 +23,7 @@ from tandemrl.host.cpus import id_ranges
 
 if TYPE_CHECKING:
     from tandemrl.cluster.placement import PlacementPlan
+    from tandemrl.cluster.ray_nodes import NodeMap
     from tandemrl.config.schema import TandemConfig
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class ActorGroup:
         self,
         config: TandemConfig,
         plan: PlacementPlan,
-        nodes: Any = None,
+        nodes: NodeMap | None = None,
         cpus: tuple[tuple[int, ...], ...] = (),
     ):
         """`cpus`: each rank's cores (cluster/cpus.py); (): the run's shared cores."""
@@ -52,7 +53,7 @@ class ActorGroup:
         self.cpus = cpus
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
-        self._worker: Any = None
+        self._worker: ActorWorker | None = None
         self.rank_node_ids: list[str] = []
         if not self.uses_ray:
             if self.num_ranks > 1:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.rollout.client import HttpClient
+    from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ class ActorWorker:
         import tandemrl.rollout.weight_sync  # noqa: F401  connect_weight_sync's, here while the servers boot
 
         self._loop = asyncio.new_event_loop()
-        self._sender: Any = None
-        self._clients: list[Any] = []
+        self._sender: WeightSender | DiskWeightSender | None = None
+        self._clients: list[HttpClient] = []
 
     def get_weight_version(self) -> int:
         return int(self.actor.weight_version)

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.cluster.server_supervisor import ServerSpec, ServerSupervisor
+
+if TYPE_CHECKING:
+    from ray import ObjectRef
+    from ray.actor import ActorHandle
+    from ray.util.placement_group import PlacementGroup
+
+    from tandemrl.cluster.ray_nodes import NodeMap
 
 log = logging.getLogger(__name__)
 
@@ -21,13 +28,19 @@ log = logging.getLogger(__name__)
 class ServerHandle:
     """A supervisor where it runs: `local` in this process, else a Ray actor and its placement group."""
 
-    def __init__(self, name: str, spec: ServerSpec, supervisor: Any, placement_group: Any = None):
+    def __init__(
+        self,
+        name: str,
+        spec: ServerSpec,
+        supervisor: ServerSupervisor | ActorHandle,
+        placement_group: PlacementGroup | None = None,
+    ):
         self.name, self.spec = name, spec
         self.supervisor, self.placement_group = supervisor, placement_group
         self.is_remote = placement_group is not None
         self.url: str | None = None
         self.node_id: str | None = None  # the Ray node it landed on (remote only), read back from Ray
-        self.pending_launch: Any = None  # a remote launch submitted, its URL not read back yet
+        self.pending_launch: ObjectRef | None = None  # a remote launch submitted, its URL not read back yet
 
     def _call(self, method: str, *args: Any) -> Any:
         if not self.is_remote:
@@ -73,7 +86,7 @@ class ServerHandle:
             ray.util.remove_placement_group(self.placement_group)
 
 
-def place_remote(name: str, spec: ServerSpec, node: int, num_gpus: float, nodes: Any) -> ServerHandle:
+def place_remote(name: str, spec: ServerSpec, node: int, num_gpus: float, nodes: NodeMap) -> ServerHandle:
     """A Ray actor supervising `spec` on node rank `node`, in its own placement group of one bundle."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

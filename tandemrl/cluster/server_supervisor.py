@@ -16,12 +16,13 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandemrl.host.startup import log_path as startup_log_path
 
 if TYPE_CHECKING:
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.host.child_server import ChildServer
 
 KINDS = ("embedded", "sglang", "vllm", "retrieval")
 
@@ -61,7 +62,7 @@ def server_log_path(spec: ServerSpec) -> Path:
     return Path(spec.config.runner.output_dir) / "logs" / f"{spec.name.replace(' ', '_')}.log"
 
 
-def build_server(spec: ServerSpec, host: str) -> Any:
+def build_server(spec: ServerSpec, host: str) -> ChildServer:
     """The `ChildServer` for `spec`, bound to `host`."""
     from tandemrl.host.devices import resolve_device, resolve_dtype
 

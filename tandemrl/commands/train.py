@@ -17,22 +17,30 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Awaitable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar
 
 from tandemrl.config.loader import load_config
 from tandemrl.runner import exit_guard
 
 if TYPE_CHECKING:
     import argparse
+    from types import FrameType
 
+    from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.cpus import CpuPlan
     from tandemrl.cluster.placement import PlacementPlan
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.host.child_server import ChildServer
+    from tandemrl.runner.context import RunContext
+    from tandemrl.runner.services import Services
 
 log = logging.getLogger(__name__)
 
 EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
 
 
 class Interrupt:
@@ -48,7 +56,7 @@ class Interrupt:
         self.task: asyncio.Task | None = None
         self.is_reporting = False  # the stop line is being written: a further signal must not cut it
 
-    def handle(self, signum: int, frame: Any) -> None:
+    def handle(self, signum: int, frame: FrameType | None) -> None:
         from tandemrl.runner import exit_guard
 
         self.received.append(signum)
@@ -69,7 +77,7 @@ class Interrupt:
                 return
         signal.default_int_handler(signum, frame)  # KeyboardInterrupt: unwinds through every finally
 
-    async def run(self, session: Any) -> Any:
+    async def run(self, session: Awaitable[T]) -> T:
         """Await the session as the task a signal cancels."""
         self.task = asyncio.current_task()
         try:
@@ -91,7 +99,7 @@ def process_age_s() -> float:
     return max(0.0, time.time() - started) if started is not None else 0.0
 
 
-def train(config: TandemConfig, write_plots: bool = True, started_s: float | None = None) -> Any:
+def train(config: TandemConfig, write_plots: bool = True, started_s: float | None = None) -> RunContext:
     """Run one training from a derived `TandemConfig`; returns the runner context. `started_s`
     (time.monotonic() at the process start) makes the run log its time to the first step, and starts
     the start-up timeline's clock (else it starts at this call). The run holds `runner.output_dir`
@@ -102,7 +110,7 @@ def train(config: TandemConfig, write_plots: bool = True, started_s: float | Non
         return _train_in_output_dir(config, write_plots, started_s)
 
 
-def _train_in_output_dir(config: TandemConfig, write_plots: bool, started_s: float | None) -> Any:
+def _train_in_output_dir(config: TandemConfig, write_plots: bool, started_s: float | None) -> RunContext:
     from tandemrl.cluster.mps import LOG_ENV, PIPE_ENV, SM_PERCENT_ENV, start_for_run
     from tandemrl.host import startup
 
@@ -138,7 +146,7 @@ def _restore_env(saved: dict[str, str | None]) -> None:
 
 def _train(
     config: TandemConfig, write_plots: bool, started_s: float | None, origin: tuple[float, str]
-) -> Any:
+) -> RunContext:
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.cluster.mps import sm_percent_env
     from tandemrl.cluster.placement import describe_plan, plan_placement
@@ -220,7 +228,7 @@ def _cpu_plan(config: TandemConfig, plan: PlacementPlan) -> tuple[CpuPlan | None
     return cpu_plan, [f"cluster.cpu_pinning = {why}", *(cpu_plan.describe() if cpu_plan else [])]
 
 
-async def _stop_on_a_death(session: Any) -> Any:
+async def _stop_on_a_death(session: Awaitable[T]) -> T:
     """A dead engine can leave a thread blocked on it (a weight broadcast to a peer that is gone waits out
     its collective's timeout), and `asyncio.run` joins its executor's threads before it returns: the run
     would print its stop line minutes later. So in the `tandem` process the death arms the exit guard
@@ -235,7 +243,7 @@ async def _stop_on_a_death(session: Any) -> Any:
         raise
 
 
-def placed_nodes(services: Any, actor: Any) -> dict[str, str]:
+def placed_nodes(services: Services, actor: ActorGroup) -> dict[str, str]:
     """Where Ray actually put each Ray-placed process (node ids read back from the placement groups)."""
     placed = {f"actor rank {rank}": node_id for rank, node_id in enumerate(actor.rank_node_ids)}
     placed.update({h.name: h.node_id for h in services.group.handles if h.node_id is not None})
@@ -271,7 +279,7 @@ def dry_run(config: TandemConfig) -> int:
     return 0
 
 
-def _launch_command(config: TandemConfig, server: Any) -> str:
+def _launch_command(config: TandemConfig, server: ChildServer) -> str:
     """The command line a launch runs: every launched server gets the run's fresh API key, which SGLang
     reads from a private `--config` file (made at launch) and vLLM from VLLM_API_KEY."""
     args = server.command()

@@ -16,7 +16,10 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandemrl.engine.speculative import NgramIndex
 
 SAMPLING_KEYS = {
     "max_new_tokens",
@@ -172,7 +175,7 @@ class Sequence:
     # speculative decoding (engine/speculative.py): the draft the scheduled decode step verifies after the
     # last token (its K/V is provisional: the engine keeps only the accepted part), and the n-gram index
     draft_ids: list[int] = field(default_factory=list)
-    ngram_index: Any = None
+    ngram_index: NgramIndex | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -28,11 +28,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tandemrl.engine.attention_tiles import DECODE_CANDIDATES, PREFILL_CANDIDATES, DecodeConfig, PrefillConfig
 from tandemrl.host.home import tandem_home
 from tandemrl.host.startup import mark
+
+if TYPE_CHECKING:
+    import torch
+
+    from tandemrl.engine.model import CausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +128,7 @@ def cached(
     return result, timings, False
 
 
-def environment_key(device: Any) -> dict:
+def environment_key(device: torch.device) -> dict:
     """What decides every timing besides the shapes: the GPU, the software stack, the kernels' code."""
     import torch
     import triton
@@ -175,8 +180,8 @@ class KernelChoices:
 
 
 def choose_kernels(
-    model: Any,
-    kv_caches: list,
+    model: CausalLM,
+    kv_caches: list[torch.Tensor],
     max_batch: int,
     context_len: int,
     prefill_tokens: int,

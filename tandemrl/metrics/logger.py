@@ -13,10 +13,11 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tandemrl.config.schema import MetricsConfig
+    from tandemrl.metrics.trackers import Tracker
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +96,7 @@ class MetricsLogger:
             except Exception as error:
                 self._drop(tracker, "closing failed", error)
 
-    def _drop(self, tracker: Any, what: str, error: BaseException) -> None:
+    def _drop(self, tracker: Tracker, what: str, error: BaseException) -> None:
         from tandemrl.host.messages import one_line
 
         self.trackers.remove(tracker)

@@ -16,12 +16,12 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tandemrl.config.errors import ConfigError
 
 if TYPE_CHECKING:
-    from tandemrl.config.schema import MetricsConfig, TandemConfig
+    from tandemrl.config.schema import MetricsConfig, MlflowConfig, TandemConfig, WandbConfig
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +34,16 @@ IDS_FILE = "trackers.json"
 
 class TrackerError(ConfigError):
     """A tracker could not start (one line: which tracker, why, what to do)."""
+
+
+class Tracker(Protocol):
+    """What the metrics logger needs of a tracker (each class below is one)."""
+
+    name: str
+
+    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def check_installed(trackers: list[str]) -> None:
@@ -68,7 +78,7 @@ class TensorBoardTracker:
 class WandbTracker:
     name = "wandb"
 
-    def __init__(self, cfg: Any, output_dir: Path, config: dict | None, run_id: str | None):
+    def __init__(self, cfg: WandbConfig, output_dir: Path, config: dict | None, run_id: str | None):
         import wandb
 
         mode = cfg.mode or os.environ.get("WANDB_MODE") or "online"
@@ -96,7 +106,7 @@ class WandbTracker:
 class MlflowTracker:
     name = "mlflow"
 
-    def __init__(self, cfg: Any, output_dir: Path, config: dict | None, run_id: str | None):
+    def __init__(self, cfg: MlflowConfig, output_dir: Path, config: dict | None, run_id: str | None):
         # None: a local SQLite store in the run directory (MLflow's file-system store cannot hold a metric
         # whose name is also the prefix of another, such as time/sync_weights and time/sync_weights/pause)
         uri = cfg.tracking_uri or f"sqlite:///{(output_dir / 'mlflow.db').resolve()}"
@@ -140,12 +150,12 @@ class MlflowTracker:
 
 def start_trackers(
     names: list[str], metrics_cfg: MetricsConfig, output_dir: Path, config: dict | None, tensorboard_dir: Path
-) -> list[Any]:
+) -> list[Tracker]:
     """Start every named tracker (a resumed run continues its tracker runs); TrackerError names the
     one that failed, after closing those already started."""
     ids_path = output_dir / IDS_FILE
     ids = json.loads(ids_path.read_text()) if ids_path.is_file() else {}
-    started: list[Any] = []
+    started: list[Tracker] = []
     for name in names:
         try:
             if name == "tensorboard":
@@ -182,7 +192,7 @@ def resolved_config(config: TandemConfig) -> dict:
     return redact(to_dict(config))
 
 
-def _close_quietly(tracker: Any) -> None:
+def _close_quietly(tracker: Tracker) -> None:
     try:
         tracker.close()
     except Exception as error:

@@ -7,6 +7,11 @@ so two records can never share a point: either every record carries an `id`, or 
 takes its 0-based line number (blank lines count); a corpus that mixes the two is refused, since a
 line number could equal another record's id. `scan_corpus` reads the file once more to refuse
 duplicate ids, count the passages and fingerprint the file before anything is encoded.
+
+It reads lines itself rather than through `host.files.iter_json_lines`, which is made for the small files
+a user names: it bounds the whole file (a corpus of 21M passages runs to many GB, and is bounded per line
+only), refuses a line that starts with a byte-order mark (a corpus may carry one), and words its errors
+`<what> '<path>' line N ...`, where every corpus error, the record checks below included, reads `<path>:N:`.
 """
 
 from __future__ import annotations

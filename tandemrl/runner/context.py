@@ -9,25 +9,29 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandemrl.runner.rollout_driver import RolloutDriver
 
 if TYPE_CHECKING:
+    from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.data.loader import Prompt
+    from tandemrl.metrics.logger import MetricsLogger
+    from tandemrl.rollout.client import HttpClient
 
 
 @dataclass
 class RunContext:
     config: TandemConfig
     driver: RolloutDriver
-    actor: Any  # tandemrl.cluster.actor_group.ActorGroup
-    engines: list[Any]  # EngineClient per engine
-    logger: Any  # tandemrl.metrics.logger.MetricsLogger
+    actor: ActorGroup
+    engines: list[HttpClient]  # one client per engine
+    logger: MetricsLogger
     output_dir: Path
     weight_version: int
     start_step: int = 0
-    val_prompts: list[Any] = field(default_factory=list)
+    val_prompts: list[Prompt] = field(default_factory=list)
     last_step_end_s: float = field(default_factory=time.monotonic)
     clock_start_s: float | None = None  # monotonic start of the first step (`start_clock`)
     busy_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, engines' BUSY_KEYS totals)

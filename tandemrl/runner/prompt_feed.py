@@ -11,29 +11,32 @@ epoch brings it again, as it brings every prompt.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tandemrl.data.loader import Prompt, PromptLoader
 
 
 class PromptFeed:
-    def __init__(self, loader: Any, prefetch: int):
+    def __init__(self, loader: PromptLoader, prefetch: int):
         assert prefetch >= 1
         self.loader = loader
         self.prefetch = prefetch
-        self._queue: deque = deque()
+        self._queue: deque[Prompt] = deque()
         self.num_drawn = 0
 
     @property
     def num_prefetched(self) -> int:
         return len(self._queue)
 
-    def prefetched(self) -> list[Any]:
+    def prefetched(self) -> list[Prompt]:
         return list(self._queue)
 
-    def reissue(self, prompts: list[Any]) -> None:
+    def reissue(self, prompts: list[Prompt]) -> None:
         """Hand out `prompts` (open at the checkpoint resumed from) before anything else, in order."""
         self._queue.extendleft(reversed(prompts))
 
-    def next(self) -> Any:
+    def next(self) -> Prompt:
         """The next prompt; refills the prefetch queue from the loader (epochs wrap inside it)."""
         if not self._queue:
             prompts = self.loader.next_prompts(self.prefetch)

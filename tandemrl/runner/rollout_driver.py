@@ -22,8 +22,14 @@ from tandemrl.buffer.rollout_buffer import HandOff, TaskBuffer
 from tandemrl.host.startup import mark
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tandemrl.agent.tools import AgentEnv
+    from tandemrl.buffer.group import Group
+    from tandemrl.config.agent import AgentLoopConfig
     from tandemrl.data.loader import Prompt
+    from tandemrl.rollout.client import HttpClient
+    from tandemrl.runner.prompt_feed import PromptFeed
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +40,11 @@ class RolloutDriver:
     def __init__(
         self,
         buffer: TaskBuffer,
-        feed: Any,
-        engines: list[Any],
+        feed: PromptFeed,
+        engines: list[HttpClient],
         search: AgentEnv,
-        tokenizer: Any,
-        agent_cfg: Any,
+        tokenizer: PreTrainedTokenizerBase,
+        agent_cfg: AgentLoopConfig,
         group_size: int,
         weight_version: int,
         run_group_fn: RunGroupFn | None = None,
@@ -112,7 +118,7 @@ class RolloutDriver:
             self._run(group, engine_index), name=f"group-{group.issue_id}"
         )
 
-    async def _run(self, group: Any, engine_index: int) -> None:
+    async def _run(self, group: Group, engine_index: int) -> None:
         try:
             trajectories = await self._run_group(
                 group.prompt,

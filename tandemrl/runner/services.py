@@ -17,16 +17,26 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandemrl.config.schema import ConfigError
 from tandemrl.host.devices import resolve_device
 
 if TYPE_CHECKING:
-    from tandemrl.cluster.placement import PlacementPlan
+    from types import TracebackType
+
+    from tandemrl.agent.search_tool import SearchTool
+    from tandemrl.agent.tools import AgentEnv
+    from tandemrl.cluster.placement import PlacementPlan, ProcessPlacement
+    from tandemrl.cluster.ray_nodes import NodeMap
+    from tandemrl.cluster.server_group import ServerGroup, ServerHandle
+    from tandemrl.cluster.server_supervisor import ServerSpec
     from tandemrl.config.agent import SearchToolConfig
     from tandemrl.config.rollout import RolloutConfig
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.rollout.client import HttpClient
+
+    ServerItem = tuple[str, ServerSpec, ProcessPlacement]  # (name, what to run, where)
 
 log = logging.getLogger(__name__)
 
@@ -148,10 +158,10 @@ class Services:
         self.plan = plan or plan_placement(config)
         self.with_engines = with_engines
         self.engine_cpus = engine_cpus
-        self.nodes: Any = None  # cluster.ray_nodes.NodeMap once Ray is up
-        self.group: Any = None
-        self.engine_handles: list[Any] = []
-        self.retrieval_handle: Any = None
+        self.nodes: NodeMap | None = None  # once Ray is up
+        self.group: ServerGroup | None = None
+        self.engine_handles: list[ServerHandle] = []
+        self.retrieval_handle: ServerHandle | None = None
         self.engine_urls: list[str] = []
         # what the run's clients send (never logged): a fresh key per run for the servers it launches,
         # so only this run controls them; an external engine's or retrieval server's from config or env
@@ -167,7 +177,12 @@ class Services:
     def __enter__(self) -> Services:
         return self.start()
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
         """For `tandem eval` / `tandem sft`: stop the servers, and Ray if it was started for them."""
         from tandemrl.cluster.ray_nodes import shutdown_ray
 
@@ -192,7 +207,7 @@ class Services:
             raise
         return self
 
-    def _launch_remote(self, remote: list) -> None:
+    def _launch_remote(self, remote: list[ServerItem]) -> None:
         from tandemrl.cluster.ray_nodes import NodeMap, init_ray
         from tandemrl.cluster.server_group import place_remote
 
@@ -207,7 +222,7 @@ class Services:
         for handle in handles:  # submitted only: the actor is submitted next, and all boot at once
             handle.launch()
 
-    def _specs(self) -> tuple[list, list]:
+    def _specs(self) -> tuple[list[ServerItem], list[ServerItem]]:
         """(local, remote) lists of (name, ServerSpec, ProcessPlacement)."""
         from tandemrl.cluster.mps import sm_percent_env
         from tandemrl.cluster.server_supervisor import ServerSpec
@@ -215,7 +230,8 @@ class Services:
 
         config, plan = self.config, self.plan
         use_ray = config.cluster.use_ray
-        local, remote = [], []
+        local: list[ServerItem] = []
+        remote: list[ServerItem] = []
         if plan.retrieval is not None:
             check_index_free(config)
             self.retrieval_api_key = new_api_key()
@@ -251,7 +267,7 @@ class Services:
             (remote if use_ray else local).append((f"rollout engine {index}", spec, placement))
         return local, remote
 
-    def _local_handle(self, name: str, spec: Any) -> Any:
+    def _local_handle(self, name: str, spec: ServerSpec) -> ServerHandle:
         from tandemrl.cluster.server_group import ServerHandle
         from tandemrl.cluster.server_supervisor import ServerSupervisor
 
@@ -303,7 +319,7 @@ class Services:
                 f"{handle.log_tail(2000)}"
             )
 
-    async def watchdog(self, clients: list[Any], search: Any = None) -> None:
+    async def watchdog(self, clients: list[HttpClient], search: AgentEnv | SearchTool | None = None) -> None:
         """Runs beside the runner; raises as soon as a launched server is gone. An external server counts
         as dead after NUM_HEALTH_FAILURES failed /health checks in a row once it has answered (one that
         never answered is warned about once: its failures reach the agents as search errors)."""

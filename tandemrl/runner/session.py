@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
 from tandemrl.runner.context import RunContext
@@ -24,8 +24,13 @@ from tandemrl.runner.rollout_driver import RolloutDriver
 from tandemrl.runner.services import ServiceDiedError, Services, model_path
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from tandemrl.agent.tools import AgentEnv
+    from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.config.schema import TandemConfig
+    from tandemrl.data.loader import Prompt, PromptLoader
+    from tandemrl.rollout.client import HttpClient
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +45,9 @@ def train_paths(config: TandemConfig, split: str) -> list[str]:
 class PreparedSession:
     """What the driver needs that no service does, built while the services and the actor boot."""
 
-    tokenizer: Any
-    loader: Any  # data.loader.PromptLoader over the train split
-    val_prompts: list[Any]
+    tokenizer: PreTrainedTokenizerBase
+    loader: PromptLoader  # over the train split
+    val_prompts: list[Prompt]
 
 
 def prepare_session(config: TandemConfig) -> PreparedSession:
@@ -77,12 +82,12 @@ def prepare_session(config: TandemConfig) -> PreparedSession:
 
 def build_driver(
     config: TandemConfig,
-    engines: list[Any],
+    engines: list[HttpClient],
     search: AgentEnv,
-    tokenizer: Any,
+    tokenizer: PreTrainedTokenizerBase,
     weight_version: int,
     resume_state: dict | None,
-    loader: Any,
+    loader: PromptLoader,
 ) -> RolloutDriver:
     from tandemrl.runner.checkpoint import resume_prompts
 
@@ -108,7 +113,7 @@ def build_driver(
 async def run_session(
     config: TandemConfig,
     services: Services,
-    actor: Any,
+    actor: ActorGroup,
     started_s: float | None = None,
     prepared: PreparedSession | None = None,
     startup_origin: tuple[float, str] | None = None,

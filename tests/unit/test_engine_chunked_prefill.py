@@ -14,6 +14,8 @@ from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.kv_cache import BlockManager
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
+from tests.unit import engine_helpers
+from tests.unit.engine_helpers import Work
 
 BUDGET = 16
 UNCHUNKED = 4096  # every prompt here fits in one prefill step
@@ -56,20 +58,10 @@ def step(engine: Engine, trace: list[tuple[str, int]]) -> list[Sequence]:
     return finished
 
 
-def serve(
-    engine: Engine, work: dict[str, tuple[list[int], SamplingParams]]
-) -> tuple[dict[str, Sequence], list[tuple[str, int]]]:
-    for rid, (ids, params) in work.items():
-        engine.add_request(rid, ids, params)
-    done: dict[str, Sequence] = {}
+def serve(engine: Engine, work: Work) -> tuple[dict[str, Sequence], list[tuple[str, int]]]:
+    """`engine_helpers.serve`, stepping through `step`: the finished sequences and the steps' trace."""
     trace: list[tuple[str, int]] = []
-    while engine.has_work():
-        for seq in step(engine, trace):
-            assert seq.rid not in done, f"{seq.rid} finished twice"
-            done[seq.rid] = seq
-    assert set(done) == set(work) and not engine.requests
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    return done, trace
+    return engine_helpers.serve(engine, work, step=lambda engine: step(engine, trace)), trace
 
 
 def assert_same(got: dict[str, Sequence], want: dict[str, Sequence]) -> None:

@@ -40,6 +40,11 @@ def _tandem(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess:
     )
 
 
+def _show(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    """`tandem config show` of the recipe with `overrides`."""
+    return _tandem(tmp_path, "config", "show", str(RECIPE), *overrides)
+
+
 def _fake_engine(tmp_path: Path, name: str = "vllm", body: str = FAKE_VLLM) -> Path:
     site = tmp_path / f"fake-{name}-site"
     (site / name).mkdir(parents=True)
@@ -72,7 +77,7 @@ def test_launched_vllm_passes_config_show_and_dry_run_where_its_interpreter_impo
         keys = [f"rollout.vllm.python={_stand_in_python(tmp_path, site)}"]
     overrides = ["rollout.backend=vllm", *NO_MPS, *keys]
 
-    shown = _tandem(tmp_path, "config", "show", str(RECIPE), *overrides)
+    shown = _show(tmp_path, *overrides)
     assert shown.returncode == 0, shown.stderr
     assert "backend: vllm" in shown.stdout
     assert "pause_mode: in_place" in shown.stdout  # derived: vLLM's keep (the recipe sets none)
@@ -110,52 +115,26 @@ def test_a_broken_engine_install_and_a_missing_interpreter_are_named(tmp_path):
     broken = _fake_engine(
         tmp_path, body='raise ImportError("libcudart.so.13: cannot open shared object file")\n'
     )
-    result = _tandem(
-        tmp_path,
-        "config",
-        "show",
-        str(RECIPE),
-        "rollout.backend=vllm",
-        *NO_MPS,
-        f"rollout.vllm.pythonpath=[{broken}]",
-    )
+    result = _show(tmp_path, "rollout.backend=vllm", *NO_MPS, f"rollout.vllm.pythonpath=[{broken}]")
     _one_line_refusal(result, "libcudart.so.13: cannot open shared object file", f"PYTHONPATH {broken} first")
     missing = tmp_path / "no-such-python"
-    result = _tandem(
-        tmp_path,
-        "config",
-        "show",
-        str(RECIPE),
-        "rollout.backend=vllm",
-        *NO_MPS,
-        f"rollout.vllm.python={missing}",
-    )
+    result = _show(tmp_path, "rollout.backend=vllm", *NO_MPS, f"rollout.vllm.python={missing}")
     _one_line_refusal(result, str(missing), "cannot run")
 
 
 def test_launched_sglang_takes_the_same_check(tmp_path):
     """The same gap for SGLang (launched as Ray actors): its interpreter must import sglang."""
     overrides = ["rollout.backend=sglang", "cluster.use_ray=true", *NO_MPS]
-    result = _tandem(tmp_path, "config", "show", str(RECIPE), *overrides)
+    result = _show(tmp_path, *overrides)
     _one_line_refusal(
         result, "No module named 'sglang'", "rollout.sglang.python", "rollout.sglang.pythonpath"
     )
     site = _fake_engine(tmp_path, "sglang")
-    result = _tandem(
-        tmp_path, "config", "show", str(RECIPE), *overrides, f"rollout.sglang.pythonpath=[{site}]"
-    )
+    result = _show(tmp_path, *overrides, f"rollout.sglang.pythonpath=[{site}]")
     assert result.returncode == 0, result.stderr
 
 
 def test_external_servers_need_no_engine_here(tmp_path):
     """With rollout.server_addrs tandem launches nothing, so nothing is imported."""
-    result = _tandem(
-        tmp_path,
-        "config",
-        "show",
-        str(RECIPE),
-        "rollout.backend=vllm",
-        *NO_MPS,
-        "rollout.server_addrs=[127.0.0.1:8000]",
-    )
+    result = _show(tmp_path, "rollout.backend=vllm", *NO_MPS, "rollout.server_addrs=[127.0.0.1:8000]")
     assert result.returncode == 0, result.stderr

@@ -12,6 +12,7 @@ from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.kv_cache import BlockManager
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
+from tests.unit.engine_helpers import serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -34,18 +35,6 @@ def prompts(num: int, seed: int) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(4, 40, (num,), generator=generator)
     return [torch.randint(3, 49152, (int(n),), generator=generator).tolist() for n in lengths]
-
-
-def serve(engine: Engine, work: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Sequence]:
-    for rid, (ids, params) in work.items():
-        engine.add_request(rid, ids, params)
-    done: dict[str, Sequence] = {}
-    while engine.has_work():
-        for seq in engine.step():
-            assert seq.rid not in done, f"{seq.rid} finished twice"
-            done[seq.rid] = seq
-    assert set(done) == set(work) and not engine.requests
-    return done
 
 
 def assert_same(got: dict[str, Sequence], want: dict[str, Sequence]) -> None:

@@ -15,6 +15,7 @@ from tandemrl.engine.engine import Engine, EngineConfig
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import SamplingParams, Sequence
 from tandemrl.engine.speculative import NgramDrafter, verify
+from tests.unit.engine_helpers import serve
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -52,19 +53,6 @@ def model_copying_prompts(model_dir, num: int, seed: int) -> dict[str, list[int]
     prompts = {f"r{i}": copying_prompt(seed + i, length=12, repeats=1) for i in range(num)}
     plain = serve(make_engine(model_dir, "none"), {r: (p, greedy(24)) for r, p in prompts.items()})
     return {r: p + plain[r].output_ids + p for r, p in prompts.items()}
-
-
-def serve(engine: Engine, work: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, Sequence]:
-    for rid, (ids, params) in work.items():
-        engine.add_request(rid, ids, params)
-    done: dict[str, Sequence] = {}
-    while engine.has_work():
-        for seq in engine.step():
-            assert seq.rid not in done
-            done[seq.rid] = seq
-    assert set(done) == set(work) and not engine.requests
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "blocks leaked"
-    return done
 
 
 def greedy(max_new_tokens: int = 24, **params) -> SamplingParams:

@@ -58,7 +58,9 @@ class ActorWorker:
 
     def cpus(self) -> list[int]:
         """The cores this process's main thread may run on."""
-        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        from tandemrl.host.cpus import available_cpus
+
+        return available_cpus()
 
     def train_step(self, samples: list[Any], profile_path: str | None = None) -> dict[str, float]:
         """`profile_path`: record the step with torch.profiler (runner.profile_steps)."""

@@ -300,11 +300,12 @@ class Engine:
         names = self.model.load_weights(named_tensors)
         old_version = self.weight_version
         self.weight_version = self.weight_version + 1 if weight_version is None else int(weight_version)
-        if isinstance(self.scheduler, PrefixCachingScheduler) and self.weight_version != old_version:
+        if isinstance(self.blocks, PrefixCachingBlockManager) and self.weight_version != old_version:
             # cached K/V ages by one version (a push's later buckets repeat it); a version that goes back
-            # (a trainer resumed from an older checkpoint) leaves nothing of the cache
+            # (a trainer resumed from an older checkpoint) leaves nothing of the cache. Running requests
+            # keep their K/V, and cache what they fill next with their table's epoch while it is young enough
             went_back = self.weight_version < old_version
-            self.scheduler.next_weights(self.blocks.max_age + 1 if went_back else 1)
+            self.blocks.next_epoch(self.blocks.max_age + 1 if went_back else 1)
         self.is_version_set_by_update = weight_version is not None
         self.is_version_order_restarted = False
         logger.info("loaded %d tensors, weight_version=%d", len(names), self.weight_version)

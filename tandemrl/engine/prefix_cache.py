@@ -205,8 +205,3 @@ class PrefixCachingScheduler(Scheduler):
         if seq.status is Status.RUNNING:
             self.blocks.register(seq)  # the blocks its last steps filled
         super().finish(seq, reason)
-
-    def next_weights(self, epochs: int = 1) -> None:
-        """A weight update (see `PrefixCachingBlockManager.next_epoch`): running requests keep their K/V;
-        the blocks they fill next are cached with their table's epoch, while it is young enough."""
-        self.blocks.next_epoch(epochs)

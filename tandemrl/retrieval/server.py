@@ -275,6 +275,13 @@ def run_serve(args) -> int:
             file=sys.stderr,
         )
         return 2
+    num_threads = getattr(args, "num_threads", 0)  # a Namespace built in code may lack it
+    if num_threads < 0:  # before the port and the index: nothing opened yet
+        print(
+            f"tandem serve-retrieval: --num-threads={num_threads}: use 0 (every core) or more",
+            file=sys.stderr,
+        )
+        return 2
     try:
         sock = bind_socket(args.host, args.port, "serve-retrieval")  # before the index: a clash fails now
     except OSError as error:
@@ -283,14 +290,6 @@ def run_serve(args) -> int:
     fusion = default_fusion(getattr(args, "fusion", "zscore"))  # a Namespace built in code may lack it
     retriever = _open_retriever(args, fusion, sock)
     if retriever is None:
-        return 2
-    num_threads = getattr(args, "num_threads", 0)
-    if num_threads < 0:
-        sock.close()
-        print(
-            f"tandem serve-retrieval: --num-threads={num_threads}: use 0 (every core) or more",
-            file=sys.stderr,
-        )
         return 2
     blas_threads = limit_threads(num_threads) if num_threads else None  # torch is loaded with the encoder
     retriever.search(["warm-up query"], [1])  # load lazy weights before the first real request

@@ -26,6 +26,25 @@ def _computed(blocks: PrefixCachingBlockManager, seq: Sequence) -> None:
     blocks.register(seq)
 
 
+def _run_across_an_update(max_age: int) -> PrefixCachingBlockManager:
+    """A request admitted and prefilled, a weight update (in_place: it keeps its K/V), then 7 decode steps
+    to its finish; returns the block manager it ran on (8 blocks)."""
+    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=max_age)
+    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
+    seq = _seq(list(range(3)))
+    scheduler.add(seq)
+    scheduler.schedule()
+    seq.num_cached_tokens = seq.num_tokens
+    blocks.next_epoch()  # in_place update while `seq` runs
+    for token in range(3, 10):
+        seq.append(token, 0.0, 1)
+        blocks.allocate(seq.block_table, seq.num_tokens)
+        seq.num_cached_tokens = seq.num_tokens
+        scheduler.after_step([seq])
+    scheduler.finish(seq, {"type": "length"})
+    return blocks
+
+
 def test_blocks_are_matched_shared_and_evicted_lru():
     blocks = PrefixCachingBlockManager(num_blocks=6, block_size=BLOCK)
     first = _seq(list(range(10)))
@@ -98,19 +117,7 @@ def test_a_pending_token_is_not_hashed_until_known():
 
 def test_a_table_held_across_a_weight_update_is_never_cached_again():
     """At age 0, blocks allocated after the update attend to the old weights' K/V: none may be matched."""
-    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=0)
-    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
-    seq = _seq(list(range(3)))
-    scheduler.add(seq)
-    batch, _ = scheduler.schedule()
-    seq.num_cached_tokens = seq.num_tokens
-    scheduler.next_weights()  # in_place update while `seq` runs
-    for token in range(3, 10):
-        seq.append(token, 0.0, 1)
-        blocks.allocate(seq.block_table, seq.num_tokens)
-        seq.num_cached_tokens = seq.num_tokens
-        scheduler.after_step([seq])
-    scheduler.finish(seq, {"type": "length"})
+    blocks = _run_across_an_update(max_age=0)
     assert blocks.num_cached_blocks == 0
     assert blocks.match_prefix(_seq(list(range(10)))) == 0
 
@@ -261,23 +268,11 @@ def test_a_chain_is_as_old_as_its_oldest_block():
 def test_a_table_held_across_an_update_keeps_caching_within_the_age():
     """in_place at age 1: a request running across one update caches its later blocks (old K/V, as in_place
     keeps), which serve until the next update."""
-    blocks = PrefixCachingBlockManager(num_blocks=8, block_size=BLOCK, max_age=1)
-    scheduler = PrefixCachingScheduler(blocks, max_running_requests=4, max_prefill_tokens=64)
-    seq = _seq(list(range(3)))
-    scheduler.add(seq)
-    scheduler.schedule()
-    seq.num_cached_tokens = seq.num_tokens
-    scheduler.next_weights()
-    for token in range(3, 10):
-        seq.append(token, 0.0, 1)
-        blocks.allocate(seq.block_table, seq.num_tokens)
-        seq.num_cached_tokens = seq.num_tokens
-        scheduler.after_step([seq])
-    scheduler.finish(seq, {"type": "length"})
+    blocks = _run_across_an_update(max_age=1)
     assert blocks.num_cached_blocks == 2
     probe = _seq(list(range(10)))
     assert blocks.match_prefix(probe) == 8
     blocks.free(probe.block_table)
-    scheduler.next_weights()
+    blocks.next_epoch()
     assert blocks.match_prefix(_seq(list(range(10)))) == 0
     assert blocks.num_free_blocks == 8

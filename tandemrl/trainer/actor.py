@@ -57,6 +57,8 @@ PPO_SUM_KEYS = (
     "kl_ref",
     "is_weight",
     "is_clip_fraction",
+    "pos_advantage",
+    "clipped_pos_advantage",
 )
 
 
@@ -286,6 +288,10 @@ class Actor:
             for k in ("loss", "ratio_abs", "clip_fraction", "approx_kl", "entropy")
         }
         metrics["train/actor/rollout_train_logprob_gap"] = total["gap"] / max(total["gap_tokens"], 1.0)
+        # the share of the positive advantage (summed over tokens) that the PPO clip removed from the step
+        metrics["train/actor/clipped_pos_advantage_share"] = total["clipped_pos_advantage"] / max(
+            total["pos_advantage"], 1e-12
+        )
         if self.ref_policy is not None:
             metrics["train/actor/kl_ref"] = total["kl_ref"] / tokens
         if self.loss_cfg.off_policy_correction != "none":

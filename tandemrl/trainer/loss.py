@@ -103,6 +103,10 @@ def ppo_token_losses(
         "clip_fraction": is_clipped.float().detach(),
         # k3 estimate of KL(pi_old || pi): r - 1 - log r, unbiased and >= 0 under samples from pi_old
         "approx_kl": (ratio - 1 - log_ratio).detach(),
+        # the positive advantage, and the part of it the clip cut (ratio already above 1 + eps_high): with
+        # stale data these are the tokens the policy has learned to favour since it sampled them
+        "pos_advantage": advantages.clamp(min=0).detach(),
+        "clipped_pos_advantage": (advantages.clamp(min=0) * is_clipped).detach(),
     }
     if cfg.off_policy_correction != "none":
         if behav_logprobs is None:

@@ -21,6 +21,7 @@ METRICS = (
     "grad_norm",
     "lr",
     "rollout_train_logprob_gap",
+    "clipped_pos_advantage_share",
 )
 
 

@@ -177,3 +177,13 @@ def test_correction_without_recompute_names_both_keys():
 def test_bad_correction_keys_are_config_errors(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])
+
+
+def test_clipped_positive_advantage_counts_only_positive_tokens_above_the_clip():
+    """pos_advantage sums A+ over tokens; clipped_pos_advantage only where the clip cut a positive push
+    (ratio above 1 + eps): a risen token with A>0 and nothing from A<0 tokens, clipped or not."""
+    # ratio 1.5, A=2: clipped (counts 2); ratio 1.1, A=3: inside the clip; ratio 0.5, A=-1: clipped, A<0
+    _, _, stats = _ppo([1.5, 1.1, 0.5], [2.0, 3.0, -1.0], [1.0, 1.0, 1.0], "none")
+    assert stats["pos_advantage"].tolist() == pytest.approx([2.0, 3.0, 0.0])
+    assert stats["clipped_pos_advantage"].tolist() == pytest.approx([2.0, 0.0, 0.0])
+    assert stats["clip_fraction"].tolist() == [1.0, 0.0, 1.0]

@@ -30,6 +30,7 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_output_dir(config)
     _derive_recompute_logprobs(config)
     _derive_pause_mode(config)
+    _derive_prefix_cache_age(config)
     _validate_cross_section(config)
     _validate_sizes(config)
     _validate_paths(config)
@@ -162,6 +163,23 @@ def _derive_pause_mode(config: TandemConfig) -> None:
             f"{UNSUPPORTED_PAUSE_MODES[rollout.pause_mode]}. Set rollout.pause_mode=in_place (vLLM's keep) or "
             "drain, or leave it unset."
         )
+
+
+def _derive_prefix_cache_age(config: TandemConfig) -> None:
+    """The embedded engine's `prefix_cache_max_age`: 1 for the async runner (the K/V of the previous weights
+    keeps serving, as in_place pausing keeps it for running requests), 0 for the sync runner (nothing is in
+    flight at its updates, so exact K/V costs one prefill of the shared prefix per update)."""
+    engine = config.rollout.engine
+    if config.rollout.backend != "embedded" or engine.prefix_cache_max_age is not None:
+        return
+    is_async = config.runner.async_mode
+    engine.prefix_cache_max_age = 1 if is_async else 0
+    why = (
+        "async: the previous weights' K/V keeps serving, as in_place pausing keeps it for running requests"
+        if is_async
+        else "sync: nothing is in flight at an update, so every rollout runs on the new weights' K/V"
+    )
+    config.derived["rollout.engine.prefix_cache_max_age"] = f"{engine.prefix_cache_max_age} ({why})"
 
 
 def _validate_cross_section(config: TandemConfig) -> None:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from tandemrl.config.errors import ConfigError
 
 MAX_PREFIX_CACHE_AGE = 8  # weight versions: older K/V than that is a different policy's
+# prefix_cache_max_age where nothing derived it (a `serve-engine` started by hand); a run derives 0 or 1
+DEFAULT_PREFIX_CACHE_AGE = 1
 MAX_PREFILL_DELAY_STEPS = 256  # a few hundred ms of decode steps at most: a held request must not starve
 SPECULATIVE_MODES = ("none", "ngram")
 MAX_SPEC_DRAFT_TOKENS = 16  # a verify row forwards 1 + this; longer drafts are rarely accepted whole
@@ -36,8 +38,10 @@ class EngineOptions:
     prefill_delay_steps: int = 0
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (the agent loop resends each turn)
     # weight updates a cached prefix's K/V may serve across (engine/prefix_cache.py): 1 reuses the previous
-    # weights' K/V, the approximation in_place pausing makes for running requests; 0 drops it at each update
-    prefix_cache_max_age: int = 1
+    # weights' K/V, the approximation in_place pausing makes for running requests; 0 drops it at each update.
+    # None: derived (config/derive.py): 1 for the async runner, 0 for the sync runner, which has nothing in
+    # flight at an update, so its rollouts stay exactly on-policy
+    prefix_cache_max_age: int | None = None
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
     # speculative decoding (engine/speculative.py): ngram drafts up to `spec_num_draft_tokens` tokens by
@@ -66,7 +70,7 @@ class EngineOptions:
                 f"{MAX_PREFILL_DELAY_STEPS} (decode steps a waiting request may be held before its prefill; "
                 "0 prefills it at the next step)."
             )
-        if not 0 <= self.prefix_cache_max_age <= MAX_PREFIX_CACHE_AGE:
+        if self.prefix_cache_max_age is not None and not 0 <= self.prefix_cache_max_age <= MAX_PREFIX_CACHE_AGE:
             raise ConfigError(
                 f"rollout.engine.prefix_cache_max_age={self.prefix_cache_max_age!r}: must be within 0-"
                 f"{MAX_PREFIX_CACHE_AGE} (weight updates a cached prefix may serve across; 0 drops the cache "

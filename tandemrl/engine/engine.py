@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandemrl.config.engine import EngineConfig
+from tandemrl.config.engine import DEFAULT_PREFIX_CACHE_AGE, EngineConfig
 from tandemrl.engine.fast_model_runner import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
@@ -87,8 +87,9 @@ class Engine:
         )
         scheduler_args = (config.max_running_requests, config.max_prefill_tokens, config.prefill_delay_steps)
         if config.enable_prefix_caching:
+            max_age = config.prefix_cache_max_age
             self.blocks = PrefixCachingBlockManager(
-                num_blocks, config.block_size, config.prefix_cache_max_age
+                num_blocks, config.block_size, DEFAULT_PREFIX_CACHE_AGE if max_age is None else max_age
             )
             self.scheduler = PrefixCachingScheduler(self.blocks, *scheduler_args, self.drafter)
         else:

@@ -8,15 +8,15 @@ while the GPU runs the next one, and a finishing request only releases its block
 leading tokens hash the same points its block table at those blocks and starts with them cached. Blocks
 are reference counted; an unreferenced cached block stays in an LRU pool until a fresh allocation needs
 it, so a retracted request's registered blocks may serve its own re-admission, as SGLang's radix cache does.
-Across weight updates (`rollout.engine.prefix_cache_max_age`, default 1): every weight update that
-changes the version starts a new epoch, and a sequence's K/V is as old as the oldest K/V in its table
-(`Sequence.kv_epoch`: the epoch of its first computed block, or of the oldest block it matched; every
-later block attends to those). A cached block carries its chain's epoch, and serves a match while at most
-`max_age` epochs old; older ones are forgotten at the update. It is the approximation `in_place` pausing
-already makes for the running requests' K/V (kept across an update), extended to K/V that waits in the
-cache, and bounded: with age 1 a trajectory that waits on a search across one update reuses its context
-instead of prefilling it again, and nothing older than the previous weights is ever reused. Age 0 is exact:
-no K/V of older weights serves a new request or a next turn.
+Across weight updates (`rollout.engine.prefix_cache_max_age`: a run derives 1 in async, 0 in sync): every
+weight update that changes the version starts a new epoch, and a sequence's K/V is as old as the oldest K/V in
+its table (`Sequence.kv_epoch`: the epoch of its first computed block, or of the oldest block it matched;
+every later block attends to those). A cached block carries its chain's epoch, and serves a match while at
+most `max_age` epochs old; older ones are forgotten at the update. It is the approximation `in_place` pausing
+already makes for the running requests' K/V (kept across an update), extended to K/V that waits in the cache,
+and bounded: with age 1 a trajectory that waits on a search across one update reuses its context instead of
+prefilling it again, and nothing older than the previous weights is ever reused. Age 0 is exact: no K/V of
+older weights serves a new request or a next turn.
 
 Invariants: a shared block is never written (a match always leaves at least one token to compute, and
 new tokens land in blocks after the matched ones); a block is matched only while its epoch is within

@@ -322,3 +322,23 @@ def test_the_cold_start_fine_tunes_the_base_model_not_its_own_output(tmp_path, m
     assert sft_out_dir(config) == Path(config.runner.output_dir) / "sft_model"
     config.actor.sft.init_model_path, config.actor.sft.out_dir = "/models/llama", str(tmp_path / "out")
     assert (sft_init_model_path(config), sft_out_dir(config)) == ("/models/llama", tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["runner.async_mode=false"], 0),  # sync: nothing in flight at an update, exact K/V
+        (["runner.async_mode=true", "agentloop.task_name=searchr1"], 1),  # async: previous K/V serves
+        (["runner.async_mode=false", "rollout.engine.prefix_cache_max_age=3"], 3),  # set: kept
+    ],
+)
+def test_prefix_cache_age_is_derived_by_runner(overrides, expected):
+    config = load_config(None, overrides)
+    assert config.rollout.engine.prefix_cache_max_age == expected
+    is_set = any(o.startswith("rollout.engine.prefix_cache_max_age") for o in overrides)
+    assert ("rollout.engine.prefix_cache_max_age" in config.derived) == (not is_set)
+
+
+def test_prefix_cache_age_out_of_range_names_the_key():
+    with pytest.raises(ConfigError, match="prefix_cache_max_age=9"):
+        load_config(None, ["rollout.engine.prefix_cache_max_age=9"])

@@ -70,7 +70,10 @@ class EngineOptions:
                 f"{MAX_PREFILL_DELAY_STEPS} (decode steps a waiting request may be held before its prefill; "
                 "0 prefills it at the next step)."
             )
-        if self.prefix_cache_max_age is not None and not 0 <= self.prefix_cache_max_age <= MAX_PREFIX_CACHE_AGE:
+        if (
+            self.prefix_cache_max_age is not None
+            and not 0 <= self.prefix_cache_max_age <= MAX_PREFIX_CACHE_AGE
+        ):
             raise ConfigError(
                 f"rollout.engine.prefix_cache_max_age={self.prefix_cache_max_age!r}: must be within 0-"
                 f"{MAX_PREFIX_CACHE_AGE} (weight updates a cached prefix may serve across; 0 drops the cache "

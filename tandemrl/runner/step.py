@@ -173,8 +173,12 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         start_s = time.monotonic()
         metrics.update(await validate(ctx))
         metrics["time/validation"] = time.monotonic() - start_s
+    start_s = time.monotonic()
     write_ledger(ctx, step)
     write_trajectories(ctx, step, handoff)
+    metrics["time/records"] = (
+        time.monotonic() - start_s
+    )  # prompts.jsonl and trajectories/, on the step's path
     if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
         start_s = time.monotonic()
         await save_checkpoint(ctx, step)

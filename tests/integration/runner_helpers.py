@@ -210,3 +210,6 @@ def check_wall_clock(scalars: dict, validated_steps: list[int], saved_steps: lis
         assert [s for s, _ in scalars[name]] == steps, name
         by_step = dict(scalars["time/step"])
         assert all(0 < v <= by_step[s] for s, v in scalars[name]), (name, scalars[name], by_step)
+    records = dict(scalars["time/records"])  # every step writes its ledger and trajectories inside its time
+    assert sorted(records) == sorted(dict(scalars["time/step"]))
+    assert all(0 < v < dict(scalars["time/step"])[s] for s, v in records.items()), records

@@ -309,12 +309,14 @@ def test_group_runs_concurrently(tokenizer):
 
 
 def test_trajectory_record_is_json_ready(tokenizer):
+    import dataclasses
     import json
 
     traj, _, _ = run(
         tokenizer, ["<answer> paris </answer>"], cfg=replace(AgentLoopConfig(), format_reward=True)
     )
     record = json.loads(json.dumps(traj.to_dict()))
+    assert record == json.loads(json.dumps(dataclasses.asdict(traj)))  # the shallow dict holds everything
     assert record["reward"] == pytest.approx(0.8) and record["em"] == 1.0  # correct, but no <think> first
     assert record["golden_answers"] == ["Paris"] and record["data_source"] == "kb_1hop"
 

@@ -10,6 +10,7 @@ from tandemrl.config.checks import _check, _check_choice, _check_positive
 from tandemrl.config.rollout import ModelConfig
 
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+PROXIMAL_LOGPROBS = ("recompute", "current")
 
 
 @dataclass
@@ -30,6 +31,11 @@ class AlgorithmConfig:
     recompute_logprobs: bool | None = None
     # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py
     off_policy_correction: str = "none"
+    # where a correction's proximal policy comes from (trainer/loss.py): recompute (AReaL's: one more forward
+    # pass at the weights before the step's first update) | current (each minibatch's own forward, detached:
+    # no extra pass; the ratio is 1 where it is taken, so nothing is clipped, and the weight
+    # pi_theta / pi_behav, capped as the correction says, scales the gradient)
+    proximal_logprobs: str = "recompute"
     tis_cap: float = 2.0  # tis: the importance weight is truncated at this value
     # decoupled: tokens whose importance weight exceeds this are left out of the gradient
     decoupled_weight_cap: float = 5.0
@@ -58,13 +64,25 @@ class AlgorithmConfig:
             _check(
                 cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled)."
             )
+        _check_choice("algorithm.proximal_logprobs", self.proximal_logprobs, PROXIMAL_LOGPROBS)
         _check(
-            self.recompute_logprobs is not False or self.off_policy_correction == "none",
+            self.proximal_logprobs == "recompute" or self.off_policy_correction != "none",
+            "algorithm.proximal_logprobs",
+            self.proximal_logprobs,
+            "needs an off-policy correction: with algorithm.off_policy_correction=none the rollout's logprobs "
+            "are the PPO ratio's denominator and there is no proximal policy",
+            "Set algorithm.off_policy_correction to tis or decoupled, or leave proximal_logprobs at recompute.",
+        )
+        _check(
+            self.recompute_logprobs is not False
+            or self.off_policy_correction == "none"
+            or self.proximal_logprobs == "current",
             "algorithm.recompute_logprobs",
             self.recompute_logprobs,
             f"contradicts algorithm.off_policy_correction={self.off_policy_correction!r}, whose importance "
             "weight needs the actor's own logprobs recomputed before the update",
-            "Leave algorithm.recompute_logprobs unset (or true), or set algorithm.off_policy_correction=none.",
+            "Leave algorithm.recompute_logprobs unset (or true), set algorithm.proximal_logprobs=current, or "
+            "set algorithm.off_policy_correction=none.",
         )
 
 

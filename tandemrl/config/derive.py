@@ -142,11 +142,17 @@ def _derive_output_dir(config: TandemConfig) -> None:
 def _derive_recompute_logprobs(config: TandemConfig) -> None:
     algorithm = config.algorithm
     if algorithm.recompute_logprobs is None:
-        needs = algorithm.off_policy_correction != "none"
+        correction = algorithm.off_policy_correction
+        needs = correction != "none" and algorithm.proximal_logprobs == "recompute"
         algorithm.recompute_logprobs = needs
-        why = "its importance weight needs the proximal logprobs" if needs else "no correction"
+        if needs:
+            why = "its importance weight needs the proximal logprobs"
+        elif correction == "none":
+            why = "no correction"
+        else:
+            why = "algorithm.proximal_logprobs=current takes them from each minibatch's own forward"
         config.derived["algorithm.recompute_logprobs"] = (
-            f"{str(needs).lower()} (algorithm.off_policy_correction={algorithm.off_policy_correction}: {why})"
+            f"{str(needs).lower()} (algorithm.off_policy_correction={correction}: {why})"
         )
 
 

@@ -186,7 +186,9 @@ class Actor:
         `train/actor/rollout_train_logprob_gap` = mean |logp_train - logp_rollout| before the first
         update: over all tokens when the old logprobs are recomputed (that pass runs anyway), else over the
         first minibatch's tokens, whose forward precedes the first update (no extra forward pass).
-        An off-policy correction always recomputes: the recomputed logprobs are its proximal policy.
+        An off-policy correction recomputes (the recomputed logprobs are its proximal policy) unless
+        `algorithm.proximal_logprobs=current`, where each minibatch's own forward, detached, stands as the
+        proximal policy.
         """
         if not samples:
             raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
@@ -194,7 +196,9 @@ class Actor:
         self._probe = StepProbe(torch.device(self.device)).start()
         sums: dict[str, float] = defaultdict(float)
         algorithm = self.config.algorithm
-        recompute = bool(algorithm.recompute_logprobs) or algorithm.off_policy_correction != "none"
+        recompute = bool(algorithm.recompute_logprobs) or (
+            algorithm.off_policy_correction != "none" and algorithm.proximal_logprobs == "recompute"
+        )
         if recompute:
             samples = self._recompute_old_logprobs(samples, sums)
         grad_norms = []
@@ -218,12 +222,19 @@ class Actor:
             with torch.no_grad():
                 ref_K = self._forward(self.ref_policy, micro)[0]
         behav_K = micro.behav_logprobs_N[select_K]
+        if (
+            self.loss_cfg.off_policy_correction != "none"
+            and self.config.algorithm.proximal_logprobs == "current"
+        ):
+            old_K = (
+                logprobs_K.detach()
+            )  # the ratio is 1 here; the weight pi_theta / pi_behav carries the step
         losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)
         loss_sum = (losses_K * mask_K).sum()
         (loss_sum * (self.world_size / max(num_tokens, 1))).backward()
         stats.update(loss=losses_K.detach(), entropy=entropy_K, tokens=torch.ones_like(mask_K))
         if measure_gap:
-            stats.update(gap=(logprobs_K.detach() - old_K).abs(), gap_tokens=torch.ones_like(mask_K))
+            stats.update(gap=(logprobs_K.detach() - behav_K).abs(), gap_tokens=torch.ones_like(mask_K))
         for name, value in masked_sum_tensors(stats, mask_K).items():
             sums[name] = sums[name] + value  # stays on the device: no host sync per micro-batch
 

@@ -13,6 +13,10 @@ denominator; w = pi_prox / pi_behav (no gradient) multiplies each token's clippe
     weight 0 (it stays in the token count, so it dilutes rather than vanishes);
   tis (truncated importance sampling, as verl and slime): min(w, tis_cap).
 The clipping keeps pi_theta near pi_prox, not near the stale pi_behav; w corrects the sampling.
+With `algorithm.proximal_logprobs=current` pi_prox is each minibatch's own forward, detached (no extra
+pass): the ratio is 1 where it is taken, nothing is clipped, and the gradient is the capped w times the
+plain policy gradient. Each sample trains once a step (one pass over the minibatches), so the trust region
+it gives up is what the step's earlier minibatches moved the weights.
 """
 
 from __future__ import annotations

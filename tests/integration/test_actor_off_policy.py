@@ -98,3 +98,37 @@ def test_stale_data_over_the_cap_is_truncated_by_tis_and_dropped_by_decoupled(ti
     assert norms["decoupled"] == 0.0
     after = dict(actor.iter_full_weights())  # the decoupled actor: no token left, so no change
     assert max((before[k] - after[k]).abs().max().item() for k in before) == 0.0
+
+
+def test_current_proximal_matches_recompute_on_one_minibatch_without_the_extra_pass(tiny_llama_dir):
+    """With one minibatch the step's only forward is at the weights before the update, so the current
+    forward, detached, is the recomputed proximal policy: same logged weights, same update, no clip."""
+    overrides = ("algorithm.off_policy_correction=tis", *CAPS)
+    recomputed = _actor(tiny_llama_dir, *overrides)
+    current = _actor(tiny_llama_dir, *overrides, "algorithm.proximal_logprobs=current")
+    assert current.config.algorithm.recompute_logprobs is False  # derived: no extra pass
+    samples = _rollout_logprobs_at(recomputed, make_samples(seed=4, num_samples=6), TARGET_WEIGHTS)
+    m_recomputed, m_current = recomputed.train_step(samples), current.train_step(samples)
+    mean, capped = _expected(samples, (0.5, 1.5, 2.0))
+    assert m_current["train/actor/is_weight_mean"] == pytest.approx(mean, abs=1e-4)
+    assert m_current["train/actor/is_clip_fraction"] == pytest.approx(capped, abs=1e-9)
+    assert m_current["train/actor/ratio_abs"] == 0.0 and m_current["train/actor/clip_fraction"] == 0.0
+    # the gap to the rollout is measured against the rollout's logprobs in both
+    gap = m_current["train/actor/rollout_train_logprob_gap"]
+    assert gap == pytest.approx(m_recomputed["train/actor/rollout_train_logprob_gap"], rel=1e-4) and gap > 0.1
+    after_r, after_c = dict(recomputed.iter_full_weights()), dict(current.iter_full_weights())
+    assert max((after_r[k] - after_c[k]).abs().max().item() for k in after_r) < 1e-6
+    assert max((after_r[k] - w).abs().max().item() for k, w in _actor(tiny_llama_dir).iter_full_weights()) > 0
+
+
+def test_current_proximal_follows_the_weights_across_minibatches(tiny_llama_dir):
+    """With two minibatches the second one's weight is taken at the weights the first update left, so the
+    update differs from the recomputed proximal policy's (which stays at the step's start)."""
+    overrides = ("algorithm.off_policy_correction=tis", "algorithm.n_minibatches=2", *CAPS)
+    recomputed = _actor(tiny_llama_dir, *overrides)
+    current = _actor(tiny_llama_dir, *overrides, "algorithm.proximal_logprobs=current")
+    samples = _rollout_logprobs_at(recomputed, make_samples(seed=5, num_samples=6), (1.5,))
+    m_recomputed, m_current = recomputed.train_step(samples), current.train_step(samples)
+    assert m_recomputed["train/actor/ratio_abs"] > 0 and m_current["train/actor/ratio_abs"] == 0.0
+    after_r, after_c = dict(recomputed.iter_full_weights()), dict(current.iter_full_weights())
+    assert max((after_r[k] - after_c[k]).abs().max().item() for k in after_r) > 1e-7

@@ -187,3 +187,30 @@ def test_clipped_positive_advantage_counts_only_positive_tokens_above_the_clip()
     assert stats["pos_advantage"].tolist() == pytest.approx([2.0, 3.0, 0.0])
     assert stats["clipped_pos_advantage"].tolist() == pytest.approx([2.0, 0.0, 0.0])
     assert stats["clip_fraction"].tolist() == [1.0, 0.0, 1.0]
+
+
+def test_current_proximal_needs_a_correction_and_skips_the_recompute():
+    with pytest.raises(ConfigError, match="algorithm.proximal_logprobs"):
+        load_config(None, ["algorithm.proximal_logprobs=current", "runner.output_dir=/tmp/x"])
+    config = load_config(
+        None,
+        [
+            "algorithm.off_policy_correction=tis",
+            "algorithm.proximal_logprobs=current",
+            "runner.output_dir=/tmp/x",
+        ],
+    )
+    assert config.algorithm.recompute_logprobs is False
+    assert "proximal_logprobs=current" in config.derived["algorithm.recompute_logprobs"]
+    explicit = load_config(
+        None,
+        [
+            "algorithm.off_policy_correction=decoupled",
+            "algorithm.proximal_logprobs=current",
+            "algorithm.recompute_logprobs=false",
+            "runner.output_dir=/tmp/x",
+        ],
+    )
+    assert explicit.algorithm.recompute_logprobs is False
+    with pytest.raises(ConfigError, match="must be one of recompute, current"):
+        load_config(None, ["algorithm.proximal_logprobs=later", "runner.output_dir=/tmp/x"])

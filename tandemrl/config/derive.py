@@ -172,19 +172,23 @@ def _derive_pause_mode(config: TandemConfig) -> None:
 
 
 def _derive_prefix_cache_age(config: TandemConfig) -> None:
-    """The embedded engine's `prefix_cache_max_age`: 1 for the async runner (the K/V of the previous weights
-    keeps serving, as in_place pausing keeps it for running requests), 0 for the sync runner (nothing is in
-    flight at its updates, so exact K/V costs one prefill of the shared prefix per update)."""
+    """The embedded engine's `prefix_cache_max_age`: 1 where rollouts are in flight across an update (the
+    async runner: the previous weights' K/V keeps serving, as in_place pausing keeps it for running
+    requests), 0 where none are (the sync runner, and the async runner at max_head_offpolicyness 0, which
+    runs its schedule): there exact K/V costs one prefill of the shared prefix per update."""
     engine = config.rollout.engine
     if config.rollout.backend != "embedded" or engine.prefix_cache_max_age is not None:
         return
-    is_async = config.runner.async_mode
-    engine.prefix_cache_max_age = 1 if is_async else 0
-    why = (
-        "async: the previous weights' K/V keeps serving, as in_place pausing keeps it for running requests"
-        if is_async
-        else "sync: nothing is in flight at an update, so every rollout runs on the new weights' K/V"
-    )
+    if not config.runner.async_mode:
+        engine.prefix_cache_max_age, why = 0, "sync: nothing is in flight at an update, so K/V stays exact"
+    elif config.rollout_buffer.max_head_offpolicyness == 0:
+        engine.prefix_cache_max_age, why = (
+            0,
+            "async at max_head_offpolicyness 0: the sync schedule, exact K/V",
+        )
+    else:
+        engine.prefix_cache_max_age = 1
+        why = "async: the previous weights' K/V keeps serving, as in_place pausing keeps it for running requests"
     config.derived["rollout.engine.prefix_cache_max_age"] = f"{engine.prefix_cache_max_age} ({why})"
 
 

@@ -39,8 +39,8 @@ class EngineOptions:
     enable_prefix_caching: bool = True  # reuse the KV of a resent context (the agent loop resends each turn)
     # weight updates a cached prefix's K/V may serve across (engine/prefix_cache.py): 1 reuses the previous
     # weights' K/V, the approximation in_place pausing makes for running requests; 0 drops it at each update.
-    # None: derived (config/derive.py): 1 for the async runner, 0 for the sync runner, which has nothing in
-    # flight at an update, so its rollouts stay exactly on-policy
+    # None: derived (config/derive.py): 1 for the async runner, 0 where nothing is in flight at an update (the
+    # sync runner, async at max_head_offpolicyness 0), so those rollouts stay exactly on-policy
     prefix_cache_max_age: int | None = None
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains

@@ -329,6 +329,14 @@ def test_the_cold_start_fine_tunes_the_base_model_not_its_own_output(tmp_path, m
     [
         (["runner.async_mode=false"], 0),  # sync: nothing in flight at an update, exact K/V
         (["runner.async_mode=true", "agentloop.task_name=searchr1"], 1),  # async: previous K/V serves
+        (  # async on the sync schedule: nothing in flight at an update either
+            [
+                "runner.async_mode=true",
+                "agentloop.task_name=searchr1",
+                "rollout_buffer.max_head_offpolicyness=0",
+            ],
+            0,
+        ),
         (["runner.async_mode=false", "rollout.engine.prefix_cache_max_age=3"], 3),  # set: kept
     ],
 )

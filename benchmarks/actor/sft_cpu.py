@@ -26,6 +26,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from tandemrl.commands.demo import demo_config_path  # noqa: E402
+from tandemrl.config.derive import actor_setup  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.actor import Actor  # noqa: E402
 from tandemrl.trainer.sft import read_rendered  # noqa: E402
@@ -50,7 +51,7 @@ def main() -> int:
     samples = read_rendered(args.rendered)
     if len(samples) < batch_size * args.updates:
         raise SystemExit(f"{args.rendered} holds {len(samples)} samples; need {batch_size * args.updates}.")
-    actor = Actor(config, total_updates=args.updates)
+    actor = Actor(actor_setup(config, total_updates=args.updates))
     rows = []
     for i in range(args.updates):
         batch = samples[i * batch_size : (i + 1) * batch_size]

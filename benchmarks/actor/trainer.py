@@ -264,6 +264,7 @@ def throughput(args, device: torch.device, shape: dict, actor) -> dict:
 
 def main() -> int:
     args = parse_args()
+    from tandemrl.config.derive import actor_setup
     from tandemrl.trainer.actor import Actor
     from tandemrl.trainer.policy import is_sharded
 
@@ -280,7 +281,7 @@ def main() -> int:
         f"algorithm.n_minibatches={args.n_minibatches}",
         f"actor.micro_batch_tokens={args.micro_batch_tokens}",
     ]
-    actor = Actor(load_config(None, overrides), hf_model=model)
+    actor = Actor(actor_setup(load_config(None, overrides)), hf_model=model)
     result = {
         "gpu": torch.cuda.get_device_name(device) if use_cuda else f"cpu ({platform.processor()})",
         "command": " ".join([sys.executable, *sys.argv]),

@@ -6,7 +6,7 @@ torch's varlen flash kernel over packed rows where it works, the auto micro-batc
     python3 -m benchmarks.actor.trainer_smollm2          # H200: the prepared SmolLM2 (random weights without it)
     python3 -m benchmarks.actor.trainer_smollm2 --tiny   # CPU smoke check of the same code (no figures)
 
-Steps are the real code path: `Actor(config)` loads the model directory, `train_step` runs
+Steps are the real code path: `Actor(actor_setup(config))` loads the model directory, `train_step` runs
 `algorithm.n_minibatches` updates on RL-shaped samples (a ~250-token prompt, then model turns
 alternating with masked information blocks, 300-1000 tokens). Order: "before" alone; the engine
 starts (its KV cache takes its default share of the free memory, as in a run); "after" alone (engine
@@ -139,6 +139,7 @@ def model_dir_for(args, tmp: Path) -> tuple[Path, str]:
 
 def make_actor(model_dir: Path, args, device: torch.device, *settings: str):
     """An Actor loading `model_dir`, with the benchmark's overrides and then `settings` (key=value)."""
+    from tandemrl.config.derive import actor_setup
     from tandemrl.trainer.actor import Actor
 
     overrides = [
@@ -148,7 +149,7 @@ def make_actor(model_dir: Path, args, device: torch.device, *settings: str):
         f"algorithm.n_minibatches={args.n_minibatches}",
         *settings,
     ]
-    return Actor(load_config(None, overrides))
+    return Actor(actor_setup(load_config(None, overrides)))
 
 
 def sync(device: torch.device) -> None:
@@ -186,7 +187,7 @@ def time_variant(actor, samples, args, device: torch.device, load=None) -> dict:
         "layout": "padded rows" if actor.is_padded else "packed rows",
         "micro_batch_tokens": actor.micro_batch_tokens,
         "micro_batches_per_step": sum(len(actor._plan(mb)) for mb in _minibatches(samples, args)),
-        "compile_layers": actor.config.actor.compile_layers,
+        "compile_layers": actor.setup.actor.compile_layers,
         "warmup_step_s": warmup_s,
         "train_step_s": wall,
         "cpu_s_per_step": cpu,

@@ -1,4 +1,4 @@
-"""What the hostile-input harnesses run on: a small KB with its index, tiny-run overrides, an actor config
+"""What the hostile-input harnesses run on: a small KB with its index, tiny-run overrides, an actor
 and random training samples. The same values as the integration tests' helpers (tests/integration/
 runner_helpers.py, trainer_helpers.py), kept here because the harnesses also measure older trees, run
 as separate processes, and must import neither `tests/` nor a module the measured tree may lack; only
@@ -54,11 +54,15 @@ def tiny_overrides(model_dir: Path, kb_dir: Path, index_dir: Path, output_dir: P
     ]
 
 
-def actor_config(model_dir: Path, *overrides: str):
-    """The default config with the actor on the CPU on `model_dir`."""
+def cpu_actor(model_dir: Path, *overrides: str):
+    """An `Actor` on the CPU on `model_dir`, from the default config with `overrides`. Trees since issue
+    36 build it from the actor's part of the config (`config.derive.actor_setup`), older ones from the
+    whole config: the harness measures both."""
+    from tandemrl.config import derive
     from tandemrl.config.loader import load_config
+    from tandemrl.trainer.actor import Actor
 
-    return load_config(
+    config = load_config(
         None,
         [
             f"actor.model.model_path={model_dir}",
@@ -67,6 +71,7 @@ def actor_config(model_dir: Path, *overrides: str):
             *overrides,
         ],
     )
+    return Actor(derive.actor_setup(config) if hasattr(derive, "actor_setup") else config)
 
 
 def make_samples(

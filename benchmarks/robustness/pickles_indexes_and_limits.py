@@ -124,12 +124,11 @@ class RunsCode:
 def make_checkpoint(model_dir: Path, root: Path) -> Path:
     import torch
 
-    from benchmarks.robustness.fixtures import actor_config, make_samples
-    from tandemrl.trainer.actor import Actor
+    from benchmarks.robustness.fixtures import cpu_actor, make_samples
     from tandemrl.trainer.checkpoint import checkpoint_dir
 
     torch.set_num_threads(1)
-    actor = Actor(actor_config(model_dir, "algorithm.n_minibatches=2", "actor.micro_batch_tokens=96"))
+    actor = cpu_actor(model_dir, "algorithm.n_minibatches=2", "actor.micro_batch_tokens=96")
     actor.train_step(make_samples(seed=0, num_samples=4))
     return actor.save_checkpoint(checkpoint_dir(root, 1), extra={"data/data.pt": {"step": 1}})
 
@@ -221,9 +220,8 @@ def _load_in_actor(model_dir: Path, ckpt: Path) -> tuple[int | None, str]:
     """What resuming does after the services started: exit 0 when the actor loaded the checkpoint, 1
     (a crash: found late, with a traceback) when it failed."""
     script = (
-        "from tandemrl.trainer.actor import Actor; "
-        "from benchmarks.robustness.fixtures import actor_config; "
-        f"a = Actor(actor_config({str(model_dir)!r}, 'algorithm.n_minibatches=2')); "
+        "from benchmarks.robustness.fixtures import cpu_actor; "
+        f"a = cpu_actor({str(model_dir)!r}, 'algorithm.n_minibatches=2'); "
         f"a.load_checkpoint({str(ckpt)!r}); print('loaded')"
     )
     env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", str(ROOT))}

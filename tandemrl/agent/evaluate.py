@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.agent.reward import reward_extra_means
 from tandemrl.config.agent import AgentLoopConfig
-from tandemrl.config.schema import TandemConfig
+
+if TYPE_CHECKING:
+    from tandemrl.config.schema import DataConfig, RetrievalConfig
 
 OVERALL = "overall"
 
@@ -74,15 +77,16 @@ def format_summary(summary: dict[str, dict[str, float]]) -> str:
     return "\n".join(lines)
 
 
-def split_paths(config: TandemConfig, split: str) -> list[str]:
-    """The question files of `split`: the config's data paths for train/val, else the KB's split file."""
-    configured = {"train": config.data.train_data_paths, "val": config.data.val_data_paths}.get(split)
+def split_paths(data: DataConfig, retrieval: RetrievalConfig, split: str) -> list[str]:
+    """The question files of `split`: `data`'s paths for train/val, else the split file beside the
+    KB's corpus (`retrieval.corpus_path`, else the default KB)."""
+    configured = {"train": data.train_data_paths, "val": data.val_data_paths}.get(split)
     if configured:
         return list(configured)
     from tandemrl.host.files import is_missing
     from tandemrl.host.home import default_kb_dir
 
-    kb_dir = Path(config.retrieval.corpus_path).parent if config.retrieval.corpus_path else default_kb_dir()
+    kb_dir = Path(retrieval.corpus_path).parent if retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
     if is_missing(path):
         raise FileNotFoundError(

@@ -14,10 +14,14 @@ import numbers
 import re
 import string
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from tandemrl.agent.parser import extract_answer
 from tandemrl.config.errors import ConfigError
 from tandemrl.host.messages import one_line as _one_line
+
+if TYPE_CHECKING:
+    from tandemrl.config.agent import RewardConfig
 
 # Search-R1's qa_em_format.py weights (the values its comments give: 1, 0.8, 0.3, 0.2, 0.1).
 STRUCTURE_FORMAT_SCORE = 0.2  # a well-formed think/search/information/answer sequence
@@ -193,23 +197,24 @@ class RewardFunction:
         self(**SAMPLE_CALL)
 
 
-def load_reward(config) -> RewardFunction:
-    """The run's reward from `reward.function` (None: the built-in), dry-called once; ConfigError
-    (one line, naming the key) for anything wrong."""
+def load_reward(reward: RewardConfig, format_reward: bool) -> RewardFunction:
+    """The run's reward from `reward.function` (None: the built-in, with Search-R1's format score when
+    `format_reward`, agentloop.format_reward), dry-called once; ConfigError (one line, naming the key)
+    for anything wrong."""
     from tandemrl.agent.plugin import load_callable
 
-    spec = config.reward.function
+    spec = reward.function
     if spec is None:
-        return RewardFunction(format_reward=config.agentloop.format_reward)
+        return RewardFunction(format_reward=format_reward)
     key = f"reward.function={spec!r}"
-    if config.agentloop.format_reward:
+    if format_reward:
         raise ConfigError(
             f"{key} with agentloop.format_reward=true: the format score belongs to the built-in reward, and a "
             "reward function replaces it. Set agentloop.format_reward=false, or add the score in your function."
         )
-    reward = RewardFunction(load_callable(spec, "reward.function"), key)
-    reward.check()
-    return reward
+    function = RewardFunction(load_callable(spec, "reward.function"), key)
+    function.check()
+    return function
 
 
 def reward_extra_means(trajectories: list) -> dict[str, float]:

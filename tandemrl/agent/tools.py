@@ -36,7 +36,7 @@ from tandemrl.host.messages import one_line
 
 if TYPE_CHECKING:
     from tandemrl.agent.search_tool import SearchTool
-    from tandemrl.config.schema import TandemConfig
+    from tandemrl.config.agent import AgentLoopConfig, RewardConfig, ToolsConfig
 
 log = logging.getLogger(__name__)
 
@@ -158,23 +158,25 @@ class AgentEnv:
         await self.search_tool.close()
 
 
-def build_env(config: TandemConfig, search_tool: SearchTool) -> AgentEnv:
+def build_env(
+    agentloop: AgentLoopConfig, tools: ToolsConfig, reward: RewardConfig, search_tool: SearchTool
+) -> AgentEnv:
     """The run's environment: the search tool, the plug-in tools of `tools.<name>` and `reward.function`,
     each loaded and checked (ConfigError in one line naming the key)."""
-    tools: dict[str, Tool] = {SEARCH_TAG: SearchCall(search_tool, config.agentloop.max_info_tokens)}
-    for name, tool_cfg in config.tools.custom.items():
+    by_tag: dict[str, Tool] = {SEARCH_TAG: SearchCall(search_tool, agentloop.max_info_tokens)}
+    for name, tool_cfg in tools.custom.items():
         fn = load_tool_function(name, tool_cfg.function)
-        tools[tool_cfg.tag] = FunctionTool(
+        by_tag[tool_cfg.tag] = FunctionTool(
             name, fn, tool_cfg.tag, tool_cfg.result_tag, tool_cfg.max_tokens, tool_cfg.timeout_s
         )
-    return AgentEnv(search_tool, tools, load_reward(config))
+    return AgentEnv(search_tool, by_tag, load_reward(reward, agentloop.format_reward))
 
 
-def check_plugins(config: TandemConfig) -> None:
+def check_plugins(agentloop: AgentLoopConfig, tools: ToolsConfig, reward: RewardConfig) -> None:
     """The start-up check of every plug-in (`tandem config show`, `tandem train`, `tandem eval`): the
     reward imports and its dry call returns a finite number; each tool imports and takes one argument."""
-    load_reward(config)
-    for name, tool_cfg in config.tools.custom.items():
+    load_reward(reward, agentloop.format_reward)
+    for name, tool_cfg in tools.custom.items():
         load_tool_function(name, tool_cfg.function)
 
 

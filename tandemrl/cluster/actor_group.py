@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandemrl.cluster.actor_worker import ActorWorker
 from tandemrl.cluster.mps import sm_percent_env
+from tandemrl.config.derive import actor_setup
 from tandemrl.config.schema import ConfigError
 from tandemrl.host.cpus import id_ranges
 
@@ -49,7 +50,7 @@ class ActorGroup:
         cpus: tuple[tuple[int, ...], ...] = (),
     ):
         """`cpus`: each rank's cores (cluster/cpus.py); (): the run's shared cores."""
-        self.config = config
+        self.setup = actor_setup(config)  # what each rank's worker builds its Actor from
         self.cpus = cpus
         self.uses_ray = config.cluster.use_ray
         self.num_ranks = config.actor.num_ranks
@@ -95,13 +96,13 @@ class ActorGroup:
                 options["runtime_env"] = {"env_vars": env_vars}
             rank_cpus = cpus[rank] if cpus else ()
             self._handles.append(
-                ray.remote(ActorWorker).options(**options).remote(config, log_path(), rank_cpus)
+                ray.remote(ActorWorker).options(**options).remote(self.setup, log_path(), rank_cpus)
             )
             log.info("actor rank %d: node %d (%s)", rank, placement.node, nodes[placement.node].address)
 
     def wait_ready(self) -> ActorGroup:
         if not self.uses_ray:
-            self._worker = ActorWorker(self.config)
+            self._worker = ActorWorker(self.setup)
             return self
         import ray
 

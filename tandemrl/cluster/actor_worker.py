@@ -13,7 +13,7 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tandemrl.config.schema import TandemConfig
+    from tandemrl.config.actor import ActorSetup
     from tandemrl.rollout.client import HttpClient
     from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender
 
@@ -24,8 +24,9 @@ class ActorWorker:
     """`startup_log`: the run's start-up timeline file, given to a worker that is a Ray actor (a process of
     its own, named `actor rank <RANK>` there); an in-process worker marks as its host process."""
 
-    def __init__(self, config: TandemConfig, startup_log: str | None = None, cpus: tuple[int, ...] = ()):
-        """`cpus`: the cores this rank keeps to (cluster/cpus.py), before torch starts its threads."""
+    def __init__(self, setup: ActorSetup, startup_log: str | None = None, cpus: tuple[int, ...] = ()):
+        """`setup`: the actor's part of the run's config (config/derive.py `actor_setup`); `cpus`: the
+        cores this rank keeps to (cluster/cpus.py), before torch starts its threads."""
         from tandemrl.host.startup import adopt, mark, mark_process_started
 
         if cpus:
@@ -42,10 +43,10 @@ class ActorWorker:
         from tandemrl.trainer.actor import Actor
 
         mark("actor: torch and trainer imported")
-        if config.actor.device == "cpu" or (config.actor.device == "auto" and not torch.cuda.is_available()):
+        if setup.actor.device == "cpu" or (setup.actor.device == "auto" and not torch.cuda.is_available()):
             # Ray gives a worker OMP_NUM_THREADS=1 (its CPU share); a CPU actor trains on every core
             torch.set_num_threads(os.cpu_count() or 1)
-        self.actor = Actor(config)
+        self.actor = Actor(setup)
         mark("actor built (model loaded, placed, optimizer)")
         import tandemrl.rollout.weight_sync  # noqa: F401  connect_weight_sync's, here while the servers boot
 

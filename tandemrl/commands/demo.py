@@ -142,7 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
     ensure_prepared()
     serve = [] if mode == "never" else [f"rollout.model.model_path={COLDSTART}"]
     config = load_config(demo_config_path(), serve + list(getattr(args, "overrides", []) or []))
-    check_plugins(config)  # reward.function and tools.<name>: before the cold start's minutes
+    check_plugins(config.agentloop, config.tools, config.reward)  # before the cold start's minutes
     check_installed(config.metrics.trackers)
     ensure_cold_start(config, mode)
     ctx = train(config)

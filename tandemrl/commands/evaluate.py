@@ -33,12 +33,12 @@ def run_eval(args) -> int:
     from tandemrl.agent.tools import check_plugins
     from tandemrl.data.loader import load_prompts
 
-    check_plugins(config)  # the reward and the tools, before any service starts
+    check_plugins(config.agentloop, config.tools, config.reward)  # before any service starts
     if args.limit is not None and args.limit < 1:
         raise ConfigError(f"--limit {args.limit}: evaluate at least one question (--limit >= 1), or omit it.")
     out = Path(args.out or Path(config.runner.output_dir) / "eval" / f"{args.split}_trajectories.jsonl")
     check_out_path(out)  # before any service starts: the trajectories must have somewhere to go
-    prompts = load_prompts(split_paths(config, args.split), args.limit)  # file order, no shuffling
+    prompts = load_prompts(split_paths(config.data, config.retrieval, args.split), args.limit)  # file order
     start_s = time.monotonic()
     with Services(config) as services:
         urls, addr = services.engine_urls, services.search_addr
@@ -109,7 +109,9 @@ async def _evaluate(
     search_cfg = config.tools.search
     engine_key, search_key = keys
     engines = [make_client(config.rollout.backend, url, api_key=engine_key) for url in urls]
-    search = build_env(config, SearchTool.from_config(addr, search_cfg, search_key))  # tools + reward
+    search = build_env(  # tools + reward
+        config.agentloop, config.tools, config.reward, SearchTool.from_config(addr, search_cfg, search_key)
+    )
     size = -(-len(prompts) // len(engines))
     try:
         shards = await asyncio.gather(

@@ -37,7 +37,8 @@ def check_startable(config: TandemConfig) -> None:
     from tandemrl.metrics.trackers import check_installed
 
     check_installed(config.metrics.trackers)  # the optional extras, with their install line
-    check_plugins(config)  # reward.function and tools.<name>.function import, and the reward's dry call
+    # reward.function and tools.<name>.function import, and the reward's dry call
+    check_plugins(config.agentloop, config.tools, config.reward)
     rollout = config.rollout
     if rollout.backend == "sglang" and not rollout.server_addrs and not config.cluster.use_ray:
         raise ConfigError(
@@ -165,6 +166,6 @@ def _check_data_files(config: TandemConfig) -> None:
     for split in splits:
         key = f"data.{split}_data_paths"
         try:
-            load_prompts(split_paths(config, split))
+            load_prompts(split_paths(config.data, config.retrieval, split))
         except (ValueError, FileNotFoundError) as error:  # InputFileError is a ValueError
             raise ConfigError(f"{key}: {' '.join(str(error).split())}") from None

@@ -213,3 +213,17 @@ class ActorConfig:
             self.attn_implementation,
             ("auto", "sdpa", "eager", "varlen", "flash_attention_2", "flash_attention_3"),
         )
+
+
+@dataclass(frozen=True)
+class ActorSetup:
+    """What the actor (trainer/actor.py) reads of a run's config: its own two sections and two values
+    from others. `config.derive.actor_setup` builds it from the whole config; the Ray actor that builds
+    the `Actor` is handed it (cluster/actor_worker.py), so it stays plain, picklable data."""
+
+    actor: ActorConfig
+    algorithm: AlgorithmConfig
+    # agentloop.temperature (1.0 when 0: greedy): the logprobs are those of the policy that sampled
+    temperature: float
+    # the learning-rate schedule's length in parameter updates (runner.max_steps * algorithm.n_minibatches)
+    total_updates: int

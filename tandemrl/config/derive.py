@@ -12,6 +12,7 @@ import math
 import time
 from pathlib import Path
 
+from tandemrl.config.actor import ActorSetup
 from tandemrl.config.errors import value_summary
 from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.config.schema import ConfigError, TandemConfig
@@ -126,6 +127,17 @@ def _derive_buffer_limits(config: TandemConfig) -> None:
         config.derived["rollout_buffer.max_dropped_groups_per_step"] = (
             f"{buffer.max_dropped_groups_per_step} = 10 x rollout_batch_size {batch}"
         )
+
+
+def actor_setup(config: TandemConfig, total_updates: int | None = None) -> ActorSetup:
+    """The actor's part of the run's config; `total_updates` replaces the RL run's schedule length
+    (the cold start counts its own updates, trainer/sft.py)."""
+    return ActorSetup(
+        config.actor,
+        config.algorithm,
+        config.agentloop.temperature or 1.0,
+        total_updates or config.runner.max_steps * config.algorithm.n_minibatches,
+    )
 
 
 def derived_inflight_groups(config: TandemConfig) -> int:

@@ -181,7 +181,8 @@ def start_trackers(
 
 
 def resolved_config(config: TandemConfig) -> dict:
-    """The run's resolved config as the trackers get it: every key, API keys shown only as `<set>`."""
+    """The run's resolved config as the trackers get it: every key, API keys shown only as `<set>` (it
+    serializes every section, hence the whole `TandemConfig`; runner/session.py hands it over)."""
     from tandemrl.config.loader import to_dict
 
     def redact(tree: Any) -> Any:

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 def train_paths(config: TandemConfig, split: str) -> list[str]:
     from tandemrl.agent.evaluate import split_paths
 
-    return split_paths(config, split)
+    return split_paths(config.data, config.retrieval, split)
 
 
 @dataclass
@@ -141,7 +141,10 @@ async def run_session(
     ]
     # the search tool, the plug-in tools and the reward: what the agent loops act in (agent/tools.py)
     search = build_env(
-        config, SearchTool.from_config(services.search_addr, search_cfg, services.search_api_key)
+        config.agentloop,
+        config.tools,
+        config.reward,
+        SearchTool.from_config(services.search_addr, search_cfg, services.search_api_key),
     )
     await actor.call(
         "connect_weight_sync",

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from tandemrl.config.schema import TandemConfig
+from tandemrl.config.actor import ActorSetup
 from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
@@ -93,40 +93,39 @@ class Actor:
     """Policy with AdamW, FSDP2-sharded across ranks (one rank: the plain module, under autocast below
     fp32; see `policy.shard_policy`); see the module docstring for the step contract."""
 
-    def __init__(
-        self, config: TandemConfig, hf_model: torch.nn.Module | None = None, total_updates: int | None = None
-    ):
+    def __init__(self, setup: ActorSetup, hf_model: torch.nn.Module | None = None):
+        """`setup`: the actor's part of the run's config (config/derive.py `actor_setup`); `hf_model`:
+        the policy itself, else loaded from `actor.model.model_path` (None: the embedded default)."""
         from tandemrl.host.home import default_model_dir
 
-        self.config = config
-        self.device = resolve_device(config.actor.device)
+        self.setup = setup
+        cfg = setup.actor
+        self.device = resolve_device(cfg.device)
         self.rank, self.world_size = init_distributed(self.device)
-        self.compute_dtype = resolve_compute_dtype(config.actor.dtype, self.device)
-        self.model_path = config.actor.model.model_path or (
-            None if hf_model is not None else str(default_model_dir())
-        )
-        attn = resolve_attn_implementation(config.actor.attn_implementation, self.device, self.compute_dtype)
+        self.compute_dtype = resolve_compute_dtype(cfg.dtype, self.device)
+        self.model_path = cfg.model.model_path or (None if hf_model is not None else str(default_model_dir()))
+        attn = resolve_attn_implementation(cfg.attn_implementation, self.device, self.compute_dtype)
         hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
         mark("actor: model weights loaded")
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         self.micro_batch_tokens = resolve_micro_batch_tokens(
-            config.actor.micro_batch_tokens, hf_model.config, self.device
+            cfg.micro_batch_tokens, hf_model.config, self.device
         )
-        temperature = config.agentloop.temperature or 1.0
-        ref_hf = copy.deepcopy(hf_model) if config.algorithm.kl_coef > 0 else None
-        if config.actor.gradient_checkpointing:
+        ref_hf = copy.deepcopy(hf_model) if setup.algorithm.kl_coef > 0 else None
+        if cfg.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
-        if config.actor.fused_rms_norm:
+        if cfg.fused_rms_norm:
             fuse_rms_norms(hf_model)
-        if config.actor.compile_layers:
+        if cfg.compile_layers:
             compile_layers(hf_model)
-        self.policy = self._place(PolicyModel(hf_model.train(), temperature))
+        self.policy = self._place(PolicyModel(hf_model.train(), setup.temperature))
         self.ref_policy = None
         if ref_hf is not None:
-            self.ref_policy = self._place(PolicyModel(ref_hf.requires_grad_(False).eval(), temperature))
-        total = total_updates or config.runner.max_steps * config.algorithm.n_minibatches
-        self.optimizer, self.scheduler = build_optimizer(self.policy.parameters(), config.actor.optim, total)
-        self.loss_cfg = PolicyLossConfig.from_algorithm(config.algorithm)
+            self.ref_policy = self._place(PolicyModel(ref_hf.requires_grad_(False).eval(), setup.temperature))
+        self.optimizer, self.scheduler = build_optimizer(
+            self.policy.parameters(), cfg.optim, setup.total_updates
+        )
+        self.loss_cfg = PolicyLossConfig.from_algorithm(setup.algorithm)
         self.weight_version = 0
         self.num_updates = 0
         self.num_skipped_updates = 0
@@ -195,14 +194,14 @@ class Actor:
         start = time.perf_counter()
         self._probe = StepProbe(torch.device(self.device)).start()
         sums: dict[str, float] = defaultdict(float)
-        algorithm = self.config.algorithm
+        algorithm = self.setup.algorithm
         recompute = bool(algorithm.recompute_logprobs) or (
             algorithm.off_policy_correction != "none" and algorithm.proximal_logprobs == "recompute"
         )
         if recompute:
             samples = self._recompute_old_logprobs(samples, sums)
         grad_norms = []
-        for k, minibatch in enumerate(split_minibatches(samples, self.config.algorithm.n_minibatches)):
+        for k, minibatch in enumerate(split_minibatches(samples, algorithm.n_minibatches)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
             for micro in self._plan(minibatch):
                 self._ppo_micro_step(
@@ -224,11 +223,10 @@ class Actor:
         behav_K = micro.behav_logprobs_N[select_K]
         if (
             self.loss_cfg.off_policy_correction != "none"
-            and self.config.algorithm.proximal_logprobs == "current"
+            and self.setup.algorithm.proximal_logprobs == "current"
         ):
-            old_K = (
-                logprobs_K.detach()
-            )  # the ratio is 1 here; the weight pi_theta / pi_behav carries the step
+            # the ratio is 1 here; the weight pi_theta / pi_behav, capped, carries the step
+            old_K = logprobs_K.detach()
         losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)
         loss_sum = (losses_K * mask_K).sum()
         (loss_sum * (self.world_size / max(num_tokens, 1))).backward()
@@ -261,7 +259,7 @@ class Actor:
         return out
 
     def _optimizer_step(self) -> float:
-        max_norm = self.config.actor.optim.max_grad_norm
+        max_norm = self.setup.actor.optim.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(
             self.policy.parameters(), max_norm if max_norm > 0 else math.inf
         )

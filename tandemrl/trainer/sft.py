@@ -55,6 +55,7 @@ def write_rendered(path: Path, samples: list[TrainSample]) -> None:
 
 def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float]]:
     """`actor.sft.num_epochs` passes of shuffled batches of `actor.sft.batch_size`; exports the policy."""
+    from tandemrl.config.derive import actor_setup
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.trainer.actor import Actor
 
@@ -63,7 +64,7 @@ def train_sft(config, samples: list[TrainSample]) -> tuple[Path, dict[str, float
     config.actor.optim.lr = sft.lr
     config.actor.model.model_path = sft_init_model_path(config)  # None: the embedded SmolLM2
     num_batches = math.ceil(len(samples) / sft.batch_size)
-    actor = Actor(config, total_updates=sft.num_epochs * num_batches)
+    actor = Actor(actor_setup(config, total_updates=sft.num_epochs * num_batches))
     output_dir = Path(config.runner.output_dir)
     logger = (
         MetricsLogger(output_dir / "sft", max_steps=sft.num_epochs * num_batches) if actor.rank == 0 else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tandemrl.config.derive import actor_setup
 from tandemrl.config.loader import load_config
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.policy import is_sharded
@@ -47,7 +48,7 @@ def _step(device: str, dtype: str, attn: str = "sdpa"):
             "runner.output_dir=/tmp/tandem-unused",
         ],
     )
-    actor = Actor(config, hf_model=model)
+    actor = Actor(actor_setup(config), hf_model=model)
     metrics = actor.train_step(make_samples(seed=0, num_samples=6, vocab=VOCAB))
     deltas = {n: t.float().cpu() - initial[n] for n, t in actor.iter_full_weights(torch.float32)}
     return actor, metrics, deltas
@@ -171,7 +172,7 @@ def test_weight_sync_then_engine_logprobs_match_actor(tmp_path, device, dtype, b
             "runner.output_dir=/tmp/tandem-unused",
         ],
     )
-    actor = Actor(config, hf_model=model)
+    actor = Actor(actor_setup(config), hf_model=model)
     actor.train_step(make_samples(seed=0, num_samples=4, vocab=VOCAB))  # the engine's weights are now stale
     prompts = [[5, 17, 300, 42], [9, 8, 7], [100, 200, 300, 400, 500]]
     with EngineProcess(tmp_path / "model", device=device, dtype=dtype, max_context_len=256) as engine:

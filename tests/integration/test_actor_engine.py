@@ -14,7 +14,7 @@ from tandemrl.rollout.engine_process import EngineProcess
 from tandemrl.rollout.weight_sync import WeightSender
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.batching import TrainSample
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 
 PROMPTS = [[1, 504, 3107, 314, 260], [1, 2543, 28, 17, 4], [1, 9, 99, 999, 42, 7, 1200]]
 GREEDY = {"max_new_tokens": 12, "temperature": 0.0}
@@ -70,7 +70,7 @@ def _hf_greedy(actor: Actor, prompts) -> list[list[int]]:
 
 def test_engine_greedy_equals_actor_hf_greedy_after_sync(engine, tiny_llama_dir):
     torch.set_num_threads(1)
-    actor = Actor(actor_config(tiny_llama_dir, "actor.optim.lr=0.05", "algorithm.n_minibatches=1"))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, "actor.optim.lr=0.05", "algorithm.n_minibatches=1"))
     before = [r.output_ids for r in asyncio.run(_generate(engine.url, PROMPTS, GREEDY))]
     actor.train_step(make_samples(seed=0, num_samples=4))
 
@@ -94,7 +94,7 @@ def test_lr0_ratio_equals_rollout_training_gap(engine, tiny_llama_dir):
     only measures how far the engine's logprobs are from the trainer's."""
     torch.set_num_threads(1)
     actor = Actor(
-        actor_config(
+        cpu_actor_setup(
             tiny_llama_dir, "actor.optim.lr=0.0", "algorithm.n_minibatches=1", "actor.micro_batch_tokens=64"
         )
     )

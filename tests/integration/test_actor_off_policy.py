@@ -11,7 +11,7 @@ import torch
 
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.batching import TrainSample
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 
 TARGET_WEIGHTS = (0.5, 1.5, 3.0)  # pi_prox / pi_behav per token, in turn; 3.0 is over the cap 2.0
 CAPS = ("algorithm.tis_cap=2.0", "algorithm.decoupled_weight_cap=2.0")
@@ -19,7 +19,7 @@ CAPS = ("algorithm.tis_cap=2.0", "algorithm.decoupled_weight_cap=2.0")
 
 def _actor(model_dir, *overrides: str) -> Actor:
     torch.set_num_threads(1)
-    return Actor(actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1", *overrides))
+    return Actor(cpu_actor_setup(model_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1", *overrides))
 
 
 def _rollout_logprobs_at(actor: Actor, samples: list[TrainSample], weights) -> list[TrainSample]:
@@ -50,7 +50,7 @@ def _expected(samples: list[TrainSample], applied) -> tuple[float, float]:
 @pytest.mark.parametrize("correction, applied", [("tis", (0.5, 1.5, 2.0)), ("decoupled", (0.5, 1.5, 0.0))])
 def test_logged_weights_are_those_the_rollout_logprobs_imply(tiny_llama_dir, correction, applied):
     actor = _actor(tiny_llama_dir, f"algorithm.off_policy_correction={correction}", *CAPS)
-    assert actor.config.algorithm.recompute_logprobs is True  # derived from the correction
+    assert actor.setup.algorithm.recompute_logprobs is True  # derived from the correction
     samples = _rollout_logprobs_at(actor, make_samples(seed=1, num_samples=6), TARGET_WEIGHTS)
     metrics = actor.train_step(samples)
     mean, capped = _expected(samples, applied)
@@ -106,7 +106,7 @@ def test_current_proximal_matches_recompute_on_one_minibatch_without_the_extra_p
     overrides = ("algorithm.off_policy_correction=tis", *CAPS)
     recomputed = _actor(tiny_llama_dir, *overrides)
     current = _actor(tiny_llama_dir, *overrides, "algorithm.proximal_logprobs=current")
-    assert current.config.algorithm.recompute_logprobs is False  # derived: no extra pass
+    assert current.setup.algorithm.recompute_logprobs is False  # derived: no extra pass
     samples = _rollout_logprobs_at(recomputed, make_samples(seed=4, num_samples=6), TARGET_WEIGHTS)
     m_recomputed, m_current = recomputed.train_step(samples), current.train_step(samples)
     mean, capped = _expected(samples, (0.5, 1.5, 2.0))

@@ -12,7 +12,7 @@ import yaml
 
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.sft import write_rendered
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 
 
 def _hf_token_mean_nll(model_dir, samples) -> float:
@@ -33,7 +33,7 @@ def _hf_token_mean_nll(model_dir, samples) -> float:
 def test_sft_step_is_token_mean_nll_and_learns(tiny_llama_dir):
     torch.set_num_threads(1)
     samples = make_samples(seed=3, num_samples=4)
-    actor = Actor(actor_config(tiny_llama_dir, "actor.optim.lr=0.01", "actor.micro_batch_tokens=64"))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, "actor.optim.lr=0.01", "actor.micro_batch_tokens=64"))
     first = actor.sft_step(samples)
     assert abs(first["train/sft/loss"] - _hf_token_mean_nll(tiny_llama_dir, samples)) < 1e-4
     assert first["train/sft/num_tokens"] == sum(s.num_loss_tokens for s in samples)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tandemrl.trainer.actor import Actor
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 
 METRICS = (
     "loss",
@@ -28,7 +28,7 @@ METRICS = (
 def _run(model_dir, *overrides: str, num_steps: int = 1):
     torch.set_num_threads(1)
     actor = Actor(
-        actor_config(model_dir, "actor.optim.lr=0.001", "algorithm.recompute_logprobs=true", *overrides)
+        cpu_actor_setup(model_dir, "actor.optim.lr=0.001", "algorithm.recompute_logprobs=true", *overrides)
     )
     metrics = [actor.train_step(make_samples(seed=s, num_samples=6)) for s in range(num_steps)]
     return actor, metrics, {n: t.clone() for n, t in actor.iter_full_weights()}
@@ -86,9 +86,9 @@ def test_varlen_packed_rows_give_the_loss_and_grads_of_padded_sdpa(tiny_llama_di
     reference) gives the gradient and the step metrics of the padded-rows sdpa path."""
     torch.set_num_threads(1)
     samples = make_samples(seed=3, num_samples=6)
-    padded = Actor(actor_config(tiny_llama_dir, "actor.micro_batch_tokens=64"))
+    padded = Actor(cpu_actor_setup(tiny_llama_dir, "actor.micro_batch_tokens=64"))
     varlen = Actor(
-        actor_config(tiny_llama_dir, "actor.micro_batch_tokens=64", "actor.attn_implementation=varlen")
+        cpu_actor_setup(tiny_llama_dir, "actor.micro_batch_tokens=64", "actor.attn_implementation=varlen")
     )
     assert padded.is_padded and not varlen.is_padded
     assert len(varlen._plan(samples)) < len(padded._plan(samples))  # packing: fewer forwards
@@ -100,8 +100,8 @@ def test_fused_rms_norm_gives_the_loss_and_grads_of_hf_norms(tiny_llama_dir):
     and the step metrics are those of HF's own norm."""
     torch.set_num_threads(1)
     samples = make_samples(seed=5, num_samples=6)
-    plain = Actor(actor_config(tiny_llama_dir, "actor.fused_rms_norm=false"))
-    fused = Actor(actor_config(tiny_llama_dir, "actor.fused_rms_norm=true"))
+    plain = Actor(cpu_actor_setup(tiny_llama_dir, "actor.fused_rms_norm=false"))
+    fused = Actor(cpu_actor_setup(tiny_llama_dir, "actor.fused_rms_norm=true"))
     norms = [m for m in fused.hf_model.modules() if type(m).__name__ == "LlamaRMSNorm"]
     assert len(norms) == 5 and all("forward" in vars(m) for m in norms)  # 2 per layer + the final one
     assert not any("forward" in vars(m) for m in plain.hf_model.modules())
@@ -143,6 +143,6 @@ def test_recomputed_logprobs_start_the_step_at_ratio_one(tiny_llama_dir):
 
 
 def test_empty_step_is_a_clear_error(tiny_llama_dir):
-    actor = Actor(actor_config(tiny_llama_dir))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir))
     with pytest.raises(ValueError, match="no samples"):
         actor.train_step([])

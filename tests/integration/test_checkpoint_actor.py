@@ -14,7 +14,7 @@ import torch
 
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.checkpoint import checkpoint_dir, latest_checkpoint, load_extra
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 
 REPO = Path(__file__).resolve().parents[2]
 OVERRIDES = (
@@ -34,7 +34,7 @@ def _weights(actor: Actor) -> dict[str, torch.Tensor]:
 def test_resume_at_step_3_equals_uninterrupted_step_4(tiny_llama_dir, tmp_path):
     torch.set_num_threads(1)
     data = [make_samples(seed=s, num_samples=4) for s in range(4)]
-    straight = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    straight = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     for step in range(3):
         straight.train_step(data[step])
     ckpt = straight.save_checkpoint(
@@ -43,7 +43,7 @@ def test_resume_at_step_3_equals_uninterrupted_step_4(tiny_llama_dir, tmp_path):
     rng_after_save = torch.rand(4)
     last = straight.train_step(data[3])
 
-    resumed = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    resumed = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     resumed.load_checkpoint(ckpt)
     assert torch.equal(torch.rand(4), rng_after_save)
     assert resumed.weight_version == 3 and resumed.num_updates == 6
@@ -78,7 +78,7 @@ def test_kill_during_save_leaves_previous_checkpoint_loadable(tiny_llama_dir, tm
         child.wait()
     latest = latest_checkpoint(tmp_path)
     assert latest == checkpoint_dir(tmp_path, 1)
-    actor = Actor(actor_config(tiny_llama_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
     actor.load_checkpoint(latest)
     saved = torch.load(tmp_path / "weights_step1.pt", weights_only=True)
     loaded = _weights(actor)
@@ -104,7 +104,7 @@ def _export(checkpoint, out) -> subprocess.CompletedProcess:
 def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    actor = Actor(actor_config(tiny_llama_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
     actor.train_step(make_samples(seed=0, num_samples=4))
     ckpt = actor.save_checkpoint(checkpoint_dir(tmp_path, 1))
     out = tmp_path / "hf"

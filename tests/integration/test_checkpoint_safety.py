@@ -20,7 +20,7 @@ from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.checkpoint import checkpoint_dir
 from tandemrl.trainer.checkpoint_check import CheckpointError, verify_checkpoint, write_manifest
-from tests.integration.trainer_helpers import actor_config, make_samples
+from tests.integration.trainer_helpers import cpu_actor_setup, make_samples
 from tests.unit.test_config import ASYNC
 
 OVERRIDES = ("actor.optim.lr=0.001", "algorithm.n_minibatches=2", "actor.micro_batch_tokens=96")
@@ -39,7 +39,7 @@ class RunsCode:
 @pytest.fixture(scope="module")
 def saved(tiny_llama_dir, tmp_path_factory) -> Path:
     torch.set_num_threads(1)
-    actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     actor.train_step(make_samples(seed=0, num_samples=4))
     root = tmp_path_factory.mktemp("saved")
     return actor.save_checkpoint(checkpoint_dir(root, 1), extra={"data/data.pt": {"step": 1, "ids": ["a"]}})
@@ -101,7 +101,7 @@ def test_metadata_that_runs_code_is_refused_by_export_resume_and_load(copy, tiny
     assert code == 2 and "os.system" in err.replace("posix.system", "os.system") and "Refused" in err, err
     with pytest.raises(ConfigError, match="would call .*system when unpickled"):
         check_startable(load_config(ASYNC, [f"runner.resume_from={copy}"]))
-    actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     with pytest.raises(CheckpointError, match="would call .*system"):
         actor.load_checkpoint(copy)
     assert not marker.exists() and not (tmp_path / "exported").exists()
@@ -112,7 +112,7 @@ def test_a_shard_item_that_runs_code_is_refused(copy, tiny_llama_dir, tmp_path):
     _craft_shard_item(copy, marker)
     with pytest.raises(ConfigError, match="optim.param_groups.0.lr.*would call .*system"):
         check_startable(load_config(ASYNC, [f"runner.resume_from={copy}"]))
-    actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     with pytest.raises(CheckpointError, match="would call .*system"):
         actor.load_checkpoint(copy)
     assert not marker.exists()

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tandemrl.trainer.actor import Actor
 from tests.conftest import free_port
-from tests.integration.trainer_helpers import actor_config, rank_worker, train_steps
+from tests.integration.trainer_helpers import cpu_actor_setup, rank_worker, train_steps
 
 OVERRIDES = [
     "actor.optim.lr=0.0001",
@@ -49,7 +49,7 @@ def test_two_gloo_ranks_match_one_rank(tiny_llama_dir, tmp_path):
     clip = one["metrics"][0]["train/actor/is_clip_fraction"]
     assert 0.0 < clip < 1.0, clip  # the helpers' random rollout logprobs: some weights over the cap 2
     # the 2-rank checkpoint, resharded onto this process's single rank
-    actor = Actor(actor_config(tiny_llama_dir, *OVERRIDES))
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES))
     actor.load_checkpoint(tmp_path / "ckpt")
     assert actor.weight_version == 3
     loaded = {name: t for name, t in actor.iter_full_weights()}

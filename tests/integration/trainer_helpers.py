@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tandemrl.config.actor import ActorSetup
+from tandemrl.config.derive import actor_setup
 from tandemrl.config.loader import load_config
 from tandemrl.trainer.batching import TrainSample
 
@@ -38,15 +40,18 @@ def make_samples(
     return samples
 
 
-def actor_config(model_dir: Path, *overrides: str):
-    return load_config(
-        None,
-        [
-            f"actor.model.model_path={model_dir}",
-            "actor.device=cpu",
-            "runner.output_dir=/tmp/tandem-unused",
-            *overrides,
-        ],
+def cpu_actor_setup(model_dir: Path, *overrides: str) -> ActorSetup:
+    """The actor's part of the default config with `overrides`, on the CPU on `model_dir`."""
+    return actor_setup(
+        load_config(
+            None,
+            [
+                f"actor.model.model_path={model_dir}",
+                "actor.device=cpu",
+                "runner.output_dir=/tmp/tandem-unused",
+                *overrides,
+            ],
+        )
     )
 
 
@@ -81,7 +86,7 @@ def train_steps(model_dir: Path, num_steps: int, overrides: list[str], ckpt_dir:
     checkpointed to `ckpt_dir` when given."""
     from tandemrl.trainer.actor import Actor
 
-    actor = Actor(actor_config(model_dir, *overrides))
+    actor = Actor(cpu_actor_setup(model_dir, *overrides))
     metrics = [actor.train_step(make_samples(seed=step, num_samples=6)) for step in range(num_steps)]
     if ckpt_dir is not None:
         actor.save_checkpoint(ckpt_dir)
@@ -97,7 +102,7 @@ def train_save_then_hang_mid_save(model_dir: str, output_dir: str, marker: str) 
     from tandemrl.trainer.actor import Actor
 
     torch.set_num_threads(1)
-    actor = Actor(actor_config(Path(model_dir), "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
+    actor = Actor(cpu_actor_setup(Path(model_dir), "actor.optim.lr=0.001", "algorithm.n_minibatches=1"))
     actor.train_step(make_samples(seed=0, num_samples=4))
     actor.save_checkpoint(checkpoint.checkpoint_dir(output_dir, 1), extra={"data/data.pt": {"position": 1}})
     torch.save({n: t.clone() for n, t in actor.iter_full_weights()}, Path(output_dir) / "weights_step1.pt")

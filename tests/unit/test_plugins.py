@@ -26,6 +26,12 @@ EXAMPLE_REWARD = f"{ROOT}/examples/extending/reward_f1_search_cost.py:reward"
 CONFIG = ROOT / "examples" / "searchr1" / "config" / "embedded_cpu_async.yaml"
 
 
+def reward_of(overrides: list[str]) -> RewardFunction:
+    """The reward that the default config with `overrides` loads."""
+    config = load_config(None, overrides)
+    return load_reward(config.reward, config.agentloop.format_reward)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dir):
     from transformers import AutoTokenizer
@@ -81,18 +87,18 @@ def test_builtin_exact_match_and_f1():
 
 def test_reward_by_path_and_by_module(plugins):
     overrides = [f"reward.function={plugins / 'my_rewards.py'}:length_bonus"]
-    reward = load_reward(load_config(None, overrides))
+    reward = reward_of(overrides)
     assert reward("x", ["Paris"], "", [], "kb") == (0.55, {"gold_chars": 5.0})
-    builtin_f1 = load_reward(load_config(None, ["reward.function=tandemrl.agent.reward:f1"]))
+    builtin_f1 = reward_of(["reward.function=tandemrl.agent.reward:f1"])
     assert builtin_f1("Paris France", ["Paris"], "", [], "kb")[0] == pytest.approx(2 / 3)
-    only_answer = load_reward(load_config(None, [f"reward.function={plugins / 'my_rewards.py'}:answer_only"]))
+    only_answer = reward_of([f"reward.function={plugins / 'my_rewards.py'}:answer_only"])
     assert only_answer(None, ["Paris"], "", [], "kb") == (0.25, {})  # gets only the arguments it declares
 
 
 def test_the_default_reward_is_exact_match_with_the_optional_format_score():
-    plain = load_reward(load_config(None, []))
+    plain = reward_of([])
     assert plain("paris", ["Paris"], "junk", [], "kb") == (1.0, {})
-    formatted = load_reward(load_config(None, ["agentloop.format_reward=true"]))
+    formatted = reward_of(["agentloop.format_reward=true"])
     assert formatted("paris", ["Paris"], "junk <answer> paris </answer>", [], "kb")[0] == pytest.approx(0.8)
 
 
@@ -130,7 +136,7 @@ def test_tandem_train_refuses_a_broken_reward_before_starting_anything(plugins, 
 
 
 def test_a_reward_failing_mid_run_names_the_key(plugins):
-    reward = load_reward(load_config(None, [f"reward.function={plugins / 'my_rewards.py'}:fails_later"]))
+    reward = reward_of([f"reward.function={plugins / 'my_rewards.py'}:fails_later"])
     with pytest.raises(
         RewardError, match=r"reward.function=.*raised KeyError: 'no such source' \(data source 'kb'\)"
     ):
@@ -140,7 +146,7 @@ def test_a_reward_failing_mid_run_names_the_key(plugins):
 def test_format_reward_and_a_reward_function_do_not_combine():
     config = load_config(None, ["reward.function=tandemrl.agent.reward:f1", "agentloop.format_reward=true"])
     with pytest.raises(ConfigError, match="agentloop.format_reward=true"):
-        load_reward(config)
+        load_reward(config.reward, config.agentloop.format_reward)
 
 
 def test_tool_config_errors_name_the_key(plugins):
@@ -154,8 +160,9 @@ def test_tool_config_errors_name_the_key(plugins):
         with pytest.raises(ConfigError, match=None) as error:
             load_config(None, [override])
         assert message in str(error.value), (override, str(error.value))
+    config = load_config(None, [f"tools.calc.function={plugins / 'my_rewards.py'}:wants_more"])
     with pytest.raises(ConfigError, match="must take the tool's input text as its one argument"):
-        check_plugins(load_config(None, [f"tools.calc.function={plugins / 'my_rewards.py'}:wants_more"]))
+        check_plugins(config.agentloop, config.tools, config.reward)
 
 
 def test_the_example_calculator():
@@ -174,7 +181,7 @@ def test_the_example_tool_is_called_and_its_output_masked(tokenizer):
     """The engine (a scripted fake of the engine process) writes a calculator call, then the answer;
     the env built from the config runs the example tool, whose result block has loss mask 0."""
     config = load_config(None, [f"tools.calculator.function={CALCULATOR}", "tools.calculator.max_tokens=24"])
-    env = build_env(config, FakeSearch())
+    env = build_env(config.agentloop, config.tools, config.reward, FakeSearch())
     turns = [
         "<think> I will compute. </think>\n<calculator> 12 * (3 + 4) </calculator>",
         "<answer> 84 </answer>",
@@ -200,7 +207,7 @@ def test_the_example_tool_is_called_and_its_output_masked(tokenizer):
 
 def test_a_failing_tool_answers_with_an_error_text_in_its_budget(tokenizer, caplog):
     config = load_config(None, [f"tools.calculator.function={CALCULATOR}", "tools.calculator.max_tokens=12"])
-    env = build_env(config, FakeSearch())
+    env = build_env(config.agentloop, config.tools, config.reward, FakeSearch())
     turns = [
         "<calculator> open('/etc/passwd').read() and more words to cut </calculator>",
         "<answer> x </answer>",
@@ -221,7 +228,7 @@ def test_a_failing_tool_answers_with_an_error_text_in_its_budget(tokenizer, capl
 
 def test_custom_reward_scores_the_trajectory_with_its_extras(tokenizer, plugins):
     config = load_config(None, [f"reward.function={plugins / 'my_rewards.py'}:length_bonus"])
-    env = build_env(config, FakeSearch())
+    env = build_env(config.agentloop, config.tools, config.reward, FakeSearch())
     turns = ["<search> capital </search>", "<answer> Rome </answer>"]
     traj = asyncio.run(
         run_trajectory(PROMPT, FakeEngine(tokenizer, turns), env, tokenizer, AgentLoopConfig(max_turns=2))
@@ -249,7 +256,7 @@ def test_config_show_prints_the_example_plugins(capsys, monkeypatch):
 
 
 def test_the_example_reward(plugins):
-    reward = load_reward(load_config(None, [f"reward.function={EXAMPLE_REWARD}"]))
+    reward = reward_of([f"reward.function={EXAMPLE_REWARD}"])
     score, extra = reward("Paris", ["Paris"], "", ["a", "b", "c"], "kb")
     assert score == pytest.approx(1.0 - 2 * 0.05) and extra == {"f1": 1.0, "searches": 3.0}
 

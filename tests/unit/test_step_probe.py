@@ -30,12 +30,13 @@ def test_the_probe_splits_host_work_from_waits_and_counts_gc_pauses():
 
 
 def test_a_train_step_reports_its_probe(tiny_llama_dir):
+    from tandemrl.config.derive import actor_setup
     from tandemrl.config.loader import load_config
     from tandemrl.trainer.actor import Actor
     from tandemrl.trainer.batching import TrainSample
 
     config = load_config(None, [f"actor.model.model_path={tiny_llama_dir}", "actor.device=cpu"])
-    actor = Actor(config)
+    actor = Actor(actor_setup(config))
     samples = [
         TrainSample([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], [0.0, 0.0, -1.0, -1.0, -1.0], 1.0) for _ in range(4)
     ]

@@ -111,6 +111,19 @@ class SearchTool:
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
+    async def server_info(self) -> dict:
+        """The server's /health body ({} where it has none or is not ours: a Search-R1 server has only
+        /retrieve); tandem's server counts its batches, queries, busy and queueing seconds there."""
+        base = self.url.removesuffix("/retrieve")
+        try:
+            async with self._get_session().get(base + "/health") as response:
+                if response.status != 200:
+                    return {}
+                body = await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
+            return {}
+        return body if isinstance(body, dict) else {}
+
     async def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         """Per query, `topk` hits `{"document": {"id", "contents"}, "score"}`, best first."""
         if not queries:

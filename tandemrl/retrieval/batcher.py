@@ -32,6 +32,7 @@ class _Pending:
     topk: int
     future: asyncio.Future
     hits: list[list[Hit]] = field(default_factory=list)  # for queries[:len(hits)]
+    submitted_s: float = field(default_factory=time.monotonic)
 
     @property
     def num_left(self) -> int:
@@ -57,6 +58,10 @@ class MicroBatcher:
         self.num_batches = 0
         self.num_queries = 0
         self.num_failed_requests = 0
+        # cumulative, for /health: seconds the search thread worked, and query-seconds waited from a
+        # request's arrival to the start of the batch that served each of its queries
+        self.busy_s = 0.0
+        self.queue_wait_s = 0.0
 
     async def start(self) -> None:
         self._queue = asyncio.Queue()
@@ -128,7 +133,11 @@ class MicroBatcher:
 
     async def _search_in_thread(self, queries: list[str], topks: list[int]) -> list[list[Hit]]:
         loop = asyncio.get_running_loop()
-        results = await loop.run_in_executor(self._executor, self._search, queries, topks)
+        start_s = time.monotonic()
+        try:
+            results = await loop.run_in_executor(self._executor, self._search, queries, topks)
+        finally:
+            self.busy_s += time.monotonic() - start_s
         self.num_batches += 1
         self.num_queries += len(queries)
         return results
@@ -136,6 +145,10 @@ class MicroBatcher:
     async def _run(self, batch: list[tuple[_Pending, int, int]]) -> None:
         queries = [q for pending, start, end in batch for q in pending.queries[start:end]]
         topks = [pending.topk for pending, start, end in batch for _ in range(start, end)]
+        now_s = time.monotonic()
+        self.queue_wait_s += sum(
+            (now_s - pending.submitted_s) * (end - start) for pending, start, end in batch
+        )
         results = await self._search_in_thread(queries, topks)
         offset = 0
         for pending, start, end in batch:

@@ -219,6 +219,8 @@ def create_app(
             **info,
             "num_batches": batcher.num_batches,
             "num_queries": batcher.num_queries,
+            "busy_s": batcher.busy_s,
+            "queue_wait_s": batcher.queue_wait_s,
         }
 
     @app.post("/retrieve")

@@ -34,7 +34,7 @@ from tandemrl.runner.step import (
     validate_before_training,
     wait_for_data,
 )
-from tandemrl.runner.step_metrics import engine_busy_fraction
+from tandemrl.runner.step_metrics import engine_busy_fraction, retrieval_load
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ async def run_async(ctx: RunContext) -> None:
     driver.quota = None  # only the buffer's limits bound admission
     await validate_before_training(ctx)
     await engine_busy_fraction(ctx)  # the first step's busy window starts here
+    await retrieval_load(ctx)  # and the retrieval server's
     is_time_share = ctx.colocated_policy == "time_share"
     start_clock(ctx)
     driver.start()

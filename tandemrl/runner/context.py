@@ -35,6 +35,7 @@ class RunContext:
     last_step_end_s: float = field(default_factory=time.monotonic)
     clock_start_s: float | None = None  # monotonic start of the first step (`start_clock`)
     busy_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, engines' BUSY_KEYS totals)
+    retrieval_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, RETRIEVAL_KEYS totals)
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
     placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on

@@ -26,6 +26,7 @@ from tandemrl.runner.records import write_ledger, write_trajectories
 from tandemrl.runner.step_metrics import (
     engine_busy_fraction,
     engine_counters,
+    retrieval_load,
     rollout_metrics,
     warn_on_search_errors,
 )
@@ -168,6 +169,7 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     runner = ctx.config.runner
     metrics = dict(metrics)
     metrics.update(await engine_busy_fraction(ctx))
+    metrics.update(await retrieval_load(ctx))
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     if runner.val_interval and step % runner.val_interval == 0:
         start_s = time.monotonic()

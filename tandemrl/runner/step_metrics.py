@@ -61,6 +61,38 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
     return {**metrics, **engine_step_metrics(delta)}
 
 
+RETRIEVAL_KEYS = ("num_queries", "num_batches", "busy_s", "queue_wait_s")  # cumulative, in its /health
+
+
+async def retrieval_load(ctx: RunContext) -> dict[str, float]:
+    """The retrieval server's load over the step window, from the cumulative counters of tandem's server
+    (retrieval/batcher.py): `retrieval/queries`, `retrieval/batch_queries_mean` (queries a batch served
+    together), `retrieval/busy_fraction` (of the window its search thread worked), `retrieval/search_ms_per_batch`
+    and `retrieval/queue_ms_per_query` (from a request's arrival to its batch's start). Empty on the first
+    read and for a server without the counters (a Search-R1 server)."""
+    search = ctx.driver.search
+    tool = getattr(search, "search_tool", search)  # an AgentEnv wraps the search tool
+    info = await tool.server_info() if hasattr(tool, "server_info") else {}
+    if not all(isinstance(info.get(key), int | float) for key in RETRIEVAL_KEYS):
+        return {}
+    now_s = time.monotonic()
+    totals = {key: float(info[key]) for key in RETRIEVAL_KEYS}
+    previous, ctx.retrieval_mark = ctx.retrieval_mark, (now_s, totals)
+    if previous is None or now_s <= previous[0]:
+        return {}
+    delta = {key: totals[key] - previous[1][key] for key in RETRIEVAL_KEYS}
+    metrics = {
+        "retrieval/queries": delta["num_queries"],
+        "retrieval/busy_fraction": min(1.0, delta["busy_s"] / (now_s - previous[0])),
+    }
+    if delta["num_batches"] > 0:
+        metrics["retrieval/batch_queries_mean"] = delta["num_queries"] / delta["num_batches"]
+        metrics["retrieval/search_ms_per_batch"] = 1000 * delta["busy_s"] / delta["num_batches"]
+    if delta["num_queries"] > 0:
+        metrics["retrieval/queue_ms_per_query"] = 1000 * delta["queue_wait_s"] / delta["num_queries"]
+    return metrics
+
+
 def engine_step_metrics(delta: dict[str, float]) -> dict[str, float]:
     """Where the engines' busy time went over a step window (deltas of BUSY_KEYS): how many steps of each
     kind, the mean decode batch, and the mean wall time of a step of each kind (an overlapped step's time

@@ -23,7 +23,7 @@ from tandemrl.runner.step import (
     validate_before_training,
     wait_for_data,
 )
-from tandemrl.runner.step_metrics import engine_busy_fraction
+from tandemrl.runner.step_metrics import engine_busy_fraction, retrieval_load
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ async def run_sync(ctx: RunContext) -> None:
     driver.quota = ctx.config.data.rollout_batch_size  # in flight + buffered: exactly one batch
     await validate_before_training(ctx)
     await engine_busy_fraction(ctx)  # the first step's busy window starts here
+    await retrieval_load(ctx)  # and the retrieval server's
     start_clock(ctx)
     driver.start()
     for step in range(ctx.start_step + 1, runner.max_steps + 1):

@@ -52,6 +52,12 @@ def check_run(config, ctx, expect_stale: bool):
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)
     check_wall_clock(scalars, validated_steps=[4], saved_steps=[4])  # val_interval 4, the last step saves
+    # the retrieval server's load per step window, read from its /health counters (runner/step_metrics.py)
+    # (the tiny random policy may never search, so the counts may be 0; the unit test of /health counts them)
+    assert [step for step, _ in scalars["retrieval/queries"]] == [1, 2, 3, 4]
+    searches = sum(v for _, v in scalars["rollout/num_searches/mean"]) > 0
+    assert (sum(v for _, v in scalars["retrieval/queries"]) > 0) >= searches  # a search was a query there
+    assert all(0 <= v <= 1 for _, v in scalars["retrieval/busy_fraction"])
     for (_, wall), (_, generate), (_, server) in zip(
         scalars["rollout/traj/wall_s"],
         scalars["rollout/traj/generate_s"],

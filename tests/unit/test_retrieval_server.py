@@ -122,6 +122,28 @@ def test_concurrent_requests_share_encoder_calls(retriever):
     assert sum(calls) == 24 and len(calls) < 24  # micro-batched: fewer encoder calls than requests
 
 
+def test_health_counts_the_search_threads_work_and_the_queueing(retriever):
+    """/health's cumulative counters: busy_s covers each batch's search (a search that sleeps 50 ms makes
+    every batch at least that long), and queue_wait_s the time queries waited for their batch."""
+    import time
+
+    def slow_search(queries, topks):
+        time.sleep(0.05)
+        return retriever.search(queries, topks)
+
+    async def body(client, _):
+        before = (await client.get("/health")).json()
+        requests = [client.post("/retrieve", json={"queries": ["violinist"], "topk": 1}) for _ in range(12)]
+        await asyncio.gather(*requests)
+        return before, (await client.get("/health")).json()
+
+    before, after = serve(slow_search, max_wait_s=0.0, max_batch_queries=4, max_slice_queries=4)(body)
+    assert before["num_queries"] == before["busy_s"] == before["queue_wait_s"] == 0
+    assert after["num_queries"] == 12 and after["num_batches"] >= 3  # at most 4 queries a batch
+    assert after["busy_s"] >= 0.05 * after["num_batches"]
+    assert after["queue_wait_s"] > 0  # 12 requests at once, at most 4 a batch: some waited behind others
+
+
 def test_a_failing_batch_fails_only_its_requests(retriever):
     def search_failing_on_boom(queries, topks):
         """The real search, with a fault injected for one query (stands in for a broken Qdrant call)."""

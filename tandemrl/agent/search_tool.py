@@ -101,12 +101,15 @@ class SearchTool:
             self._session_loop = loop
         return self._session
 
+    @property
+    def health_url(self) -> str:
+        return self.url.removesuffix("/retrieve") + "/health"
+
     async def health(self) -> bool:
         """Whether the server answers HTTP at all (a Search-R1 server has only /retrieve, so any status
         counts): the run's watchdog tells a dead external server from a slow one by this."""
-        base = self.url.removesuffix("/retrieve")
         try:
-            async with self._get_session().get(base + "/health") as response:
+            async with self._get_session().get(self.health_url) as response:
                 return response.status > 0
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
@@ -114,9 +117,8 @@ class SearchTool:
     async def server_info(self) -> dict:
         """The server's /health body ({} where it has none or is not ours: a Search-R1 server has only
         /retrieve); tandem's server counts its batches, queries, busy and queueing seconds there."""
-        base = self.url.removesuffix("/retrieve")
         try:
-            async with self._get_session().get(base + "/health") as response:
+            async with self._get_session().get(self.health_url) as response:
                 if response.status != 200:
                     return {}
                 body = await response.json(content_type=None)

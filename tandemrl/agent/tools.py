@@ -126,8 +126,8 @@ class FunctionTool:
 
 class AgentEnv:
     """What the agent loop acts in: its tools by tag and the reward. It stands where the search tool
-    stood (the rollout driver, the watchdog, validation): `url`, `health`, `search` and `close` are the
-    search tool's."""
+    stood (the rollout driver, the watchdog, validation): `url`, `health`, `server_info`, `search` and
+    `close` are the search tool's."""
 
     def __init__(self, search_tool: SearchTool, tools: dict[str, Tool], reward: RewardFunction):
         assert SEARCH_TAG in tools, "search is always a tool"
@@ -150,6 +150,9 @@ class AgentEnv:
 
     async def health(self) -> bool:
         return await self.search_tool.health()
+
+    async def server_info(self) -> dict:
+        return await self.search_tool.server_info()
 
     async def search(self, queries: list[str], topk: int | None = None) -> list[list[dict]]:
         return await self.search_tool.search(queries, topk)

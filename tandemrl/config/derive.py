@@ -192,15 +192,13 @@ def _derive_prefix_cache_age(config: TandemConfig) -> None:
     if config.rollout.backend != "embedded" or engine.prefix_cache_max_age is not None:
         return
     if not config.runner.async_mode:
-        engine.prefix_cache_max_age, why = 0, "sync: nothing is in flight at an update, so K/V stays exact"
+        age, why = 0, "sync: nothing is in flight at an update, so K/V stays exact"
     elif config.rollout_buffer.max_head_offpolicyness == 0:
-        engine.prefix_cache_max_age, why = (
-            0,
-            "async at max_head_offpolicyness 0: the sync schedule, exact K/V",
-        )
+        age, why = 0, "async at max_head_offpolicyness 0: the sync schedule, exact K/V"
     else:
-        engine.prefix_cache_max_age = 1
+        age = 1
         why = "async: the previous weights' K/V keeps serving, as in_place pausing keeps it for running requests"
+    engine.prefix_cache_max_age = age
     config.derived["rollout.engine.prefix_cache_max_age"] = f"{engine.prefix_cache_max_age} ({why})"
 
 

@@ -178,9 +178,8 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     start_s = time.monotonic()
     write_ledger(ctx, step)
     write_trajectories(ctx, step, handoff)
-    metrics["time/records"] = (
-        time.monotonic() - start_s
-    )  # prompts.jsonl and trajectories/, on the step's path
+    # prompts.jsonl and trajectories/, on the step's path
+    metrics["time/records"] = time.monotonic() - start_s
     if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
         start_s = time.monotonic()
         await save_checkpoint(ctx, step)

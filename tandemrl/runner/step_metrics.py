@@ -33,6 +33,21 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
 )
 
 
+Mark = tuple[float, dict[str, float]]  # (monotonic time, cumulative counters read then)
+
+
+def advance_window(
+    previous: Mark | None, totals: dict[str, float]
+) -> tuple[Mark, tuple[dict[str, float], float] | None]:
+    """The new mark for cumulative counters read now, and the window since `previous`: each counter's
+    delta and the window's seconds (None on the first read, or when no time passed)."""
+    now_s = time.monotonic()
+    mark = (now_s, totals)
+    if previous is None or now_s <= previous[0]:
+        return mark, None
+    return mark, ({key: totals[key] - previous[1][key] for key in totals}, now_s - previous[0])
+
+
 async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
     """`rollout/engine_busy_fraction`: the engines' busy seconds since the last read over (engines x wall
     seconds), and the tokens they prefilled and decoded meanwhile (`rollout/engine_prefill_tokens`,
@@ -42,13 +57,12 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
     if ctx.config.rollout.backend != "embedded" or not ctx.engines:
         return {}
     infos = await asyncio.gather(*(engine.server_info() for engine in ctx.engines))
-    now_s = time.monotonic()
     totals = {key: sum(float(info.get(key, 0)) for info in infos) for key in BUSY_KEYS}
-    previous, ctx.busy_mark = ctx.busy_mark, (now_s, totals)
-    if previous is None or now_s <= previous[0]:
+    ctx.busy_mark, window = advance_window(ctx.busy_mark, totals)
+    if window is None:
         return {}
-    delta = {key: totals[key] - previous[1][key] for key in BUSY_KEYS}
-    fraction = delta["busy_s"] / (len(ctx.engines) * (now_s - previous[0]))
+    delta, window_s = window
+    fraction = delta["busy_s"] / (len(ctx.engines) * window_s)
     metrics = {
         "rollout/engine_busy_fraction": min(1.0, fraction),
         "rollout/engine_prefill_tokens": delta["num_prefill_tokens"],
@@ -70,20 +84,17 @@ async def retrieval_load(ctx: RunContext) -> dict[str, float]:
     together), `retrieval/busy_fraction` (of the window its search thread worked), `retrieval/search_ms_per_batch`
     and `retrieval/queue_ms_per_query` (from a request's arrival to its batch's start). Empty on the first
     read and for a server without the counters (a Search-R1 server)."""
-    search = ctx.driver.search
-    tool = getattr(search, "search_tool", search)  # an AgentEnv wraps the search tool
-    info = await tool.server_info() if hasattr(tool, "server_info") else {}
+    info = await ctx.driver.search.server_info()
     if not all(isinstance(info.get(key), int | float) for key in RETRIEVAL_KEYS):
         return {}
-    now_s = time.monotonic()
     totals = {key: float(info[key]) for key in RETRIEVAL_KEYS}
-    previous, ctx.retrieval_mark = ctx.retrieval_mark, (now_s, totals)
-    if previous is None or now_s <= previous[0]:
+    ctx.retrieval_mark, window = advance_window(ctx.retrieval_mark, totals)
+    if window is None:
         return {}
-    delta = {key: totals[key] - previous[1][key] for key in RETRIEVAL_KEYS}
+    delta, window_s = window
     metrics = {
         "retrieval/queries": delta["num_queries"],
-        "retrieval/busy_fraction": min(1.0, delta["busy_s"] / (now_s - previous[0])),
+        "retrieval/busy_fraction": min(1.0, delta["busy_s"] / window_s),
     }
     if delta["num_batches"] > 0:
         metrics["retrieval/batch_queries_mean"] = delta["num_queries"] / delta["num_batches"]

@@ -126,6 +126,13 @@ class Actor:
             self.policy.parameters(), cfg.optim, setup.total_updates
         )
         self.loss_cfg = PolicyLossConfig.from_algorithm(setup.algorithm)
+        # the correction's proximal policy: recomputed before the step's first update, or each minibatch's
+        # own forward (algorithm.proximal_logprobs)
+        is_corrected = self.loss_cfg.off_policy_correction != "none"
+        self.is_proximal_current = is_corrected and setup.algorithm.proximal_logprobs == "current"
+        self.recomputes = bool(setup.algorithm.recompute_logprobs) or (
+            is_corrected and not self.is_proximal_current
+        )
         self.weight_version = 0
         self.num_updates = 0
         self.num_skipped_updates = 0
@@ -194,18 +201,14 @@ class Actor:
         start = time.perf_counter()
         self._probe = StepProbe(torch.device(self.device)).start()
         sums: dict[str, float] = defaultdict(float)
-        algorithm = self.setup.algorithm
-        recompute = bool(algorithm.recompute_logprobs) or (
-            algorithm.off_policy_correction != "none" and algorithm.proximal_logprobs == "recompute"
-        )
-        if recompute:
+        if self.recomputes:
             samples = self._recompute_old_logprobs(samples, sums)
         grad_norms = []
-        for k, minibatch in enumerate(split_minibatches(samples, algorithm.n_minibatches)):
+        for k, minibatch in enumerate(split_minibatches(samples, self.setup.algorithm.n_minibatches)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
             for micro in self._plan(minibatch):
                 self._ppo_micro_step(
-                    micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not recompute
+                    micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not self.recomputes
                 )
             grad_norms.append(self._optimizer_step())
         self.weight_version += 1
@@ -221,10 +224,7 @@ class Actor:
             with torch.no_grad():
                 ref_K = self._forward(self.ref_policy, micro)[0]
         behav_K = micro.behav_logprobs_N[select_K]
-        if (
-            self.loss_cfg.off_policy_correction != "none"
-            and self.setup.algorithm.proximal_logprobs == "current"
-        ):
+        if self.is_proximal_current:
             # the ratio is 1 here; the weight pi_theta / pi_behav, capped, carries the step
             old_K = logprobs_K.detach()
         losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)

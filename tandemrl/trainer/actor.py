@@ -189,34 +189,48 @@ class Actor:
         """`algorithm.n_minibatches` PPO updates on `samples` (the same list on every rank), then
         `weight_version += 1`.
 
+        Every minibatch's micro-batches are planned and moved to the device once, before the first update.
+        When the old logprobs are recomputed (an off-policy correction's proximal policy, or
+        `algorithm.recompute_logprobs`), they are the actor's logprobs at the weights before the first
+        update: the first minibatch's own forward is taken at those weights, so its logprobs, detached,
+        are the old ones, and one no-grad pass recomputes only the later minibatches', into their
+        micro-batches on the device (`_recompute_proximal`). With `algorithm.proximal_logprobs=current`
+        every minibatch's own forward, detached, stands as the proximal policy.
         `train/actor/rollout_train_logprob_gap` = mean |logp_train - logp_rollout| before the first
-        update: over all tokens when the old logprobs are recomputed (that pass runs anyway), else over the
-        first minibatch's tokens, whose forward precedes the first update (no extra forward pass).
-        An off-policy correction recomputes (the recomputed logprobs are its proximal policy) unless
-        `algorithm.proximal_logprobs=current`, where each minibatch's own forward, detached, stands as the
-        proximal policy.
+        update: over all tokens when the old logprobs are recomputed, else over the first minibatch's.
         """
         if not samples:
             raise ValueError("Actor.train_step got no samples; hand over at least one trajectory.")
         start = time.perf_counter()
         self._probe = StepProbe(torch.device(self.device)).start()
         sums: dict[str, float] = defaultdict(float)
+        minibatches = split_minibatches(samples, self.setup.algorithm.n_minibatches)
+        plans = [[micro.to(self.device) for micro in self._plan(minibatch)] for minibatch in minibatches]
         if self.recomputes:
-            samples = self._recompute_old_logprobs(samples, sums)
+            self._recompute_proximal(plans[1:], sums)
         grad_norms = []
-        for k, minibatch in enumerate(split_minibatches(samples, self.setup.algorithm.n_minibatches)):
+        for k, (minibatch, micros) in enumerate(zip(minibatches, plans, strict=True)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
-            for micro in self._plan(minibatch):
+            is_own_proximal = self.is_proximal_current or (self.recomputes and k == 0)
+            for micro in micros:
                 self._ppo_micro_step(
-                    micro.to(self.device), num_tokens, sums, measure_gap=k == 0 and not self.recomputes
+                    micro, num_tokens, sums, is_first=k == 0, is_own_proximal=is_own_proximal
                 )
             grad_norms.append(self._optimizer_step())
         self.weight_version += 1
         return self._ppo_metrics(sums, grad_norms, time.perf_counter() - start)
 
     def _ppo_micro_step(
-        self, micro: MicroBatch, num_tokens: int, sums: dict[str, float], measure_gap: bool
+        self,
+        micro: MicroBatch,
+        num_tokens: int,
+        sums: dict[str, float],
+        is_first: bool,
+        is_own_proximal: bool,
     ) -> None:
+        """One micro-batch's loss and backward. `is_own_proximal`: this forward's logprobs, detached, are the
+        old ones (the ratio is 1 here); `is_first`: the forward precedes the first update, so it measures the
+        gap to the rollout's logprobs."""
         logprobs_K, entropy_K, select_K, mask_K = self._forward(self.policy, micro, with_entropy=True)
         old_K, adv_K = micro.old_logprobs_N[select_K], micro.advantages_N[select_K]
         ref_K = None
@@ -224,39 +238,33 @@ class Actor:
             with torch.no_grad():
                 ref_K = self._forward(self.ref_policy, micro)[0]
         behav_K = micro.behav_logprobs_N[select_K]
-        if self.is_proximal_current:
-            # the ratio is 1 here; the weight pi_theta / pi_behav, capped, carries the step
+        if is_own_proximal:
             old_K = logprobs_K.detach()
         losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)
         loss_sum = (losses_K * mask_K).sum()
         (loss_sum * (self.world_size / max(num_tokens, 1))).backward()
         stats.update(loss=losses_K.detach(), entropy=entropy_K, tokens=torch.ones_like(mask_K))
-        if measure_gap:
+        if is_first:
             stats.update(gap=(logprobs_K.detach() - behav_K).abs(), gap_tokens=torch.ones_like(mask_K))
         for name, value in masked_sum_tensors(stats, mask_K).items():
             sums[name] = sums[name] + value  # stays on the device: no host sync per micro-batch
 
-    def _recompute_old_logprobs(
-        self, samples: list[TrainSample], sums: dict[str, float]
-    ) -> list[TrainSample]:
-        """Old logprobs := current policy's, before any update (the rollout's are kept as `behav_logprobs`
-        for the off-policy correction); the gap to the rollout's is measured on all tokens."""
-        recomputed = self.compute_logprobs(samples)
-        out = []
-        for sample, logprobs in zip(samples, recomputed, strict=True):
-            for t in range(1, sample.num_tokens):
-                if sample.loss_mask[t]:
-                    sums["gap"] += abs(logprobs[t] - sample.old_logprobs[t])
-                    sums["gap_tokens"] += 1
-            out.append(
-                TrainSample(
-                    sample.input_ids, sample.loss_mask, logprobs, sample.advantage, sample.old_logprobs
-                )
-            )
-        if self.world_size > 1:  # every rank computed the same sums from the gathered logprobs
-            sums["gap"] /= self.world_size
-            sums["gap_tokens"] /= self.world_size
-        return out
+    @torch.no_grad()
+    def _recompute_proximal(self, plans: list[list[MicroBatch]], sums: dict[str, float]) -> None:
+        """Old logprobs := the actor's at the current weights, for the micro-batches of `plans` (already on
+        the device; the rollout's stay in `behav_logprobs_N` for the correction). Nothing leaves the
+        device: no host copy, no per-token Python, no second plan of the samples."""
+        for micros in plans:
+            for micro in micros:
+                logprobs_K, _, select_K, mask_K = self._forward(self.policy, micro)
+                logprobs_K = logprobs_K.float()
+                micro.old_logprobs_N = micro.old_logprobs_N.index_put((select_K,), logprobs_K)
+                gap = {
+                    "gap": (logprobs_K - micro.behav_logprobs_N[select_K]).abs(),
+                    "gap_tokens": torch.ones_like(mask_K),
+                }
+                for name, value in masked_sum_tensors(gap, mask_K).items():
+                    sums[name] = sums[name] + value
 
     def _optimizer_step(self) -> float:
         max_norm = self.setup.actor.optim.max_grad_norm

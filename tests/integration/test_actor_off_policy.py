@@ -132,3 +132,33 @@ def test_current_proximal_follows_the_weights_across_minibatches(tiny_llama_dir)
     assert m_recomputed["train/actor/ratio_abs"] > 0 and m_current["train/actor/ratio_abs"] == 0.0
     after_r, after_c = dict(recomputed.iter_full_weights()), dict(current.iter_full_weights())
     assert max((after_r[k] - after_c[k]).abs().max().item() for k in after_r) > 1e-7
+
+
+@pytest.mark.parametrize("correction", ["tis", "decoupled"])
+def test_recompute_on_the_device_equals_proximal_logprobs_computed_up_front(tiny_llama_dir, correction):
+    """The step recomputes the proximal logprobs of minibatches 2..n into their micro-batches on the device
+    and takes the first minibatch's from its own forward. The reference is handed proximal logprobs
+    computed up front over all samples and recomputes nothing: the same update, ratios and weights
+    follow (three minibatches and a large lr, so the later minibatches' ratios are not 1)."""
+    overrides = (f"algorithm.off_policy_correction={correction}", "algorithm.n_minibatches=3", *CAPS)
+    actor, reference = _actor(tiny_llama_dir, *overrides), _actor(tiny_llama_dir, *overrides)
+    reference.recomputes = False  # white box: old_logprobs as handed over, as before the step
+    samples = _rollout_logprobs_at(actor, make_samples(seed=6, num_samples=9), TARGET_WEIGHTS)
+    proximal = reference.compute_logprobs(samples)
+    handed = [
+        TrainSample(s.input_ids, s.loss_mask, lp, s.advantage, s.old_logprobs)
+        for s, lp in zip(samples, proximal, strict=True)
+    ]
+    m_actor, m_reference = actor.train_step(samples), reference.train_step(handed)
+    for key in ("loss", "ratio_abs", "clip_fraction", "is_weight_mean", "is_clip_fraction", "entropy"):
+        assert m_actor[f"train/actor/{key}"] == pytest.approx(
+            m_reference[f"train/actor/{key}"], rel=1e-4, abs=1e-7
+        )
+    assert m_actor["train/actor/ratio_abs"] > 1e-4  # the later minibatches moved off the proximal policy
+    after_a, after_r = dict(actor.iter_full_weights()), dict(reference.iter_full_weights())
+    assert max((after_a[k] - after_r[k]).abs().max().item() for k in after_a) < 1e-6
+    # the gap to the rollout's logprobs, over every loss token of the step
+    tokens = [(s, t) for s in samples for t in range(1, s.num_tokens) if s.loss_mask[t]]
+    by_id = {id(s): lp for s, lp in zip(samples, proximal, strict=True)}
+    gap = sum(abs(by_id[id(s)][t] - s.old_logprobs[t]) for s, t in tokens) / len(tokens)
+    assert m_actor["train/actor/rollout_train_logprob_gap"] == pytest.approx(gap, rel=1e-4)

@@ -62,7 +62,13 @@ def _minibatch_grads(actor: Actor, samples) -> dict[str, torch.Tensor]:
     """Gradients of one minibatch's token-mean PPO loss, accumulated over the actor's own micro-batches."""
     num_tokens = sum(s.num_loss_tokens for s in samples)
     for micro in actor._plan(samples):
-        actor._ppo_micro_step(micro.to(actor.device), num_tokens, defaultdict(float), measure_gap=False)
+        actor._ppo_micro_step(
+            micro.to(actor.device),
+            num_tokens,
+            defaultdict(float),
+            is_first=False,
+            is_own_proximal=actor.is_proximal_current,
+        )
     return {n: p.grad.clone() for n, p in actor.hf_model.named_parameters()}
 
 

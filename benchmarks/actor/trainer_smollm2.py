@@ -15,7 +15,9 @@ engine's generation rate alone (actor idle); then "after" while a client process
 `--engine-concurrency` /generate requests in flight. Options: `--shared-before` times "before" next
 to generation too; `--mps` runs it all under a private MPS daemon (kernels of the two processes may
 overlap instead of time-slicing); `--compile-variant` adds "after" with `actor.compile_layers` (its
-compile time shows in `warmup_step_s`); `--profile` adds the top GPU kernels of one "after" step.
+compile time shows in `warmup_step_s`); `--decoupled-variant` adds "after" with
+`algorithm.off_policy_correction=decoupled` (what its proximal recompute adds to a step); `--profile`
+adds the top GPU kernels of one "after" step.
 Each variant: one warm-up step, then `--steps` timed steps; the median is reported, with the
 process's CPU seconds per step (all threads, CUDA spin-waits included: an upper bound on host work),
 its peak GPU memory and allocator retries (memory pressure), and the engine's tokens/s in the same
@@ -66,6 +68,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--no-ablation", action="store_true", help="skip sdpa padded rows at the after budget")
     p.add_argument("--profile", action="store_true", help="profile one 'after' step: top kernels, GPU busy")
     p.add_argument("--compile-variant", action="store_true", help="also time after + actor.compile_layers")
+    p.add_argument(
+        "--decoupled-variant",
+        action="store_true",
+        help="also time after + algorithm.off_policy_correction=decoupled (the proximal recompute's cost)",
+    )
     p.add_argument("--shared-before", action="store_true", help="also time 'before' next to generation")
     p.add_argument("--kv-cache-gb", type=float, default=None, help="engine KV cache (default: auto)")
     p.add_argument(
@@ -285,6 +292,12 @@ def after_variants(args, device: torch.device, model_dir: Path, samples, variant
         others["after_without_fused_rms_norm_alone"] = (*after_settings, budget, "actor.fused_rms_norm=false")
     if args.compile_variant:
         others["after_compiled_alone"] = (*after_settings, budget, "actor.compile_layers=true")
+    if args.decoupled_variant:
+        others["after_decoupled_alone"] = (
+            *after_settings,
+            budget,
+            "algorithm.off_policy_correction=decoupled",
+        )
     for name, settings in others.items():
         actor = make_actor(model_dir, args, device, *settings)
         variants[name] = time_variant(actor, samples, args, device)

@@ -29,8 +29,10 @@ class AlgorithmConfig:
     n_minibatches: int = 4
     # None: derived (true when off_policy_correction needs the proximal logprobs, else false)
     recompute_logprobs: bool | None = None
-    # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py
-    off_policy_correction: str = "none"
+    # none | decoupled (AReaL's decoupled PPO) | tis (truncated importance sampling); see trainer/loss.py.
+    # None: derived from runner.async_mode (decoupled in async, where the data is older than the actor's
+    # weights; none in sync), docs/LEARNING.md, Off-policy correction
+    off_policy_correction: str | None = None
     # where a correction's proximal policy comes from (trainer/loss.py): recompute (AReaL's: one more forward
     # pass at the weights before the step's first update) | current (each minibatch's own forward, detached:
     # no extra pass; the ratio is 1 where it is taken, so nothing is clipped, and the weight
@@ -59,12 +61,18 @@ class AlgorithmConfig:
                 "Use e.g. 3.0, or null to disable the dual clip.",
             )
         _check(self.kl_coef >= 0, "algorithm.kl_coef", self.kl_coef, "must be >= 0", "Use 0 to disable.")
-        _check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
+        _check_choice("algorithm.proximal_logprobs", self.proximal_logprobs, PROXIMAL_LOGPROBS)
         for key, cap in (("tis_cap", self.tis_cap), ("decoupled_weight_cap", self.decoupled_weight_cap)):
             _check(
                 cap >= 1, f"algorithm.{key}", cap, "must be >= 1", "Use e.g. 2.0 (tis) or 5.0 (decoupled)."
             )
-        _check_choice("algorithm.proximal_logprobs", self.proximal_logprobs, PROXIMAL_LOGPROBS)
+        if self.off_policy_correction is not None:
+            self.check_correction()
+
+    def check_correction(self) -> None:
+        """The correction against its proximal policy and recompute keys (config/derive.py calls it again once
+        it has derived an unset correction)."""
+        _check_choice("algorithm.off_policy_correction", self.off_policy_correction, OFF_POLICY_CORRECTIONS)
         _check(
             self.proximal_logprobs == "recompute" or self.off_policy_correction != "none",
             "algorithm.proximal_logprobs",

@@ -39,6 +39,11 @@ class PolicyLossConfig:
 
     @classmethod
     def from_algorithm(cls, algorithm) -> PolicyLossConfig:
+        if algorithm.off_policy_correction is None:
+            raise ValueError(
+                "algorithm.off_policy_correction is unset: it is derived from runner.async_mode when the config "
+                "is loaded (config/derive.py); set it (none, decoupled or tis) on a config built by hand"
+            )
         high = algorithm.ratio_clip_eps_high
         return cls(
             clip_eps_low=algorithm.ratio_clip_eps,

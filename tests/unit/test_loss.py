@@ -92,7 +92,11 @@ def test_low_var_kl_to_reference():
 def test_config_from_algorithm_defaults_high_to_low():
     from tandemrl.config.actor import AlgorithmConfig
 
-    cfg = PolicyLossConfig.from_algorithm(AlgorithmConfig(ratio_clip_eps=0.1, dual_clip_c=2.0))
+    cfg = PolicyLossConfig.from_algorithm(
+        AlgorithmConfig(ratio_clip_eps=0.1, dual_clip_c=2.0, off_policy_correction="none")
+    )
     assert (cfg.clip_eps_low, cfg.clip_eps_high, cfg.dual_clip_c) == (0.1, 0.1, 2.0)
-    cfg = PolicyLossConfig.from_algorithm(AlgorithmConfig(ratio_clip_eps_high=0.3))
+    cfg = PolicyLossConfig.from_algorithm(
+        AlgorithmConfig(ratio_clip_eps_high=0.3, off_policy_correction="none")
+    )
     assert (cfg.clip_eps_low, cfg.clip_eps_high) == (0.2, 0.3)

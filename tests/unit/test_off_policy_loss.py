@@ -214,3 +214,37 @@ def test_current_proximal_needs_a_correction_and_skips_the_recompute():
     assert explicit.algorithm.recompute_logprobs is False
     with pytest.raises(ConfigError, match="must be one of recompute, current"):
         load_config(None, ["algorithm.proximal_logprobs=later", "runner.output_dir=/tmp/x"])
+
+
+@pytest.mark.parametrize(
+    "async_mode, correction, recompute", [(True, "decoupled", True), (False, "none", False)]
+)
+def test_unset_correction_is_derived_from_the_mode(async_mode, correction, recompute):
+    mode = [f"runner.async_mode={str(async_mode).lower()}", "agentloop.task_name=searchr1"]
+    config = load_config(None, [*mode, "runner.output_dir=/tmp/x"])
+    assert config.algorithm.off_policy_correction == correction
+    assert config.derived["algorithm.off_policy_correction"].startswith(correction)
+    assert config.algorithm.recompute_logprobs is recompute
+    # a value the user sets is kept in either mode, and not reported as derived
+    explicit = load_config(
+        None,
+        [*mode, "algorithm.off_policy_correction=tis", "runner.output_dir=/x"],
+    )
+    assert explicit.algorithm.off_policy_correction == "tis"
+    assert "algorithm.off_policy_correction" not in explicit.derived
+    # async with the rollout's logprobs kept as the old ones (RLinf's recipe): no correction is derived
+    kept = load_config(None, [*mode, "algorithm.recompute_logprobs=false", "runner.output_dir=/x"])
+    assert kept.algorithm.off_policy_correction == "none"
+
+
+def test_current_proximal_in_sync_is_refused_once_the_correction_is_derived():
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.proximal_logprobs=current", "runner.output_dir=/tmp/x"])
+    assert "algorithm.proximal_logprobs" in str(err.value) and "needs an off-policy correction" in str(
+        err.value
+    )
+
+
+def test_a_hand_built_algorithm_section_must_name_its_correction():
+    with pytest.raises(ValueError, match="algorithm.off_policy_correction is unset"):
+        PolicyLossConfig.from_algorithm(AlgorithmConfig())

@@ -1,6 +1,6 @@
 """FSDP2 on CPU: 2 gloo ranks end 3 train steps with the same parameters as 1 rank on the same data
-(with the TIS off-policy correction, so the recomputed logprobs are gathered across ranks and its weight
-statistics summed over them), and their sharded checkpoint loads into a 1-rank actor (DCP reshards on
+(with the TIS off-policy correction, so each rank recomputes the proximal logprobs of its own micro-batches,
+and the weight statistics and the rollout-train gap are summed over ranks), and their sharded checkpoint loads into a 1-rank actor (DCP reshards on
 load)."""
 
 from __future__ import annotations
@@ -44,7 +44,12 @@ def test_two_gloo_ranks_match_one_rank(tiny_llama_dir, tmp_path):
     for m1, m2 in zip(one["metrics"], two["metrics"], strict=True):
         assert abs(m1["train/actor/loss"] - m2["train/actor/loss"]) < 1e-5
         assert m1["train/actor/num_tokens"] == m2["train/actor/num_tokens"]
-        for key in ("train/actor/is_weight_mean", "train/actor/is_clip_fraction"):
+        keys = (
+            "train/actor/is_weight_mean",
+            "train/actor/is_clip_fraction",
+            "train/actor/rollout_train_logprob_gap",
+        )
+        for key in keys:
             assert abs(m1[key] - m2[key]) < 1e-5, key
     clip = one["metrics"][0]["train/actor/is_clip_fraction"]
     assert 0.0 < clip < 1.0, clip  # the helpers' random rollout logprobs: some weights over the cap 2

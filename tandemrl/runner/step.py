@@ -33,6 +33,17 @@ from tandemrl.runner.step_metrics import (
 
 log = logging.getLogger(__name__)
 
+# the named parts of `time/step`; `time/other` is the rest (end_of_step)
+STEP_PARTS = (
+    "time/wait_data",
+    "time/stand_down",
+    "time/train",
+    "time/sync_weights",
+    "time/validation",
+    "time/records",
+    "time/checkpoint",
+)
+
 
 async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple[HandOff, dict[str, float]]:
     """The next hand-off, and how long the actor waited for it (`time/wait_data`)."""
@@ -193,6 +204,9 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         "time/wall": now_s - ctx.clock_start_s,
     }
     ctx.last_step_end_s = now_s
+    # the step's time outside its named parts: the driver's own work between them (building the samples,
+    # the engines' and retrieval server's counters, the step's metrics), on the event loop the agents share
+    metrics["time/other"] = metrics["time/step"] - sum(metrics.get(key, 0.0) for key in STEP_PARTS)
     if "rollout/engine_decode_rows" in metrics and metrics.get("rollout/total_num_sequence"):
         # the window's decode rows (validation's included when it ran) over the hand-off's trajectories
         num_rows = metrics["rollout/engine_decode_rows"]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from tandemrl.runner.step import STEP_PARTS
+
 DESIGN_METRICS = [  # docs/DESIGN.md, Metrics
     "rollout/buffer/inflight_groups",
     "rollout/buffer/size",
@@ -213,3 +215,12 @@ def check_wall_clock(scalars: dict, validated_steps: list[int], saved_steps: lis
     records = dict(scalars["time/records"])  # every step writes its ledger and trajectories inside its time
     assert sorted(records) == sorted(dict(scalars["time/step"]))
     assert all(0 < v < dict(scalars["time/step"])[s] for s, v in records.items()), records
+    # the named parts and the rest add up to each step's time
+    by_step = dict(scalars["time/step"])
+    other = dict(scalars["time/other"])
+    assert sorted(other) == sorted(by_step)
+    for step, step_s in by_step.items():
+        parts = sum(dict(scalars[name]).get(step, 0.0) for name in STEP_PARTS if name in scalars)
+        # TensorBoard keeps float32: microseconds of rounding over a sum of seconds
+        assert other[step] > -1e-4, (step, other[step])
+        assert abs(parts + other[step] - step_s) < 1e-4, (step, parts, other[step], step_s)

@@ -21,28 +21,23 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.engine.model_shapes import TINY
 from tandemrl.config.derive import actor_setup
 from tandemrl.config.loader import load_config
 from tandemrl.trainer.actor import Actor
 from tandemrl.trainer.batching import TrainSample
 
-VOCAB = 1000
+VOCAB = TINY["vocab_size"]
 
 
 def tiny_llama(out_dir: Path) -> Path:
+    """A random Llama of the benchmarks' TINY shape (benchmarks/engine/model_shapes.py), without a tokenizer:
+    the actor reads token ids only."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-    )
-    LlamaForCausalLM(config).save_pretrained(out_dir)
+    shape = {k: v for k, v in TINY.items() if k != "use_sliding_window"}  # a Qwen2 key
+    LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(out_dir)
     return out_dir
 
 

@@ -8,7 +8,9 @@ correction. Every run directory under `--runs-dir` is summarized.
 
 The clock is the wall clock (`clock: "wall"`, docs/DESIGN.md, The step clock): `time/step` covers
 validation and checkpoints, and `wall_s` is the run's `time/wall` at its last step (the first step's start
-to the last step's end); `validation_s` is the part of it spent validating. Read off each run's
+to the last step's end); `validation_s` is how long its validations ran and `validation_wait_s` the part
+of the clock that waited for them (less, where a validation ran beside the next step:
+`runner.overlap_validation`). Read off each run's
 metrics.jsonl after `--warmup` steps: `mean_step_time_s`, `throughput_tok_s`, `mean_staleness`,
 `train_step_p50_s` / `train_step_p90_s` (`time/train`: the actor's train step as the runner waits for it),
 `prefill_tokens_per_trajectory`, `val_em_start` / `val_em_end` and per source, where generation time went
@@ -169,7 +171,14 @@ def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: fl
             "run_dir": str(run_dir),
             "process_wall_s": wall_s,  # the whole `tandem train` process, start-up included
             "wall_s": next((r["time/wall"] for r in reversed(rows) if "time/wall" in r), None),
-            "validation_s": sum(r.get("time/validation", 0.0) for r in rows),
+            # how long the validations ran (one beside the next step included), and how much of the
+            # clock waited for them (runner.overlap_validation: only the part the next step did not cover)
+            "validation_s": sum(
+                r.get("time/validation", 0.0) + r.get("time/validation_overlapped", 0.0) for r in rows
+            ),
+            "validation_wait_s": sum(
+                r.get("time/validation", 0.0) + r.get("time/wait_validation", 0.0) for r in rows
+            ),
             "checkpoint_s": sum(r.get("time/checkpoint", 0.0) for r in rows),
             "mean_step_time_all_steps_s": _mean([r["time/step"] for r in trained if "time/step" in r]),
             "prefill_tokens_per_trajectory": per_trajectory["engine_prefill_tokens_per_trajectory"],
@@ -300,6 +309,7 @@ def print_table(result: dict) -> None:
     keys = (
         "wall_s",
         "validation_s",
+        "validation_wait_s",
         "mean_step_time_s",
         "throughput_tok_s",
         "mean_staleness",

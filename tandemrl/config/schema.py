@@ -37,6 +37,10 @@ class RunnerConfig:
     save_interval: int = 0  # 0: save only at the end
     val_interval: int = 0  # 0: no validation during training
     val_before_train: bool = False  # validate once before the first step (the starting val EM)
+    # a validation before the last step runs beside the next step's generation and train step, and that
+    # step's weight sync waits for it, so it still scores this step's weights (runner/step.py,
+    # `finish_validation`); false, or under cluster.colocated_policy=time_share: the step waits for it
+    overlap_validation: bool = True
     output_dir: str | None = None  # derived: runs/<name>-<time>
     resume_from: str | None = None
     # on resume, issue first the prompts that were in flight, buffered or prefetched at the save;

@@ -8,6 +8,7 @@
          │   actor.train_step (runs while the engines keep generating with version v)
          │        │
          └── sync weights: pause (retract | in_place) or drain ─► push v+1 ─► continue
+                 (after the last step's validation, which runs beside this step: runner.overlap_validation)
 
 A group handed off at version v may hold tokens of v-1, v-2, ... (staleness = v - earliest token
 version, docs/DESIGN.md, Rollout buffer); how far behind it may be is bounded by max_buffered_groups and
@@ -26,7 +27,9 @@ import logging
 
 from tandemrl.runner.context import RunContext
 from tandemrl.runner.step import (
+    abandon_validation,
     end_of_step,
+    finish_validation,
     stand_down,
     start_clock,
     sync_weights,
@@ -48,12 +51,16 @@ async def run_async(ctx: RunContext) -> None:
     is_time_share = ctx.colocated_policy == "time_share"
     start_clock(ctx)
     driver.start()
-    for step in range(ctx.start_step + 1, runner.max_steps + 1):
-        handoff, wait_metrics = await wait_for_data(ctx)
-        if is_time_share:
-            wait_metrics.update(await stand_down(ctx))
-        train_metrics = await train_on(
-            ctx, handoff, step
-        )  # concurrent: the engines keep generating meanwhile
-        sync_metrics = await sync_weights(ctx, ctx.weight_version + 1, is_stood_down=is_time_share)
-        await end_of_step(ctx, step, handoff, {**wait_metrics, **train_metrics, **sync_metrics})
+    try:
+        for step in range(ctx.start_step + 1, runner.max_steps + 1):
+            handoff, wait_metrics = await wait_for_data(ctx)
+            if is_time_share:
+                wait_metrics.update(await stand_down(ctx))
+            # concurrent: the engines keep generating meanwhile, and the last step's validation runs on
+            train_metrics = await train_on(ctx, handoff, step)
+            wait_metrics.update(await finish_validation(ctx))  # before its step's weights leave the engines
+            sync_metrics = await sync_weights(ctx, ctx.weight_version + 1, is_stood_down=is_time_share)
+            metrics = {**wait_metrics, **train_metrics, **sync_metrics}
+            await end_of_step(ctx, step, handoff, metrics, ctx.may_overlap_validation)
+    finally:
+        await abandon_validation(ctx)

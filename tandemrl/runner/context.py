@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from tandemrl.data.loader import Prompt
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.rollout.client import HttpClient
+    from tandemrl.runner.step import PendingValidation
 
 
 @dataclass
@@ -42,6 +43,13 @@ class RunContext:
     startup_origin: tuple[float, str] | None = None  # (epoch, what it is): the start-up timeline's clock
     is_first_step_done: bool = False
     colocated_policy: str = "concurrent"  # the plan's: time_share stands the engines down while training
+    pending_validation: PendingValidation | None = None  # a validation running beside the next step
+
+    @property
+    def may_overlap_validation(self) -> bool:
+        """`runner.overlap_validation`, unless the engines stand down while the actor trains: a validation
+        paused then would finish after the next weight sync, on weights not its step's."""
+        return self.config.runner.overlap_validation and self.colocated_policy != "time_share"
 
     @property
     def ledger_path(self) -> Path:

@@ -9,7 +9,8 @@ fraction over the step window (runner/step_metrics.py); `metrics/logger.py` name
 The clock is the wall clock (docs/DESIGN.md, The step clock): `time/step` runs from the end of one step to
 the end of the next, validation and checkpoints included (`time/validation`, `time/checkpoint` say how
 much of it they took), so the steps' times add up to the run's wall time from the first step's start
-(`time/wall`, cumulative). Both runners keep generating training rollouts while they validate.
+(`time/wall`, cumulative). Both runners keep generating training rollouts while they validate, and with
+`runner.overlap_validation` both run a validation beside the next step (`finish_validation`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import asyncio
 import logging
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tandemrl.buffer.rollout_buffer import HandOff
@@ -38,11 +40,22 @@ STEP_PARTS = (
     "time/wait_data",
     "time/stand_down",
     "time/train",
+    "time/wait_validation",
     "time/sync_weights",
     "time/validation",
     "time/records",
     "time/checkpoint",
 )
+
+
+@dataclass
+class PendingValidation:
+    """A step's validation running beside the next step (`runner.overlap_validation`): the step's metrics
+    wait here for its val metrics, so the step keeps one row in metrics.jsonl."""
+
+    step: int
+    task: asyncio.Task
+    metrics: dict[str, float]
 
 
 async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple[HandOff, dict[str, float]]:
@@ -136,7 +149,8 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
 
 async def validate(ctx: RunContext) -> dict[str, float]:
     """Greedy EM and searches per trajectory on the validation prompts, per data source and overall
-    (`val/em/<source>`, `val/em/all`, `val/num_searches/<source>`, `val/num_searches/all`)."""
+    (`val/em/<source>`, `val/em/all`, `val/num_searches/<source>`, `val/num_searches/all`), and the range of
+    weight versions that generated them (`val/weight_version/min`, `/max`)."""
     from tandemrl.agent.evaluate import OVERALL, evaluate_prompts, summarize
 
     if not ctx.val_prompts:
@@ -150,13 +164,64 @@ async def validate(ctx: RunContext) -> dict[str, float]:
             if shard
         )
     )
-    summary = summarize([traj for shard in results for traj in shard])
+    trajectories = [traj for shard in results for traj in shard]
+    summary = summarize(trajectories)
     metrics = {}
+    # the weight versions that generated the validation's tokens: the step's own, also when it ran beside
+    # the next step (the sync waits for it)
+    versions = [
+        v for t in trajectories for v in (t.min_weight_version, t.max_weight_version) if v is not None
+    ]
+    if versions:
+        metrics["val/weight_version/min"] = float(min(versions))
+        metrics["val/weight_version/max"] = float(max(versions))
     for source, row in summary.items():
         name = "all" if source == OVERALL else source
         metrics[f"val/em/{name}"] = row["em"]
         metrics[f"val/num_searches/{name}"] = row["searches"]
     return metrics
+
+
+async def timed_validation(ctx: RunContext) -> tuple[dict[str, float], float]:
+    """`validate`, and how long it took."""
+    start_s = time.monotonic()
+    metrics = await validate(ctx)
+    return metrics, time.monotonic() - start_s
+
+
+async def finish_validation(ctx: RunContext) -> dict[str, float]:
+    """Wait for the validation of an earlier step that ran beside this one (`end_of_step` with
+    `may_overlap_validation`), then log that step's row with its val metrics. Runners call it before a
+    weight sync, so the validation scored the weights of its own step. Returns `time/wait_validation`,
+    the part of this step spent waiting for it."""
+    pending = ctx.pending_validation
+    if pending is None:
+        return {}
+    start_s = time.monotonic()
+    try:
+        val_metrics, validation_s = await pending.task
+    except BaseException:
+        log_step(ctx, pending.step, pending.metrics)  # the step's row is kept, without what failed
+        raise
+    finally:
+        ctx.pending_validation = None
+    wait_s = time.monotonic() - start_s
+    # its time ran beside the next step, so it is not a part of its own step's clock
+    log_step(
+        ctx, pending.step, {**pending.metrics, **val_metrics, "time/validation_overlapped": validation_s}
+    )
+    return {"time/wait_validation": wait_s}
+
+
+async def abandon_validation(ctx: RunContext) -> None:
+    """A run that stops with a validation still running: cancel it and log its step's row without it."""
+    pending = ctx.pending_validation
+    if pending is None:
+        return
+    ctx.pending_validation = None
+    pending.task.cancel()
+    await asyncio.gather(pending.task, return_exceptions=True)
+    log_step(ctx, pending.step, pending.metrics)
 
 
 async def validate_before_training(ctx: RunContext) -> None:
@@ -172,9 +237,21 @@ def start_clock(ctx: RunContext) -> None:
     ctx.clock_start_s = ctx.last_step_end_s = time.monotonic()
 
 
-async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dict[str, float]) -> None:
+async def end_of_step(
+    ctx: RunContext,
+    step: int,
+    handoff: HandOff,
+    metrics: dict[str, float],
+    may_overlap_validation: bool = False,
+) -> None:
     """Everything after the weight sync: validation, ledger, checkpoint, then the step's metrics, whose
-    `time/step` covers all of it (the time spent logging falls in the next step)."""
+    `time/step` covers all of it (the time spent logging falls in the next step).
+
+    `may_overlap_validation` (the runner's: `runner.overlap_validation`, and the engines are not stood
+    down for training): a validation at a step that is neither the last nor a checkpoint's runs beside
+    the next step instead, whose `finish_validation` waits for it before its weight sync; this step's row
+    is logged then (`time/validation_overlapped` its length, `time/wait_validation` the next step's wait).
+    A step that saves validates first, so its checkpoint follows a complete row."""
     from tandemrl.runner.checkpoint import save_checkpoint
 
     runner = ctx.config.runner
@@ -182,16 +259,20 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
     metrics.update(await engine_busy_fraction(ctx))
     metrics.update(await retrieval_load(ctx))
     metrics["rollout/weight_version"] = float(ctx.weight_version)
+    is_saving = bool(runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps
+    validation: asyncio.Task | None = None
     if runner.val_interval and step % runner.val_interval == 0:
-        start_s = time.monotonic()
-        metrics.update(await validate(ctx))
-        metrics["time/validation"] = time.monotonic() - start_s
+        if may_overlap_validation and not is_saving:
+            validation = asyncio.create_task(timed_validation(ctx), name=f"validation at step {step}")
+        else:
+            val_metrics, metrics["time/validation"] = await timed_validation(ctx)
+            metrics.update(val_metrics)
     start_s = time.monotonic()
     write_ledger(ctx, step)
     write_trajectories(ctx, step, handoff)
     # prompts.jsonl and trajectories/, on the step's path
     metrics["time/records"] = time.monotonic() - start_s
-    if (runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps:
+    if is_saving:
         start_s = time.monotonic()
         await save_checkpoint(ctx, step)
         metrics["time/checkpoint"] = time.monotonic() - start_s
@@ -211,8 +292,10 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         # the window's decode rows (validation's included when it ran) over the hand-off's trajectories
         num_rows = metrics["rollout/engine_decode_rows"]
         metrics["rollout/spec/decode_steps_per_trajectory"] = num_rows / metrics["rollout/total_num_sequence"]
-    warn_on_search_errors(ctx, step, metrics)
-    ctx.logger.log(step, metrics)
+    if validation is None:
+        log_step(ctx, step, metrics)
+    else:
+        ctx.pending_validation = PendingValidation(step, validation, metrics)
     if step != ctx.start_step + 1:
         return
     mark_first_step(ctx, "done")
@@ -221,6 +304,11 @@ async def end_of_step(ctx: RunContext, step: int, handoff: HandOff, metrics: dic
         ctx.first_step_s = ctx.last_step_end_s - ctx.started_s
         log.info("time to first step: %.1f s (process start to the end of step %d)", ctx.first_step_s, step)
     report_startup(ctx)
+
+
+def log_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:
+    warn_on_search_errors(ctx, step, metrics)
+    ctx.logger.log(step, metrics)
 
 
 def mark_first_step(ctx: RunContext, phase: str) -> None:

@@ -202,16 +202,25 @@ def causal_chains(ray: bool) -> list[list[tuple[str, str]]]:
     return chains
 
 
-def check_wall_clock(scalars: dict, validated_steps: list[int], saved_steps: list[int]) -> None:
+def check_wall_clock(
+    scalars: dict, validated_steps: list[int], saved_steps: list[int], overlapped_steps: tuple[int, ...] = ()
+) -> None:
     """The honest clock (docs/DESIGN.md, The step clock): the steps' times add up to the run's wall time
-    from the first step's start (within 2 %), and the steps that validated or saved hold that time."""
+    from the first step's start (within 2 %), and the steps that validated or saved hold that time; a
+    validation in `overlapped_steps` ran beside the next step instead, which waited for it before its sync."""
     step_s = [v for _, v in scalars["time/step"]]
     wall_s = scalars["time/wall"][-1][1]
     assert abs(sum(step_s) - wall_s) <= 0.02 * wall_s, (sum(step_s), wall_s)
     for name, steps in (("time/validation", validated_steps), ("time/checkpoint", saved_steps)):
-        assert [s for s, _ in scalars[name]] == steps, name
+        assert [s for s, _ in scalars.get(name, [])] == steps, name
         by_step = dict(scalars["time/step"])
         assert all(0 < v <= by_step[s] for s, v in scalars[name]), (name, scalars[name], by_step)
+    overlapped = scalars.get("time/validation_overlapped", [])
+    assert [s for s, _ in overlapped] == list(overlapped_steps)
+    assert all(v > 0 for _, v in overlapped)
+    waited = dict(scalars.get("time/wait_validation", []))
+    assert sorted(waited) == [s + 1 for s in overlapped_steps]  # the next step's sync waited for it
+    assert all(v >= 0 for v in waited.values())
     records = dict(scalars["time/records"])  # every step writes its ledger and trajectories inside its time
     assert sorted(records) == sorted(dict(scalars["time/step"]))
     assert all(0 < v < dict(scalars["time/step"])[s] for s, v in records.items()), records

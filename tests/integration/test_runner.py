@@ -44,14 +44,26 @@ def run(tmp_path, tiny_llama_dir, small_kb, *overrides):
     return config, train(config)
 
 
-def check_run(config, ctx, expect_stale: bool):
+def check_run(config, ctx, expect_stale: bool, overlapped_steps: tuple[int, ...] = ()):
+    """`overlapped_steps`: validations that ran beside the next step (runner.val_interval=2 validates at
+    steps 2 and 4; the last step's runs in its own step)."""
     output_dir = config.runner.output_dir
     scalars = read_tensorboard_scalars(f"{output_dir}/tensorboard")
     missing = [m for m in DESIGN_METRICS if m not in scalars]
     assert not missing, f"metrics missing from TensorBoard: {missing}"
     assert [step for step, _ in scalars["time/step"]] == [1, 2, 3, 4]
     check_step_times(scalars)
-    check_wall_clock(scalars, validated_steps=[4], saved_steps=[4])  # val_interval 4, the last step saves
+    # the last step validates and saves in its own time
+    check_wall_clock(scalars, validated_steps=[4], saved_steps=[4], overlapped_steps=overlapped_steps)
+    # every validation scored its own step's weights, also one that ran on beside the next step
+    val_steps = sorted({*overlapped_steps, 4} | ({0} if config.runner.val_before_train else set()))
+    for name in ("val/weight_version/min", "val/weight_version/max"):
+        assert scalars[name] == [(step, float(step)) for step in val_steps], (name, scalars[name])
+    # one row per step, in step order, each step's val metrics in it
+    rows = [json.loads(line) for line in (Path(output_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "time/step" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in rows] == sorted(r["step"] for r in rows)
+    assert [r["step"] for r in rows if "val/em/all" in r] == val_steps
     # the retrieval server's load per step window, read from its /health counters (runner/step_metrics.py)
     # (the tiny random policy may never search, so the counts may be 0; the unit test of /health counts them)
     assert [step for step, _ in scalars["retrieval/queries"]] == [1, 2, 3, 4]
@@ -112,8 +124,9 @@ def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):
         "runner.async_mode=true",
         "rollout.pause_mode=retract",
         "runner.val_before_train=true",
+        "runner.val_interval=2",  # step 2's validation runs beside step 3 (runner.overlap_validation)
     )
-    scalars, sets = check_run(config, ctx, expect_stale=True)
+    scalars, sets = check_run(config, ctx, expect_stale=True, overlapped_steps=(2,))
     # val_before_train: the starting val EM is a row of its own at step 0, before any rollout
     rows = read_history(tmp_path / "run" / "metrics.jsonl")
     assert rows[0]["step"] == 0 and "val/em/all" in rows[0] and "time/step" not in rows[0]
@@ -174,8 +187,8 @@ def test_equal_reward_drops_hit_the_safety_limit_and_fail_the_run(
 def test_sync_runner_has_zero_staleness(tmp_path, tiny_llama_dir, small_kb):
     """Also the sync half of the honest clock's test (check_run): it validates and saves at step 4, and
     its batches generate while it does."""
-    config, ctx = run(tmp_path, tiny_llama_dir, small_kb, "runner.async_mode=false")
-    check_run(config, ctx, expect_stale=False)
+    config, ctx = run(tmp_path, tiny_llama_dir, small_kb, "runner.async_mode=false", "runner.val_interval=2")
+    check_run(config, ctx, expect_stale=False, overlapped_steps=(2,))
 
 
 def _engine_pids() -> list[int]:

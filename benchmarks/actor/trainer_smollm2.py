@@ -16,7 +16,8 @@ engine's generation rate alone (actor idle); then "after" while a client process
 to generation too; `--mps` runs it all under a private MPS daemon (kernels of the two processes may
 overlap instead of time-slicing); `--compile-variant` adds "after" with `actor.compile_layers` (its
 compile time shows in `warmup_step_s`); `--decoupled-variant` adds "after" with
-`algorithm.off_policy_correction=decoupled` (what its proximal recompute adds to a step); `--profile`
+`algorithm.off_policy_correction=decoupled` (what its proximal recompute adds to a step), and the two
+together "after" with both; `--profile`
 adds the top GPU kernels of one "after" step.
 Each variant: one warm-up step, then `--steps` timed steps; the median is reported, with the
 process's CPU seconds per step (all threads, CUDA spin-waits included: an upper bound on host work),
@@ -296,6 +297,13 @@ def after_variants(args, device: torch.device, model_dir: Path, samples, variant
         others["after_decoupled_alone"] = (
             *after_settings,
             budget,
+            "algorithm.off_policy_correction=decoupled",
+        )
+    if args.compile_variant and args.decoupled_variant:  # the async recipe's actor, compiled
+        others["after_compiled_decoupled_alone"] = (
+            *after_settings,
+            budget,
+            "actor.compile_layers=true",
             "algorithm.off_policy_correction=decoupled",
         )
     for name, settings in others.items():

@@ -78,10 +78,17 @@ async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, fl
     args: list[Any] = [samples]
     if step in ctx.config.runner.profile_steps:
         args.append(str((ctx.output_dir / "profiles" / f"train_step_{step}").resolve()))
-    before = await engine_counters(ctx)
+    # the counters before are read as the train step starts, not before it: one HTTP round trip less on
+    # the step's path, where the event loop the agents share makes each one slow in async
+    reading = asyncio.ensure_future(engine_counters(ctx))
     start_s = time.monotonic()
-    metrics = dict(await ctx.actor.call("train_step", *args))
+    try:
+        metrics = dict(await ctx.actor.call("train_step", *args))
+    except BaseException:
+        reading.cancel()
+        raise
     metrics["time/train"] = time.monotonic() - start_s
+    before = await reading
     after = await engine_counters(ctx)
     if before is not None and after is not None:
         metrics["rollout/engine_steps_during_train"] = after["num_steps"] - before["num_steps"]
@@ -157,9 +164,13 @@ async def validate(ctx: RunContext) -> dict[str, float]:
         return {}
     driver, num_engines = ctx.driver, len(ctx.engines)
     shards = [ctx.val_prompts[i::num_engines] for i in range(num_engines)]
+    # as many trajectories at once as an engine runs requests, as `tandem evaluate` does: each is a chain of
+    # turns and searches, so 200 prompts 64 at a time took three chains' time (4.5-5.4 s on the H200 recipe
+    # beside training, colocated_h200_overlap/), where one chain's would do
+    concurrency = ctx.config.rollout.max_running_requests
     results = await asyncio.gather(
         *(
-            evaluate_prompts(shard, engine, driver.search, driver.tokenizer, driver.agent_cfg)
+            evaluate_prompts(shard, engine, driver.search, driver.tokenizer, driver.agent_cfg, concurrency)
             for shard, engine in zip(shards, ctx.engines, strict=True)
             if shard
         )
@@ -256,8 +267,8 @@ async def end_of_step(
 
     runner = ctx.config.runner
     metrics = dict(metrics)
-    metrics.update(await engine_busy_fraction(ctx))
-    metrics.update(await retrieval_load(ctx))
+    for reads in await asyncio.gather(engine_busy_fraction(ctx), retrieval_load(ctx)):  # side by side
+        metrics.update(reads)
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     is_saving = bool(runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps
     validation: asyncio.Task | None = None

@@ -1,4 +1,5 @@
-"""What writing a step's records costs on the runner's path (runner/records.py, `time/records`): a hand-off
+"""What writing a step's records costs (runner/records.py; on the runner's path, `time/records`, in a step
+that saves; beside the next step in the others, `time/bookkeeping_overlapped`): a hand-off
 of trajectories shaped like the H200 recipe's (64 groups x 4, prompts of 250 tokens, responses of 310, two
 searches), turned into dicts by `Trajectory.to_dict` and by `dataclasses.asdict` (what `to_dict` was
 before), then into JSON lines.

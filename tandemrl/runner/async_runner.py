@@ -27,9 +27,9 @@ import logging
 
 from tandemrl.runner.context import RunContext
 from tandemrl.runner.step import (
-    abandon_validation,
     end_of_step,
     finish_validation,
+    settle_pending,
     stand_down,
     start_clock,
     sync_weights,
@@ -63,4 +63,4 @@ async def run_async(ctx: RunContext) -> None:
             metrics = {**wait_metrics, **train_metrics, **sync_metrics}
             await end_of_step(ctx, step, handoff, metrics, ctx.may_overlap_validation)
     finally:
-        await abandon_validation(ctx)
+        await settle_pending(ctx)

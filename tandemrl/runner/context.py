@@ -6,6 +6,7 @@ measured against (docs/DESIGN.md, Weight sync); it moves only in `sync_weights`,
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ class RunContext:
     is_first_step_done: bool = False
     colocated_policy: str = "concurrent"  # the plan's: time_share stands the engines down while training
     pending_validation: PendingValidation | None = None  # a validation running beside the next step
+    bookkeeping: asyncio.Task | None = None  # the last step's records and row, made beside this step
 
     @property
     def may_overlap_validation(self) -> bool:

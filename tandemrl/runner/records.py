@@ -15,10 +15,13 @@ if TYPE_CHECKING:
     from tandemrl.runner.context import RunContext
 
 
-def write_ledger(ctx: RunContext, step: int) -> None:
-    """Append the buffer's transitions (issued, finished, dropped, trained) of this step to prompts.jsonl."""
+def write_ledger(ctx: RunContext, step: int, events: list[dict] | None = None) -> None:
+    """Append the buffer's transitions (issued, finished, dropped, trained) of this step to prompts.jsonl:
+    `events`, taken from the buffer when the step ended, or those since the last call."""
+    if events is None:
+        events = ctx.driver.buffer.events()
     with ctx.ledger_path.open("a") as f:
-        for event in ctx.driver.buffer.events():
+        for event in events:
             f.write(json.dumps({"step": step, **event}) + "\n")
 
 

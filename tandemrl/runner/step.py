@@ -42,10 +42,14 @@ STEP_PARTS = (
     "time/train",
     "time/wait_validation",
     "time/sync_weights",
+    "time/wait_bookkeeping",
     "time/validation",
     "time/records",
     "time/checkpoint",
 )
+# how long a step's bookkeeping waits for the last step's before it gives up on it, when the run is already
+# failing (the error that ended the run is the one to report, and a hung server must not hang the exit)
+SETTLE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -55,7 +59,7 @@ class PendingValidation:
 
     step: int
     task: asyncio.Task
-    metrics: dict[str, float]
+    metrics: dict[str, float] | None = None  # the step's row, once its bookkeeping has made it
 
 
 async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple[HandOff, dict[str, float]]:
@@ -78,17 +82,10 @@ async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, fl
     args: list[Any] = [samples]
     if step in ctx.config.runner.profile_steps:
         args.append(str((ctx.output_dir / "profiles" / f"train_step_{step}").resolve()))
-    # the counters before are read as the train step starts, not before it: one HTTP round trip less on
-    # the step's path, where the event loop the agents share makes each one slow in async
-    reading = asyncio.ensure_future(engine_counters(ctx))
+    before = await engine_counters(ctx)  # read before the step starts: what ran during it is exact
     start_s = time.monotonic()
-    try:
-        metrics = dict(await ctx.actor.call("train_step", *args))
-    except BaseException:
-        reading.cancel()
-        raise
+    metrics = dict(await ctx.actor.call("train_step", *args))
     metrics["time/train"] = time.monotonic() - start_s
-    before = await reading
     after = await engine_counters(ctx)
     if before is not None and after is not None:
         metrics["rollout/engine_steps_during_train"] = after["num_steps"] - before["num_steps"]
@@ -210,9 +207,12 @@ async def finish_validation(ctx: RunContext) -> dict[str, float]:
         return {}
     start_s = time.monotonic()
     try:
+        await finish_bookkeeping(ctx)  # the validating step's row is made there
+        assert pending.metrics is not None, "the step's bookkeeping makes its row"
         val_metrics, validation_s = await pending.task
     except BaseException:
-        log_step(ctx, pending.step, pending.metrics)  # the step's row is kept, without what failed
+        if pending.metrics is not None:
+            log_step(ctx, pending.step, pending.metrics)  # the step's row is kept, without what failed
         raise
     finally:
         ctx.pending_validation = None
@@ -224,15 +224,44 @@ async def finish_validation(ctx: RunContext) -> dict[str, float]:
     return {"time/wait_validation": wait_s}
 
 
-async def abandon_validation(ctx: RunContext) -> None:
-    """A run that stops with a validation still running: cancel it and log its step's row without it."""
+async def finish_bookkeeping(ctx: RunContext) -> float | None:
+    """Wait for the last step's bookkeeping (`end_of_step`), re-raising what failed there; returns how long
+    it waited, None when none was running."""
+    task = ctx.bookkeeping
+    if task is None:
+        return None
+    start_s = time.monotonic()
+    try:
+        await task
+    finally:
+        ctx.bookkeeping = None
+    return time.monotonic() - start_s
+
+
+async def settle_pending(ctx: RunContext) -> None:
+    """A run that stops (at its end, or on an error) with a step's bookkeeping or validation still running:
+    the bookkeeping may finish (its records and row are kept; on an error it gets SETTLE_TIMEOUT_S, and
+    its own failure is logged, not raised over the run's), the validation is cancelled and its step's row
+    logged without it."""
+    task = ctx.bookkeeping
+    if task is not None:
+        ctx.bookkeeping = None
+        done, _ = await asyncio.wait([task], timeout=SETTLE_TIMEOUT_S)
+        if not done:
+            task.cancel()
+            log.warning(
+                "the last step's bookkeeping did not finish within %.0f s; cancelled", SETTLE_TIMEOUT_S
+            )
+        elif not task.cancelled() and task.exception() is not None:
+            log.warning("the last step's bookkeeping failed: %r", task.exception())
     pending = ctx.pending_validation
     if pending is None:
         return
     ctx.pending_validation = None
     pending.task.cancel()
     await asyncio.gather(pending.task, return_exceptions=True)
-    log_step(ctx, pending.step, pending.metrics)
+    if pending.metrics is not None:
+        log_step(ctx, pending.step, pending.metrics)
 
 
 async def validate_before_training(ctx: RunContext) -> None:
@@ -255,58 +284,56 @@ async def end_of_step(
     metrics: dict[str, float],
     may_overlap_validation: bool = False,
 ) -> None:
-    """Everything after the weight sync: validation, ledger, checkpoint, then the step's metrics, whose
-    `time/step` covers all of it (the time spent logging falls in the next step).
+    """Everything after the weight sync: validation, the step's records and metrics, checkpoint. The step
+    ends here, and `time/step` covers what it waited for (docs/DESIGN.md, The step clock).
 
-    `may_overlap_validation` (the runner's: `runner.overlap_validation`, and the engines are not stood
-    down for training): a validation at a step that is neither the last nor a checkpoint's runs beside
-    the next step instead, whose `finish_validation` waits for it before its weight sync; this step's row
-    is logged then (`time/validation_overlapped` its length, `time/wait_validation` the next step's wait).
-    A step that saves validates first, so its checkpoint follows a complete row."""
+    The step's bookkeeping (the engines' and retrieval server's step-window reads, the ledger lines and
+    trained trajectories, the step's metrics and their row) runs beside the next step (`ctx.bookkeeping`,
+    `time/bookkeeping_overlapped` its length; the next step waits for it before its own, or before its
+    validation's row: `time/wait_bookkeeping`). `may_overlap_validation` (the runner's:
+    `runner.overlap_validation`, and the engines are not stood down for training): a validation runs beside
+    the next step too, whose `finish_validation` waits for it before its weight sync; this step's row is
+    logged then (`time/validation_overlapped` its length, `time/wait_validation` the next step's wait).
+    A step that saves (the last one among them) does all of it in its own time, so its checkpoint follows
+    a complete ledger and row."""
     from tandemrl.runner.checkpoint import save_checkpoint
 
     runner = ctx.config.runner
     metrics = dict(metrics)
-    for reads in await asyncio.gather(engine_busy_fraction(ctx), retrieval_load(ctx)):  # side by side
-        metrics.update(reads)
+    waited_s = await finish_bookkeeping(ctx)  # the last step's: its ledger lines and row come first
+    if waited_s is not None:
+        metrics["time/wait_bookkeeping"] = waited_s
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     is_saving = bool(runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps
-    validation: asyncio.Task | None = None
-    if runner.val_interval and step % runner.val_interval == 0:
-        if may_overlap_validation and not is_saving:
-            validation = asyncio.create_task(timed_validation(ctx), name=f"validation at step {step}")
-        else:
+    validation: PendingValidation | None = None
+    if not is_saving:
+        if runner.val_interval and step % runner.val_interval == 0:
+            if may_overlap_validation:
+                task = asyncio.create_task(timed_validation(ctx), name=f"validation at step {step}")
+                validation = ctx.pending_validation = PendingValidation(step, task)
+            else:
+                val_metrics, metrics["time/validation"] = await timed_validation(ctx)
+                metrics.update(val_metrics)
+        events = ctx.driver.buffer.events()  # this step's ledger lines, taken now
+        step_s = close_step(ctx, metrics)
+        ctx.bookkeeping = asyncio.create_task(
+            bookkeep(ctx, step, handoff, events, metrics, step_s, validation),
+            name=f"bookkeeping of step {step}",
+        )
+    else:
+        metrics.update(await step_window_reads(ctx))
+        if runner.val_interval and step % runner.val_interval == 0:
             val_metrics, metrics["time/validation"] = await timed_validation(ctx)
             metrics.update(val_metrics)
-    start_s = time.monotonic()
-    write_ledger(ctx, step)
-    write_trajectories(ctx, step, handoff)
-    # prompts.jsonl and trajectories/, on the step's path
-    metrics["time/records"] = time.monotonic() - start_s
-    if is_saving:
+        start_s = time.monotonic()
+        write_ledger(ctx, step, ctx.driver.buffer.events())
+        write_trajectories(ctx, step, handoff)
+        metrics["time/records"] = time.monotonic() - start_s  # prompts.jsonl and trajectories/
         start_s = time.monotonic()
         await save_checkpoint(ctx, step)
         metrics["time/checkpoint"] = time.monotonic() - start_s
-    now_s = time.monotonic()
-    if ctx.clock_start_s is None:  # a caller that never started the clock: its first step starts at creation
-        ctx.clock_start_s = ctx.last_step_end_s
-    metrics = {
-        **rollout_metrics(handoff, now_s - ctx.last_step_end_s, ctx.config.algorithm.norm_adv_by_std),
-        **metrics,
-        "time/wall": now_s - ctx.clock_start_s,
-    }
-    ctx.last_step_end_s = now_s
-    # the step's time outside its named parts: the driver's own work between them (building the samples,
-    # the engines' and retrieval server's counters, the step's metrics), on the event loop the agents share
-    metrics["time/other"] = metrics["time/step"] - sum(metrics.get(key, 0.0) for key in STEP_PARTS)
-    if "rollout/engine_decode_rows" in metrics and metrics.get("rollout/total_num_sequence"):
-        # the window's decode rows (validation's included when it ran) over the hand-off's trajectories
-        num_rows = metrics["rollout/engine_decode_rows"]
-        metrics["rollout/spec/decode_steps_per_trajectory"] = num_rows / metrics["rollout/total_num_sequence"]
-    if validation is None:
-        log_step(ctx, step, metrics)
-    else:
-        ctx.pending_validation = PendingValidation(step, validation, metrics)
+        step_s = close_step(ctx, metrics)
+        log_step(ctx, step, step_row(ctx, handoff, metrics, step_s))
     if step != ctx.start_step + 1:
         return
     mark_first_step(ctx, "done")
@@ -315,6 +342,62 @@ async def end_of_step(
         ctx.first_step_s = ctx.last_step_end_s - ctx.started_s
         log.info("time to first step: %.1f s (process start to the end of step %d)", ctx.first_step_s, step)
     report_startup(ctx)
+
+
+async def step_window_reads(ctx: RunContext) -> dict[str, float]:
+    """The engines' and the retrieval server's figures over the step window, read side by side."""
+    metrics: dict[str, float] = {}
+    for reads in await asyncio.gather(engine_busy_fraction(ctx), retrieval_load(ctx)):
+        metrics.update(reads)
+    return metrics
+
+
+def close_step(ctx: RunContext, metrics: dict[str, float]) -> float:
+    """The step ends now: its time (`time/step`, set by `step_row`) and `time/wall`; the next starts."""
+    now_s = time.monotonic()
+    if ctx.clock_start_s is None:  # a caller that never started the clock: its first step starts at creation
+        ctx.clock_start_s = ctx.last_step_end_s
+    step_s = now_s - ctx.last_step_end_s
+    metrics["time/wall"] = now_s - ctx.clock_start_s
+    ctx.last_step_end_s = now_s
+    return step_s
+
+
+def step_row(ctx: RunContext, handoff: HandOff, metrics: dict[str, float], step_s: float) -> dict[str, float]:
+    """The step's row: its rollout metrics, its parts, and `time/other`."""
+    metrics = {**rollout_metrics(handoff, step_s, ctx.config.algorithm.norm_adv_by_std), **metrics}
+    # the step's time outside its named parts: the driver's own work between them (building the samples,
+    # the engines' counters around the train step), on the event loop the agents share
+    metrics["time/other"] = metrics["time/step"] - sum(metrics.get(key, 0.0) for key in STEP_PARTS)
+    if "rollout/engine_decode_rows" in metrics and metrics.get("rollout/total_num_sequence"):
+        # the window's decode rows (validation's included when it ran) over the hand-off's trajectories
+        num_rows = metrics["rollout/engine_decode_rows"]
+        metrics["rollout/spec/decode_steps_per_trajectory"] = num_rows / metrics["rollout/total_num_sequence"]
+    return metrics
+
+
+async def bookkeep(
+    ctx: RunContext,
+    step: int,
+    handoff: HandOff,
+    events: list[dict],
+    metrics: dict[str, float],
+    step_s: float,
+    validation: PendingValidation | None,
+) -> None:
+    """A step's bookkeeping beside the next step (`end_of_step`); its row waits for its validation, if one
+    runs (`finish_validation` logs it)."""
+    start_s = time.monotonic()
+    reads = await step_window_reads(ctx)
+    write_ledger(ctx, step, events)
+    write_trajectories(ctx, step, handoff)
+    # outside the step's clock, which ended before it
+    metrics = {**metrics, **reads, "time/bookkeeping_overlapped": time.monotonic() - start_s}
+    row = step_row(ctx, handoff, metrics, step_s)
+    if validation is None:
+        log_step(ctx, step, row)
+    else:
+        validation.metrics = row
 
 
 def log_step(ctx: RunContext, step: int, metrics: dict[str, float]) -> None:

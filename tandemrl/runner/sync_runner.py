@@ -18,9 +18,9 @@ import logging
 
 from tandemrl.runner.context import RunContext
 from tandemrl.runner.step import (
-    abandon_validation,
     end_of_step,
     finish_validation,
+    settle_pending,
     start_clock,
     sync_weights,
     train_on,
@@ -53,4 +53,4 @@ async def run_sync(ctx: RunContext) -> None:
             metrics = {**wait_metrics, **train_metrics, **sync_metrics}
             await end_of_step(ctx, step, handoff, metrics, ctx.may_overlap_validation)
     finally:
-        await abandon_validation(ctx)
+        await settle_pending(ctx)

@@ -57,3 +57,67 @@ def test_validation_shards_the_prompts_over_the_engines(tokenizer):
     assert [len(e.requests) for e in engines] == [4, 3]
     assert [e.peak_inflight for e in engines] == [4, 3]
     assert metrics["val/weight_version/min"] == 2.0
+
+
+class RecordingLogger:
+    """Stands in for MetricsLogger: keeps the rows it is given."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, dict]] = []
+
+    def log(self, step, metrics, advance=True):
+        self.rows.append((step, metrics))
+
+
+def pending_ctx():
+    from tandemrl.runner.step import SETTLE_TIMEOUT_S
+
+    assert SETTLE_TIMEOUT_S > 0
+    return SimpleNamespace(
+        bookkeeping=None,
+        pending_validation=None,
+        logger=RecordingLogger(),
+        config=SimpleNamespace(tools=SimpleNamespace(search=SimpleNamespace(warn_error_fraction=0.1))),
+    )
+
+
+def test_a_failed_bookkeeping_is_raised_at_the_next_wait_and_only_logged_when_the_run_stops(caplog):
+    from tandemrl.runner.step import finish_bookkeeping, settle_pending
+
+    async def failing():
+        raise OSError("disk full writing trajectories/step_3.jsonl")
+
+    async def main():
+        ctx = pending_ctx()
+        ctx.bookkeeping = asyncio.ensure_future(failing())
+        with pytest.raises(OSError, match="disk full"):
+            await finish_bookkeeping(ctx)
+        assert ctx.bookkeeping is None and await finish_bookkeeping(ctx) is None
+        ctx.bookkeeping = asyncio.ensure_future(failing())
+        await settle_pending(ctx)  # a run already stopping: its own error is the one to report
+        assert ctx.bookkeeping is None
+
+    asyncio.run(main())
+    assert "bookkeeping failed" in caplog.text and "disk full" in caplog.text
+
+
+def test_a_validation_still_running_when_the_run_stops_is_cancelled_and_its_step_row_kept():
+    from tandemrl.runner.step import PendingValidation, settle_pending
+
+    async def main():
+        ctx = pending_ctx()
+        never = asyncio.ensure_future(asyncio.sleep(3600))
+        ctx.pending_validation = PendingValidation(7, never, dict(ROW))
+        await settle_pending(ctx)
+        assert never.cancelled() and ctx.pending_validation is None
+        return ctx.logger.rows
+
+    assert asyncio.run(main()) == [(7, ROW)]  # without val metrics
+
+
+ROW = {  # what a step's row holds that logging reads
+    "time/step": 1.5,
+    "rollout/num_searches/mean": 1.0,
+    "rollout/total_num_sequence": 4.0,
+    "rollout/search_errors": 0.0,
+}

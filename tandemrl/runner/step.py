@@ -47,8 +47,8 @@ STEP_PARTS = (
     "time/records",
     "time/checkpoint",
 )
-# how long a step's bookkeeping waits for the last step's before it gives up on it, when the run is already
-# failing (the error that ended the run is the one to report, and a hung server must not hang the exit)
+# how long a run that stops waits for the last step's bookkeeping (`settle_pending`): on an error, the error
+# that ended the run is the one to report, and a hung server must not hang the exit
 SETTLE_TIMEOUT_S = 30.0
 
 
@@ -201,7 +201,7 @@ async def finish_validation(ctx: RunContext) -> dict[str, float]:
     """Wait for the validation of an earlier step that ran beside this one (`end_of_step` with
     `may_overlap_validation`), then log that step's row with its val metrics. Runners call it before a
     weight sync, so the validation scored the weights of its own step. Returns `time/wait_validation`,
-    the part of this step spent waiting for it."""
+    the part of this step spent waiting for it (and for that step's bookkeeping, which makes its row)."""
     pending = ctx.pending_validation
     if pending is None:
         return {}

@@ -4,7 +4,9 @@
 #   setsid benchmarks/runner/colocated_h200.sh RESULTS_DIR [STEPS] > RESULTS_DIR.log 2>&1 < /dev/null &
 #
 # and poll RESULTS_DIR/timeline.log; RESULTS_DIR/small.tgz (JSON, metrics, start-up timelines, CPU and GPU
-# monitors, profile summaries, logs; no weights) is refreshed after every part. Parts, in order:
+# monitors, profile summaries, logs; no weights) is refreshed after every part, and copied to $OUT when set
+# (a device call's output folder: run the script in the call's foreground, a few parts per call, so what
+# finished comes back even if the machine is gone before the next call). Parts, in order:
 #   prepare    `tandem prepare all`; tests/gpu starts beside it on an empty TANDEM_HOME (gpu_tests.log)
 #   coldstart  `tandem sft` of the H200 recipe: 200 1-hop + 1,000 2-hop demonstrations (docs/LEARNING.md)
 #   pilot      10 async time_share steps with rollout.pause_mode retract and in_place (no validation); the
@@ -43,6 +45,9 @@ pack() {
         -prune -o -path ./gpu_tests_home -prune -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' \
         -o -name '*.txt' -o -name '*.yaml' -o -name '*.png' \) -size -4M -print | tar czf small.tgz.tmp -T - \
         && mv small.tgz.tmp small.tgz)
+    # run in the foreground of a device call, the pack also lands in the call's $OUT (as <results dir>.tgz), so
+    # a machine lost before the next call keeps every part that finished
+    if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then cp "$out/small.tgz" "$OUT/$(basename "$out").tgz"; fi
 }
 tandem() { python3 -m tandemrl.cli "$@"; }
 

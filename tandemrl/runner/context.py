@@ -6,7 +6,6 @@ measured against (docs/DESIGN.md, Weight sync); it moves only in `sync_weights`,
 
 from __future__ import annotations
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,8 @@ from typing import TYPE_CHECKING
 from tandemrl.runner.rollout_driver import RolloutDriver
 
 if TYPE_CHECKING:
+    import asyncio
+
     from tandemrl.cluster.actor_group import ActorGroup
     from tandemrl.config.schema import TandemConfig
     from tandemrl.data.loader import Prompt

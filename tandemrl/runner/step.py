@@ -197,6 +197,12 @@ async def timed_validation(ctx: RunContext) -> tuple[dict[str, float], float]:
     return metrics, time.monotonic() - start_s
 
 
+async def validate_in_step(ctx: RunContext, metrics: dict[str, float]) -> None:
+    """Validate inside the step's own time: its val metrics and `time/validation` join `metrics`."""
+    val_metrics, metrics["time/validation"] = await timed_validation(ctx)
+    metrics.update(val_metrics)
+
+
 async def finish_validation(ctx: RunContext) -> dict[str, float]:
     """Wait for the validation of an earlier step that ran beside this one (`end_of_step` with
     `may_overlap_validation`), then log that step's row with its val metrics. Runners call it before a
@@ -305,15 +311,14 @@ async def end_of_step(
         metrics["time/wait_bookkeeping"] = waited_s
     metrics["rollout/weight_version"] = float(ctx.weight_version)
     is_saving = bool(runner.save_interval and step % runner.save_interval == 0) or step == runner.max_steps
+    is_validating = bool(runner.val_interval and step % runner.val_interval == 0)
     validation: PendingValidation | None = None
     if not is_saving:
-        if runner.val_interval and step % runner.val_interval == 0:
-            if may_overlap_validation:
-                task = asyncio.create_task(timed_validation(ctx), name=f"validation at step {step}")
-                validation = ctx.pending_validation = PendingValidation(step, task)
-            else:
-                val_metrics, metrics["time/validation"] = await timed_validation(ctx)
-                metrics.update(val_metrics)
+        if is_validating and may_overlap_validation:
+            task = asyncio.create_task(timed_validation(ctx), name=f"validation at step {step}")
+            validation = ctx.pending_validation = PendingValidation(step, task)
+        elif is_validating:
+            await validate_in_step(ctx, metrics)
         events = ctx.driver.buffer.events()  # this step's ledger lines, taken now
         step_s = close_step(ctx, metrics)
         ctx.bookkeeping = asyncio.create_task(
@@ -322,11 +327,10 @@ async def end_of_step(
         )
     else:
         metrics.update(await step_window_reads(ctx))
-        if runner.val_interval and step % runner.val_interval == 0:
-            val_metrics, metrics["time/validation"] = await timed_validation(ctx)
-            metrics.update(val_metrics)
+        if is_validating:
+            await validate_in_step(ctx, metrics)
         start_s = time.monotonic()
-        write_ledger(ctx, step, ctx.driver.buffer.events())
+        write_ledger(ctx, step)
         write_trajectories(ctx, step, handoff)
         metrics["time/records"] = time.monotonic() - start_s  # prompts.jsonl and trajectories/
         start_s = time.monotonic()

@@ -208,12 +208,11 @@ def check_wall_clock(
     """The honest clock (docs/DESIGN.md, The step clock): the steps' times add up to the run's wall time
     from the first step's start (within 2 %), and the steps that validated or saved hold that time; a
     validation in `overlapped_steps` ran beside the next step instead, which waited for it before its sync."""
-    step_s = [v for _, v in scalars["time/step"]]
+    by_step = dict(scalars["time/step"])
     wall_s = scalars["time/wall"][-1][1]
-    assert abs(sum(step_s) - wall_s) <= 0.02 * wall_s, (sum(step_s), wall_s)
+    assert abs(sum(by_step.values()) - wall_s) <= 0.02 * wall_s, (sum(by_step.values()), wall_s)
     for name, steps in (("time/validation", validated_steps), ("time/checkpoint", saved_steps)):
         assert [s for s, _ in scalars.get(name, [])] == steps, name
-        by_step = dict(scalars["time/step"])
         assert all(0 < v <= by_step[s] for s, v in scalars[name]), (name, scalars[name], by_step)
     overlapped = scalars.get("time/validation_overlapped", [])
     assert [s for s, _ in overlapped] == list(overlapped_steps)
@@ -226,11 +225,10 @@ def check_wall_clock(
     records = dict(scalars["time/records"])
     overlapped_bookkeeping = dict(scalars.get("time/bookkeeping_overlapped", []))
     assert sorted(records) == saved_steps
-    assert sorted([*records, *overlapped_bookkeeping]) == sorted(dict(scalars["time/step"]))
-    assert all(0 < v < dict(scalars["time/step"])[s] for s, v in records.items()), records
+    assert sorted([*records, *overlapped_bookkeeping]) == sorted(by_step)
+    assert all(0 < v < by_step[s] for s, v in records.items()), records
     assert all(v > 0 for v in overlapped_bookkeeping.values()), overlapped_bookkeeping
     # the named parts and the rest add up to each step's time
-    by_step = dict(scalars["time/step"])
     other = dict(scalars["time/other"])
     assert sorted(other) == sorted(by_step)
     for step, step_s in by_step.items():

@@ -41,7 +41,7 @@ profile_steps=${PROFILE_STEPS:-[5,6]}
 profile_parts=" ${PROFILE_PARTS-async_concurrent} "  # set and empty: profile none
 stamp() { echo "[$(date +%T)] $*" | tee -a "$out/timeline.log"; }
 pack() {
-    (cd "$out" && find . -path '*/checkpoints' -prune -o -path '*/tensorboard' -prune -o -path '*/trajectories' \
+    (cd "$out" && find . -path '*/checkpoints' -prune -o -path '*/inductor_cache' -prune -o -path '*/tensorboard' -prune -o -path '*/trajectories' \
         -prune -o -path ./gpu_tests_home -prune -o -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.log' \
         -o -name '*.txt' -o -name '*.yaml' -o -name '*.png' \) -size -4M -print | tar czf small.tgz.tmp -T - \
         && mv small.tgz.tmp small.tgz)

@@ -18,11 +18,25 @@ RESULTS = ROOT / "benchmarks" / "results" / "runner"
 CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
 
 
+def run_env(output_dir: Path) -> dict[str, str]:
+    """The run's environment: Inductor's cache (compiled graphs and, unless TRITON_CACHE_DIR is set, their
+    kernels) in the run's own directory, emptied first. It is otherwise kept per machine, so the first run
+    of a job compiled cold inside its clock and the later ones loaded what it left: on the H200 (fifth
+    session, benchmarks/results/runner/colocated_h200_compiled/COMMAND.md) about 8 s of one side's wall.
+    Each run now compiles cold inside its own clock."""
+    import os
+    import shutil
+
+    cache_dir = output_dir / "inductor_cache"
+    shutil.rmtree(cache_dir, ignore_errors=True)
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir.resolve())}
+
+
 def run_train(
     config: str, output_dir: Path, steps: int | None, overrides: list[str], monitor: bool = False
 ) -> float:
-    """One `tandem train` in its own process; returns its wall time. `monitor`: CPU per role and the
-    GPU's utilization sampled into the run's directory meanwhile (benchmarks/runner/run_monitor.py)."""
+    """One `tandem train` in its own process (`run_env`); returns its wall time. `monitor`: CPU per role and
+    the GPU's utilization sampled into the run's directory meanwhile (benchmarks/runner/run_monitor.py)."""
     from contextlib import nullcontext
 
     from benchmarks.runner.run_monitor import RunMonitor
@@ -31,9 +45,10 @@ def run_train(
     command += [f"runner.max_steps={steps}"] if steps else []
     command += overrides
     print("$", " ".join(command), flush=True)
+    env = run_env(output_dir)
     start_s = time.monotonic()
     with RunMonitor(output_dir) if monitor else nullcontext():
-        subprocess.run(command, check=True, cwd=ROOT)
+        subprocess.run(command, check=True, cwd=ROOT, env=env)
     return time.monotonic() - start_s
 
 

@@ -137,7 +137,10 @@ GENERATION_KEYS = (  # where generation time went: means over the timed steps
     "rollout/num_searches/mean",
     "time/wait_data",
     "time/stand_down",
+    "time/samples",
+    "time/engine_reads",
     "time/sync_weights",
+    "time/other",
 )
 
 

@@ -47,6 +47,12 @@ class RunContext:
     colocated_policy: str = "concurrent"  # the plan's: time_share stands the engines down while training
     pending_validation: PendingValidation | None = None  # a validation running beside the next step
     bookkeeping: asyncio.Task | None = None  # the last step's records and row, made beside this step
+    train_reads: asyncio.Future | None = None  # the engines' counters around this step's train step
+
+    @property
+    def engines_generate_while_training(self) -> bool:
+        """The async runner with engines that are not stood down for the train step (`time_share`)."""
+        return self.config.runner.async_mode and self.colocated_policy != "time_share"
 
     @property
     def may_overlap_validation(self) -> bool:

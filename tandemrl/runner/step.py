@@ -2,9 +2,11 @@
 `rollout.pause_mode`, validate, then `end_of_step` (ledger, trajectories, checkpoint, metrics).
 
 Invariant: `ctx.weight_version` moves only in `sync_weights`, after the engines hold the new weights.
-Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/train,
-time/sync_weights (= its pause + push + continue parts), and, for embedded engines, the engines' busy
-fraction over the step window (runner/step_metrics.py); `metrics/logger.py` names the bottleneck.
+Step-time breakdown, every step: time/wait_data (the actor waiting for a hand-off), time/samples (the
+hand-off turned into train samples), time/engine_reads (the engines' counters read around the train
+step), time/train, time/sync_weights (= its pause + push + continue parts), and, for embedded engines,
+the engines' busy fraction over the step window (runner/step_metrics.py); `metrics/logger.py` names the
+bottleneck.
 
 The clock is the wall clock (docs/DESIGN.md, The step clock): `time/step` runs from the end of one step to
 the end of the next, validation and checkpoints included (`time/validation`, `time/checkpoint` say how
@@ -19,6 +21,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +42,8 @@ log = logging.getLogger(__name__)
 STEP_PARTS = (
     "time/wait_data",
     "time/stand_down",
+    "time/samples",
+    "time/engine_reads",
     "time/train",
     "time/wait_validation",
     "time/sync_weights",
@@ -71,29 +76,69 @@ async def wait_for_data(ctx: RunContext, pause_admission: bool = False) -> tuple
 
 
 async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, float]:
-    """One actor train step on the hand-off; also `rollout/engine_steps_during_train` (and the tokens
-    those steps prefilled and decoded) for embedded engines: 0 under time-sharing, by construction.
-    A step in `runner.profile_steps` is recorded into <output_dir>/profiles/train_step_<step>.*."""
+    """One actor train step on the hand-off. A step in `runner.profile_steps` is recorded into
+    <output_dir>/profiles/train_step_<step>.*.
+
+    For embedded engines, `rollout/engine_steps_during_train` (and the tokens those steps prefilled and
+    decoded) come from the engines' counters read around the step (`ctx.train_reads`, which the step's
+    bookkeeping adds to its row). Engines that are stood down (`time_share`) or idle (sync) answer at once
+    and nothing moves while the reads are in flight: they are awaited, and the figure is exact (0 under
+    time-sharing, by construction). Engines that generate meanwhile answer only between their own steps,
+    behind the requests they run: those reads go beside the train step, off the actor's path, and the
+    figure is the engines' steps between the two answers."""
     from tandemrl.trainer.advantages import samples_from_trajectories
 
+    start_s = time.monotonic()
     samples = samples_from_trajectories(
         [g.trajectories for g in handoff.groups], norm_by_std=ctx.config.algorithm.norm_adv_by_std
     )
+    samples_s = time.monotonic() - start_s
     args: list[Any] = [samples]
     if step in ctx.config.runner.profile_steps:
         args.append(str((ctx.output_dir / "profiles" / f"train_step_{step}").resolve()))
-    before = await engine_counters(ctx)  # read before the step starts: what ran during it is exact
+    is_beside = ctx.engines_generate_while_training
     start_s = time.monotonic()
-    metrics = dict(await ctx.actor.call("train_step", *args))
+    before = asyncio.ensure_future(engine_counters(ctx))
+    if not is_beside:
+        await before
+    reads_s = time.monotonic() - start_s
+    start_s = time.monotonic()
+    try:
+        metrics = dict(await ctx.actor.call("train_step", *args))
+    except BaseException:
+        before.cancel()
+        raise
     metrics["time/train"] = time.monotonic() - start_s
-    after = await engine_counters(ctx)
-    if before is not None and after is not None:
-        metrics["rollout/engine_steps_during_train"] = after["num_steps"] - before["num_steps"]
-        for key in ("prefill", "decode"):
-            counter = f"num_{key}_tokens"
-            metrics[f"rollout/engine_{key}_tokens_during_train"] = after[counter] - before[counter]
+    start_s = time.monotonic()
+    after = asyncio.ensure_future(engine_counters(ctx))
+    if not is_beside:
+        await after
+    ctx.train_reads = asyncio.ensure_future(counters_during(before, after))
+    # on the actor's path: the samples are built on the event loop the agents share, and the reads
+    # (when awaited) wait for the engines' answers (docs/DESIGN.md, The step clock)
+    metrics["time/engine_reads"] = reads_s + time.monotonic() - start_s
+    metrics["time/samples"] = samples_s
     mark_first_step(ctx, "train done")
     return metrics
+
+
+async def counters_during(before: Awaitable, after: Awaitable) -> dict[str, float]:
+    """What the engines ran between two reads of their counters (`engine_counters`); empty for backends
+    that report none."""
+    first, last = await before, await after
+    if first is None or last is None:
+        return {}
+    metrics = {"rollout/engine_steps_during_train": last["num_steps"] - first["num_steps"]}
+    for key in ("prefill", "decode"):
+        counter = f"num_{key}_tokens"
+        metrics[f"rollout/engine_{key}_tokens_during_train"] = last[counter] - first[counter]
+    return metrics
+
+
+async def take_train_reads(ctx: RunContext) -> dict[str, float]:
+    """This step's `counters_during` figures (`train_on`), once."""
+    reads, ctx.train_reads = ctx.train_reads, None
+    return {} if reads is None else await reads
 
 
 async def stand_down(ctx: RunContext) -> dict[str, float]:
@@ -249,6 +294,9 @@ async def settle_pending(ctx: RunContext) -> None:
     the bookkeeping may finish (its records and row are kept; on an error it gets SETTLE_TIMEOUT_S, and
     its own failure is logged, not raised over the run's), the validation is cancelled and its step's row
     logged without it."""
+    if ctx.train_reads is not None:  # a step that stopped between its train step and its end
+        ctx.train_reads.cancel()
+        ctx.train_reads = None
     task = ctx.bookkeeping
     if task is not None:
         ctx.bookkeeping = None
@@ -320,12 +368,14 @@ async def end_of_step(
         elif is_validating:
             await validate_in_step(ctx, metrics)
         events = ctx.driver.buffer.events()  # this step's ledger lines, taken now
+        train_reads, ctx.train_reads = ctx.train_reads, None  # the next step's train_on sets its own
         step_s = close_step(ctx, metrics)
         ctx.bookkeeping = asyncio.create_task(
-            bookkeep(ctx, step, handoff, events, metrics, step_s, validation),
+            bookkeep(ctx, step, handoff, events, metrics, step_s, validation, train_reads),
             name=f"bookkeeping of step {step}",
         )
     else:
+        metrics.update(await take_train_reads(ctx))
         metrics.update(await step_window_reads(ctx))
         if is_validating:
             await validate_in_step(ctx, metrics)
@@ -388,11 +438,15 @@ async def bookkeep(
     metrics: dict[str, float],
     step_s: float,
     validation: PendingValidation | None,
+    train_reads: Awaitable[dict[str, float]] | None = None,
 ) -> None:
     """A step's bookkeeping beside the next step (`end_of_step`); its row waits for its validation, if one
-    runs (`finish_validation` logs it)."""
+    runs (`finish_validation` logs it). `train_reads`: the engines' counters around its train step
+    (`train_on`)."""
     start_s = time.monotonic()
     reads = await step_window_reads(ctx)
+    if train_reads is not None:
+        reads.update(await train_reads)
     write_ledger(ctx, step, events)
     write_trajectories(ctx, step, handoff)
     # outside the step's clock, which ended before it

@@ -76,6 +76,7 @@ def pending_ctx():
     return SimpleNamespace(
         bookkeeping=None,
         pending_validation=None,
+        train_reads=None,
         logger=RecordingLogger(),
         config=SimpleNamespace(tools=SimpleNamespace(search=SimpleNamespace(warn_error_fraction=0.1))),
     )

@@ -10,7 +10,7 @@ from tandemrl.config.checks import _check, _check_choice, _check_positive
 from tandemrl.config.rollout import ModelConfig
 
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
-PROXIMAL_LOGPROBS = ("recompute", "current")
+PROXIMAL_LOGPROBS = ("recompute", "current", "loglinear")
 
 
 @dataclass
@@ -36,7 +36,10 @@ class AlgorithmConfig:
     # where a correction's proximal policy comes from (trainer/loss.py): recompute (AReaL's: one more forward
     # pass at the weights before the step's first update) | current (each minibatch's own forward, detached:
     # no extra pass; the ratio is 1 where it is taken, so nothing is clipped, and the weight
-    # pi_theta / pi_behav, capped as the correction says, scales the gradient)
+    # pi_theta / pi_behav, capped as the correction says, scales the gradient) | loglinear (AReaL's and
+    # slime's approximation, no extra pass: the first minibatch's own forward is exact; a later one's
+    # proximal logprob is interpolated in log space between the rollout's and its own forward's, by
+    # alpha = lag / (lag + 1) for a token sampled `lag` weight versions before the step's)
     proximal_logprobs: str = "recompute"
     tis_cap: float = 2.0  # tis: the importance weight is truncated at this value
     # decoupled: tokens whose importance weight exceeds this are left out of the gradient
@@ -84,12 +87,13 @@ class AlgorithmConfig:
         _check(
             self.recompute_logprobs is not False
             or self.off_policy_correction == "none"
-            or self.proximal_logprobs == "current",
+            or self.proximal_logprobs in ("current", "loglinear"),
             "algorithm.recompute_logprobs",
             self.recompute_logprobs,
             f"contradicts algorithm.off_policy_correction={self.off_policy_correction!r}, whose importance "
             "weight needs the actor's own logprobs recomputed before the update",
-            "Leave algorithm.recompute_logprobs unset (or true), set algorithm.proximal_logprobs=current, or "
+            "Leave algorithm.recompute_logprobs unset (or true), set algorithm.proximal_logprobs to current "
+            "or loglinear, or "
             "set algorithm.off_policy_correction=none.",
         )
 

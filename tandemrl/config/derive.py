@@ -188,7 +188,11 @@ def _derive_recompute_logprobs(config: TandemConfig) -> None:
         elif correction == "none":
             why = "no correction"
         else:
-            why = "algorithm.proximal_logprobs=current takes them from each minibatch's own forward"
+            why = {
+                "current": "algorithm.proximal_logprobs=current takes them from each minibatch's own forward",
+                "loglinear": "algorithm.proximal_logprobs=loglinear interpolates them between the rollout's "
+                "and each minibatch's own forward",
+            }[algorithm.proximal_logprobs]
         config.derived["algorithm.recompute_logprobs"] = (
             f"{str(needs).lower()} (algorithm.off_policy_correction={correction}: {why})"
         )

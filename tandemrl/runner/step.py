@@ -89,8 +89,11 @@ async def train_on(ctx: RunContext, handoff: HandOff, step: int) -> dict[str, fl
     from tandemrl.trainer.advantages import samples_from_trajectories
 
     start_s = time.monotonic()
+    algorithm = ctx.config.algorithm
+    # each token's lag behind the actor's weights, for the loglinear proximal policy only
+    actor_version = ctx.weight_version if algorithm.proximal_logprobs == "loglinear" else None
     samples = samples_from_trajectories(
-        [g.trajectories for g in handoff.groups], norm_by_std=ctx.config.algorithm.norm_adv_by_std
+        [g.trajectories for g in handoff.groups], algorithm.norm_adv_by_std, actor_version
     )
     samples_s = time.monotonic() - start_s
     args: list[Any] = [samples]

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from tandemrl.config.actor import ActorSetup
 from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
-from tandemrl.trainer.loss import PolicyLossConfig, masked_sum_tensors, ppo_token_losses
+from tandemrl.trainer.loss import PolicyLossConfig, loglinear_proximal, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
 from tandemrl.trainer.policy import (
     PolicyModel,
@@ -130,8 +130,9 @@ class Actor:
         # own forward (algorithm.proximal_logprobs)
         is_corrected = self.loss_cfg.off_policy_correction != "none"
         self.is_proximal_current = is_corrected and setup.algorithm.proximal_logprobs == "current"
+        self.is_proximal_loglinear = is_corrected and setup.algorithm.proximal_logprobs == "loglinear"
         self.recomputes = bool(setup.algorithm.recompute_logprobs) or (
-            is_corrected and not self.is_proximal_current
+            is_corrected and setup.algorithm.proximal_logprobs == "recompute"
         )
         self.weight_version = 0
         self.num_updates = 0
@@ -195,7 +196,9 @@ class Actor:
         update: the first minibatch's own forward is taken at those weights, so its logprobs, detached,
         are the old ones, and one no-grad pass recomputes only the later minibatches', into their
         micro-batches on the device (`_recompute_proximal`). With `algorithm.proximal_logprobs=current`
-        every minibatch's own forward, detached, stands as the proximal policy.
+        every minibatch's own forward, detached, stands as the proximal policy; with `loglinear` the first
+        minibatch's does, exact, and a later one's interpolates between it and the rollout's by each
+        token's lag (`loglinear_proximal`): no extra pass.
         `train/actor/rollout_train_logprob_gap` = mean |logp_train - logp_rollout| before the first
         update: over all tokens when the old logprobs are recomputed, else over the first minibatch's.
         """
@@ -211,11 +214,13 @@ class Actor:
         grad_norms = []
         for k, (minibatch, micros) in enumerate(zip(minibatches, plans, strict=True)):
             num_tokens = sum(s.num_loss_tokens for s in minibatch)
-            is_own_proximal = self.is_proximal_current or (self.recomputes and k == 0)
+            is_first = k == 0
+            is_own_proximal = self.is_proximal_current or (
+                is_first and (self.recomputes or self.is_proximal_loglinear)
+            )
+            interpolates = self.is_proximal_loglinear and not is_first
             for micro in micros:
-                self._ppo_micro_step(
-                    micro, num_tokens, sums, is_first=k == 0, is_own_proximal=is_own_proximal
-                )
+                self._ppo_micro_step(micro, num_tokens, sums, is_first, is_own_proximal, interpolates)
             grad_norms.append(self._optimizer_step())
         self.weight_version += 1
         return self._ppo_metrics(sums, grad_norms, time.perf_counter() - start)
@@ -227,10 +232,12 @@ class Actor:
         sums: dict[str, float],
         is_first: bool,
         is_own_proximal: bool,
+        interpolates: bool = False,
     ) -> None:
         """One micro-batch's loss and backward. `is_own_proximal`: this forward's logprobs, detached, are the
-        old ones (the ratio is 1 here); `is_first`: the forward precedes the first update, so it measures the
-        gap to the rollout's logprobs."""
+        old ones (the ratio is 1 here); `interpolates`: the old ones are `loglinear_proximal` of the rollout's
+        and this forward's; `is_first`: the forward precedes the first update, so it measures the gap to the
+        rollout's logprobs."""
         logprobs_K, entropy_K, select_K, mask_K = self._forward(self.policy, micro, with_entropy=True)
         old_K, adv_K = micro.old_logprobs_N[select_K], micro.advantages_N[select_K]
         ref_K = None
@@ -240,6 +247,8 @@ class Actor:
         behav_K = micro.behav_logprobs_N[select_K]
         if is_own_proximal:
             old_K = logprobs_K.detach()
+        elif interpolates:
+            old_K = loglinear_proximal(behav_K, logprobs_K, micro.lags_N[select_K])
         losses_K, stats = ppo_token_losses(logprobs_K, old_K, adv_K, self.loss_cfg, ref_K, behav_K)
         loss_sum = (losses_K * mask_K).sum()
         (loss_sum * (self.world_size / max(num_tokens, 1))).backward()

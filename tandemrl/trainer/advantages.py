@@ -38,11 +38,15 @@ def compute_grpo_advantages(rewards: list[list[float]], norm_by_std: bool) -> li
     return advantages
 
 
-def samples_from_trajectories(groups: Sequence[Sequence[Any]], norm_by_std: bool) -> list[TrainSample]:
+def samples_from_trajectories(
+    groups: Sequence[Sequence[Any]], norm_by_std: bool, actor_version: int | None = None
+) -> list[TrainSample]:
     """Turn groups of agent `Trajectory`s into `TrainSample`s with their GRPO advantage.
 
     A trajectory needs `prompt_ids`, `response_ids`, `loss_mask`, `rollout_logprobs` (response-aligned)
-    and `reward`; the prompt part gets mask 0 and old logprob 0.
+    and `reward`; the prompt part gets mask 0 and old logprob 0. With `actor_version` (the actor's weight
+    version at the step's start) and the trajectory's `weight_versions` (response-aligned, -1 where unknown),
+    each sampled token's `lags` is how many versions it is behind (`TrainSample.lags`).
     """
     advantages = compute_grpo_advantages([[t.reward for t in group] for group in groups], norm_by_std)
     samples = []
@@ -63,6 +67,22 @@ def samples_from_trajectories(groups: Sequence[Sequence[Any]], norm_by_std: bool
                     loss_mask=[0] * num_prompt + [int(m) for m in trajectory.loss_mask],
                     old_logprobs=[0.0] * num_prompt + [float(x) for x in trajectory.rollout_logprobs],
                     advantage=float(advantage),
+                    lags=token_lags(trajectory, num_prompt, actor_version),
                 )
             )
     return samples
+
+
+def token_lags(trajectory: Any, num_prompt: int, actor_version: int | None) -> list[int] | None:
+    """Per token (prompt included), how many weight versions behind `actor_version` the token was sampled:
+    0 on the prompt, on tool output and where the version is unknown. None without `actor_version` or
+    without recorded versions."""
+    versions = getattr(trajectory, "weight_versions", None)
+    if actor_version is None or not versions:
+        return None
+    if len(versions) != len(trajectory.response_ids):
+        raise ValueError(
+            f"trajectory {getattr(trajectory, 'prompt_id', '?')}: weight_versions has {len(versions)} entries "
+            f"for {len(trajectory.response_ids)} response tokens; the agent loop must record one per token."
+        )
+    return [0] * num_prompt + [max(actor_version - int(v), 0) if v >= 0 else 0 for v in versions]

@@ -13,7 +13,7 @@ Both layouts are checked in tests/unit/test_batching.py against per-sample forwa
 Layout invariant: tensors ending in `_N` are flat over the R x L grid (N = R * L, row-major); position n
 holds the prediction of the *next* token of its sample: `labels_N[n] = input_ids[t + 1]`, `mask_N[n] =
 loss_mask[t + 1]`, `old_logprobs_N[n] = old_logprobs[t + 1]`; the last token of a sample and padding
-predict nothing (mask 0); `behav_logprobs_N` likewise. Per-sample lists are aligned with `input_ids` (entry 0 is 0.0), like
+predict nothing (mask 0); `behav_logprobs_N` and `lags_N` likewise. Per-sample lists are aligned with `input_ids` (entry 0 is 0.0), like
 `TrainSample.old_logprobs`.
 """
 
@@ -31,6 +31,7 @@ TENSOR_FIELDS = (
     "old_logprobs_N",
     "advantages_N",
     "behav_logprobs_N",
+    "lags_N",
     "select_K",
 )
 
@@ -42,7 +43,9 @@ class TrainSample:
     `loss_mask` is 1 on model-sampled tokens (0 on the prompt and tool output); `old_logprobs` holds the
     rollout logprob of each masked token (0.0 elsewhere); `advantage` applies to every masked token.
     `behav_logprobs` is set once the actor has recomputed `old_logprobs` for an off-policy correction: it
-    keeps the rollout's (behaviour policy's) logprobs; None means they equal `old_logprobs`.
+    keeps the rollout's (behaviour policy's) logprobs; None means they equal `old_logprobs`. `lags`: how
+    many weight versions each sampled token is behind the actor's weights at the step's start (0 on the
+    prompt and tool output; None: all 0), for `algorithm.proximal_logprobs=loglinear`.
     """
 
     input_ids: list[int]
@@ -50,14 +53,18 @@ class TrainSample:
     old_logprobs: list[float]
     advantage: float = 0.0
     behav_logprobs: list[float] | None = None
+    lags: list[int] | None = None
 
     def __post_init__(self):
         behav = self.old_logprobs if self.behav_logprobs is None else self.behav_logprobs
-        if not (len(self.input_ids) == len(self.loss_mask) == len(self.old_logprobs) == len(behav)):
+        lags = self.input_ids if self.lags is None else self.lags
+        if not (
+            len(self.input_ids) == len(self.loss_mask) == len(self.old_logprobs) == len(behav) == len(lags)
+        ):
             raise ValueError(
                 f"TrainSample lists differ in length: input_ids {len(self.input_ids)}, loss_mask "
-                f"{len(self.loss_mask)}, old_logprobs {len(self.old_logprobs)}, behav_logprobs {len(behav)}; "
-                "they must be aligned per token."
+                f"{len(self.loss_mask)}, old_logprobs {len(self.old_logprobs)}, behav_logprobs {len(behav)}, "
+                f"lags {len(lags)}; they must be aligned per token."
             )
 
     @property
@@ -81,6 +88,7 @@ class MicroBatch:
     old_logprobs_N: torch.Tensor
     advantages_N: torch.Tensor
     behav_logprobs_N: torch.Tensor  # the rollout's logprobs (= old_logprobs_N unless recomputed)
+    lags_N: torch.Tensor  # float: weight versions the token is behind the step's starting weights
     sample_indices: list[int] = field(default_factory=list)  # into the list given to `build_micro_batch`
     sample_lengths: list[int] = field(default_factory=list)
     sample_offsets: list[int] = field(default_factory=list)  # flat position of each sample's first token
@@ -134,9 +142,16 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float], list[float]]:
+def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
     behav = s.old_logprobs if s.behav_logprobs is None else s.behav_logprobs
-    return s.input_ids[1:] + [0], s.loss_mask[1:] + [0], s.old_logprobs[1:] + [0.0], behav[1:] + [0.0]
+    lags = [0] * s.num_tokens if s.lags is None else s.lags
+    return (
+        s.input_ids[1:] + [0],
+        s.loss_mask[1:] + [0],
+        s.old_logprobs[1:] + [0.0],
+        behav[1:] + [0.0],
+        lags[1:] + [0],
+    )
 
 
 def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bool = False) -> MicroBatch:
@@ -146,7 +161,7 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
     num_rows = len(chosen) if padded else 1
     ids, pos, attn = (torch.zeros(num_rows, width, dtype=torch.long) for _ in range(3))
     labels = torch.zeros(num_rows * width, dtype=torch.long)
-    mask, old, adv, behav = (torch.zeros(num_rows * width) for _ in range(4))
+    mask, old, adv, behav, lags = (torch.zeros(num_rows * width) for _ in range(5))
     offsets, start = [], 0
     lengths = [s.num_tokens for s in chosen]
     cu_seqlens = (
@@ -159,11 +174,12 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
         ids[r, c : c + n] = torch.tensor(s.input_ids)
         pos[r, c : c + n] = torch.arange(n)
         attn[r, c : c + n] = 1
-        next_labels, next_mask, next_old, next_behav = _next_token_fields(s)
+        next_labels, next_mask, next_old, next_behav, next_lags = _next_token_fields(s)
         labels[flat : flat + n] = torch.tensor(next_labels)
         mask[flat : flat + n] = torch.tensor(next_mask, dtype=torch.float32)
         old[flat : flat + n] = torch.tensor(next_old, dtype=torch.float32)
         behav[flat : flat + n] = torch.tensor(next_behav, dtype=torch.float32)
+        lags[flat : flat + n] = torch.tensor(next_lags, dtype=torch.float32)
         adv[flat : flat + n] = s.advantage
         offsets.append(flat)
         start += n
@@ -176,6 +192,7 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
         old,
         adv,
         behav,
+        lags,
         sample_indices=list(indices),
         sample_lengths=lengths,
         sample_offsets=offsets,

@@ -17,6 +17,10 @@ With `algorithm.proximal_logprobs=current` pi_prox is each minibatch's own forwa
 pass): the ratio is 1 where it is taken, nothing is clipped, and the gradient is the capped w times the
 plain policy gradient. Each sample trains once a step (one pass over the minibatches), so the trust region
 it gives up is what the step's earlier minibatches moved the weights.
+With `algorithm.proximal_logprobs=loglinear` (AReaL's and slime's approximation) nothing is recomputed
+either: the first minibatch's own forward is taken at the step's starting weights, so its detached
+logprobs are pi_prox exactly; a later minibatch's are `loglinear_proximal`, between the rollout's and its
+own forward's.
 """
 
 from __future__ import annotations
@@ -79,6 +83,19 @@ def importance_weights(
     if correction == "decoupled":
         return torch.where(is_capped, torch.zeros_like(weight), weight), is_capped
     raise ValueError(f"unknown off-policy correction {correction!r}: expected decoupled or tis")
+
+
+def loglinear_proximal(
+    behav_logprobs: torch.Tensor, current_logprobs: torch.Tensor, lags: torch.Tensor
+) -> torch.Tensor:
+    """pi_prox without a forward pass at the step's starting weights, per token (no gradient): in log space,
+    alpha of the way from the rollout's logprob to the current forward's, alpha = lag / (lag + 1), where
+    `lag` is how many weight versions before the step's the token was sampled. The step's starting
+    weights are `lag` updates past the token's sampler and the current weights about one past them, so
+    a fresh token (lag 0) keeps its rollout logprob and a stale one leans towards the current forward."""
+    alpha = lags / (lags + 1.0)
+    behav = behav_logprobs.detach()
+    return behav + alpha * (current_logprobs.detach() - behav)
 
 
 def ppo_token_losses(

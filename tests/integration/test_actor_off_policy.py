@@ -162,3 +162,54 @@ def test_recompute_on_the_device_equals_proximal_logprobs_computed_up_front(tiny
     by_id = {id(s): lp for s, lp in zip(samples, proximal, strict=True)}
     gap = sum(abs(by_id[id(s)][t] - s.old_logprobs[t]) for s, t in tokens) / len(tokens)
     assert m_actor["train/actor/rollout_train_logprob_gap"] == pytest.approx(gap, rel=1e-4)
+
+
+def _with_lags(samples: list[TrainSample], lag: int) -> list[TrainSample]:
+    return [
+        TrainSample(
+            s.input_ids, s.loss_mask, s.old_logprobs, s.advantage, lags=[lag * m for m in s.loss_mask]
+        )
+        for s in samples
+    ]
+
+
+def test_loglinear_proximal_equals_recompute_on_fresh_data_without_the_extra_pass(
+    tiny_llama_dir, monkeypatch
+):
+    """Tokens sampled by the step's starting weights (lag 0, on-policy): the recomputed proximal logprobs of
+    the second minibatch are the rollout's, and so are the loglinear ones; the same update, no extra pass."""
+    overrides = ("algorithm.off_policy_correction=decoupled", "algorithm.n_minibatches=2")
+    recomputed = _actor(tiny_llama_dir, *overrides)
+    loglinear = _actor(tiny_llama_dir, *overrides, "algorithm.proximal_logprobs=loglinear")
+    assert loglinear.setup.algorithm.recompute_logprobs is False  # derived: no extra pass
+
+    def no_pass(*args):
+        raise AssertionError("loglinear ran the proximal pass")
+
+    monkeypatch.setattr(loglinear, "_recompute_proximal", no_pass)
+    samples = _with_lags(_rollout_logprobs_at(recomputed, make_samples(seed=6, num_samples=6), (1.0,)), 0)
+    m_recomputed, m_loglinear = recomputed.train_step(samples), loglinear.train_step(samples)
+    assert m_recomputed["train/actor/ratio_abs"] > 0  # the second minibatch moved off its proximal policy
+    assert m_loglinear["train/actor/ratio_abs"] == pytest.approx(
+        m_recomputed["train/actor/ratio_abs"], rel=1e-3
+    )
+    after_r, after_l = dict(recomputed.iter_full_weights()), dict(loglinear.iter_full_weights())
+    assert max((after_r[k] - after_l[k]).abs().max().item() for k in after_r) < 1e-6
+
+
+def test_loglinear_proximal_leans_stale_tokens_towards_the_current_forward(tiny_llama_dir):
+    """The same rollout logprobs, one version stale: the second minibatch's proximal logprobs move halfway to
+    its own forward, so its ratios and its update differ from the fresh case's."""
+    overrides = (
+        "algorithm.off_policy_correction=decoupled",
+        "algorithm.n_minibatches=2",
+        "algorithm.proximal_logprobs=loglinear",
+    )
+    fresh, stale = _actor(tiny_llama_dir, *overrides), _actor(tiny_llama_dir, *overrides)
+    samples = _rollout_logprobs_at(fresh, make_samples(seed=7, num_samples=6), (1.0,))
+    m_fresh, m_stale = fresh.train_step(_with_lags(samples, 0)), stale.train_step(_with_lags(samples, 1))
+    # halfway from the rollout's to the current forward: the ratio to the proximal policy halves
+    assert m_stale["train/actor/ratio_abs"] == pytest.approx(m_fresh["train/actor/ratio_abs"] / 2, rel=0.05)
+    after_f, after_s = dict(fresh.iter_full_weights()), dict(stale.iter_full_weights())
+    assert max((after_f[k] - after_s[k]).abs().max().item() for k in after_f) > 1e-8
+    assert all(torch.isfinite(w).all() for w in after_s.values())

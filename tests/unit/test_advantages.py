@@ -47,6 +47,7 @@ class FakeTrajectory:
     loss_mask: list[int]
     rollout_logprobs: list[float]
     reward: float
+    weight_versions: list[int] | None = None
 
 
 def test_samples_from_trajectories_aligns_prompt_and_response():
@@ -65,3 +66,18 @@ def test_samples_from_trajectories_rejects_misaligned_lists():
     bad = FakeTrajectory([1], [3, 4], [1], [-0.5, -0.5], 1.0)
     with pytest.raises(ValueError, match="same length"):
         samples_from_trajectories([[bad]], norm_by_std=True)
+
+
+def test_token_lags_count_versions_behind_the_actor_and_only_for_sampled_tokens():
+    group = [
+        FakeTrajectory([1, 2], [3, 4, 5, 6], [1, 0, 1, 1], [-0.5, 0.0, -0.25, -0.1], 1.0, [7, -1, 8, 9]),
+        FakeTrajectory([1, 2], [6], [1], [-2.0], 0.0, [9]),
+    ]
+    a, b = samples_from_trajectories([group], norm_by_std=False, actor_version=9)
+    assert a.lags == [0, 0, 2, 0, 1, 0]  # prompt and the tool token 0; sampled at 7, 8 and 9
+    assert b.lags == [0, 0, 0]
+    # without the actor's version (every correction but loglinear) nothing is counted
+    assert samples_from_trajectories([group], norm_by_std=False)[0].lags is None
+    bad = FakeTrajectory([1], [3, 4], [1, 1], [-0.5, -0.5], 1.0, [3])
+    with pytest.raises(ValueError, match="weight_versions has 1 entries for 2 response tokens"):
+        samples_from_trajectories([[bad, bad]], norm_by_std=True, actor_version=4)

@@ -46,6 +46,15 @@ def test_packed_layout_is_next_token_without_padding():
     assert micro.split_per_sample(torch.arange(7.0)) == [[0.0, 0.0, 1.0, 2.0], [0.0, 4.0, 5.0]]
 
 
+def test_lags_follow_the_next_token_layout_in_both_layouts():
+    a = TrainSample([10, 11, 12, 13], [0, 1, 1, 1], [0.0, -0.5, -0.5, -0.5], 1.0, lags=[0, 2, 1, 0])
+    b = TrainSample([10, 11, 12], [0, 1, 1], [0.0, -0.5, -0.5], 1.0)  # no lags: all 0
+    assert build_micro_batch([a, b], [0, 1]).lags_N.tolist() == [2, 1, 0, 0, 0, 0, 0]
+    assert build_micro_batch([a, b], [0, 1], padded=True).lags_N.tolist() == [2, 1, 0, 0, 0, 0, 0, 0]
+    with pytest.raises(ValueError, match="lags 3"):
+        TrainSample([10, 11], [0, 1], [0.0, -0.5], lags=[0, 1, 2])
+
+
 def test_padded_layout_rows_and_flat_positions():
     a, b = _sample(4, adv=2.0), _sample(3, adv=-1.0, first_masked=1)
     micro = build_micro_batch([a, b], [0, 1], padded=True)

@@ -13,7 +13,13 @@ from tandemrl.config.actor import AlgorithmConfig
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
 from tandemrl.trainer.batching import TrainSample, build_micro_batch, plan_rank_micro_batches
-from tandemrl.trainer.loss import PolicyLossConfig, importance_weights, masked_sums, ppo_token_losses
+from tandemrl.trainer.loss import (
+    PolicyLossConfig,
+    importance_weights,
+    loglinear_proximal,
+    masked_sums,
+    ppo_token_losses,
+)
 
 # weights pi_prox / pi_behav: below 1, 1, exactly the cap 2, above it, and one that overflows exp()
 WEIGHTS = [0.5, 1.0, 2.0, 3.0]
@@ -248,3 +254,29 @@ def test_current_proximal_in_sync_is_refused_once_the_correction_is_derived():
 def test_a_hand_built_algorithm_section_must_name_its_correction():
     with pytest.raises(ValueError, match="algorithm.off_policy_correction is unset"):
         PolicyLossConfig.from_algorithm(AlgorithmConfig())
+
+
+def test_loglinear_proximal_interpolates_by_lag_without_gradient():
+    behav = torch.tensor([-1.0, -1.0, -1.0, -2.0])
+    current = torch.tensor([-0.4, -0.4, -0.4, -2.0], requires_grad=True)
+    prox = loglinear_proximal(behav, current, torch.tensor([0.0, 1.0, 2.0, 3.0]))
+    # lag 0: the rollout's; lag 1: halfway; lag 2: two thirds of the way; equal logprobs stay put
+    assert prox.tolist() == pytest.approx([-1.0, -0.7, -0.6, -2.0])
+    assert not prox.requires_grad
+
+
+def test_loglinear_proximal_needs_a_correction_and_skips_the_recompute():
+    with pytest.raises(ConfigError, match="needs an off-policy correction"):
+        load_config(None, ["algorithm.proximal_logprobs=loglinear", "runner.output_dir=/tmp/x"])
+    config = load_config(
+        None,
+        [
+            "runner.async_mode=true",
+            "agentloop.task_name=searchr1",
+            "algorithm.proximal_logprobs=loglinear",
+            "runner.output_dir=/tmp/x",
+        ],
+    )
+    assert config.algorithm.off_policy_correction == "decoupled"  # derived in async
+    assert config.algorithm.recompute_logprobs is False
+    assert "proximal_logprobs=loglinear" in config.derived["algorithm.recompute_logprobs"]

@@ -54,7 +54,7 @@ def fake_ctx(engine, actor, generating: bool):
     config = SimpleNamespace(
         rollout=SimpleNamespace(backend="embedded"),
         runner=SimpleNamespace(profile_steps=[]),
-        algorithm=SimpleNamespace(norm_adv_by_std=True),
+        algorithm=SimpleNamespace(norm_adv_by_std=True, proximal_logprobs="recompute"),
     )
     return SimpleNamespace(
         config=config,
@@ -120,3 +120,26 @@ def test_reads_left_by_a_run_that_stops_are_cancelled():
 
     never, ctx = asyncio.run(main())
     assert never.cancelled() and ctx.train_reads is None
+
+
+def test_loglinear_hands_the_actor_each_token_lag_behind_its_weights():
+    async def main():
+        log: list[str] = []
+        engine = FakeEngineCounters(log)
+        handed: list = []
+
+        class KeepingActor:
+            async def call(self, method, samples, *args):
+                handed.extend(samples)
+                return {}
+
+        ctx, handoff = fake_ctx(engine, KeepingActor(), generating=False)
+        ctx.config.algorithm.proximal_logprobs = "loglinear"
+        ctx.weight_version = 5
+        for trajectory in handoff.groups[0].trajectories:
+            trajectory.weight_versions = [3, 5]
+        await train_on(ctx, handoff, step=6)
+        return handed
+
+    handed = asyncio.run(main())
+    assert [s.lags for s in handed] == [[0, 0, 2, 0], [0, 0, 2, 0]]

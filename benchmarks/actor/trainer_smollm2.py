@@ -17,7 +17,8 @@ to generation too; `--mps` runs it all under a private MPS daemon (kernels of th
 overlap instead of time-slicing); `--compile-variant` adds "after" with `actor.compile_layers` (its
 compile time shows in `warmup_step_s`); `--decoupled-variant` adds "after" with
 `algorithm.off_policy_correction=decoupled` (what its proximal recompute adds to a step), and the two
-together "after" with both; `--profile`
+together "after" with both, and with both and `algorithm.proximal_logprobs=loglinear` (no proximal pass);
+`--profile`
 adds the top GPU kernels of one "after" step.
 Each variant: one warm-up step, then `--steps` timed steps; the median is reported, with the
 process's CPU seconds per step (all threads, CUDA spin-waits included: an upper bound on host work),
@@ -305,6 +306,11 @@ def after_variants(args, device: torch.device, model_dir: Path, samples, variant
             budget,
             "actor.compile_layers=true",
             "algorithm.off_policy_correction=decoupled",
+        )
+        # the same without the proximal pass (docs/LEARNING.md, Off-policy correction)
+        others["after_compiled_decoupled_loglinear_alone"] = (
+            *others["after_compiled_decoupled_alone"],
+            "algorithm.proximal_logprobs=loglinear",
         )
     for name, settings in others.items():
         actor = make_actor(model_dir, args, device, *settings)

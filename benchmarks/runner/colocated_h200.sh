@@ -14,17 +14,18 @@
 #              idle engines, so the mode changes nothing there); rollout.max_running_requests 512, as the
 #              first pilot chose (benchmarks/results/runner/colocated_h200_pilot)
 #   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
-#              after each): sync, async time_share, async concurrent, the faster async with tis; steps 5
-#              and 6 of the parts in PROFILE_PARTS (default: async_concurrent, whose slow steps are the
-#              ones to explain) are profiled (runner.profile_steps) and left out of its means. On the
-#              H200 (2026-12-02) a 60-step run took 6.8-7.5 minutes with start-up, validation every 10
-#              steps and two profiled steps (about 25 s each): the four parts do not fit one session's
-#              30 minutes together with prepare and the cold start (about 4 minutes)
+#              after each), each compiling cold in its own clock (benchmarks/runner/runs.py, run_env): the
+#              parts in PARTS; steps 5 and 6 of the parts in PROFILE_PARTS (default: async_concurrent) are
+#              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04) a
+#              40-step run took 2-3 minutes with start-up, prepare and the cold start 2.3 minutes: run
+#              prepare, the cold start and sync in one device call, then two async parts per call
 #   decode     benchmarks/engine/engine_decode_steps.py on the cold-started model: decode step time against the
 #              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
-# PARTS="sync async_time_share ..." picks the benchmark's runs (default: sync, async_time_share, async_concurrent);
-# PART_EXTRA_<part>="key=value ..." adds overrides to one run (e.g. a variant's buffer sizes).
+# PARTS="sync async_time_share ..." picks the benchmark's runs (default: issue 35's four: sync, async_defaults (the
+# recipe), async_time_share, async_concurrent); PART_EXTRA_<part>="key=value ..." adds overrides to one run (e.g. a
+# variant's buffer sizes; async_concurrent's default is the concurrent runner as issue 35 found it: no correction,
+# staleness bound 1). A part named async_defaults_<label> is the recipe with its PART_EXTRA.
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
 set -uo pipefail
@@ -112,7 +113,8 @@ pause_mode=${pause_mode:-retract}
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
     settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")
-    for part in ${PARTS:-sync async_time_share async_concurrent}; do
+    : "${PART_EXTRA_async_concurrent=algorithm.off_policy_correction=none rollout_buffer.max_head_offpolicyness=1}"
+    for part in ${PARTS:-sync async_defaults async_time_share async_concurrent}; do
         profile=()
         [[ $profile_parts == *" $part "* ]] && profile=("runner.profile_steps=$profile_steps")
         part_var="PART_EXTRA_$part"

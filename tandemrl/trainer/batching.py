@@ -142,16 +142,9 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float], list[float], list[int]]:
+def _next_token_fields(s: TrainSample) -> tuple[list[int], list[int], list[float], list[float]]:
     behav = s.old_logprobs if s.behav_logprobs is None else s.behav_logprobs
-    lags = [0] * s.num_tokens if s.lags is None else s.lags
-    return (
-        s.input_ids[1:] + [0],
-        s.loss_mask[1:] + [0],
-        s.old_logprobs[1:] + [0.0],
-        behav[1:] + [0.0],
-        lags[1:] + [0],
-    )
+    return s.input_ids[1:] + [0], s.loss_mask[1:] + [0], s.old_logprobs[1:] + [0.0], behav[1:] + [0.0]
 
 
 def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bool = False) -> MicroBatch:
@@ -174,12 +167,13 @@ def build_micro_batch(samples: list[TrainSample], indices: list[int], padded: bo
         ids[r, c : c + n] = torch.tensor(s.input_ids)
         pos[r, c : c + n] = torch.arange(n)
         attn[r, c : c + n] = 1
-        next_labels, next_mask, next_old, next_behav, next_lags = _next_token_fields(s)
+        next_labels, next_mask, next_old, next_behav = _next_token_fields(s)
         labels[flat : flat + n] = torch.tensor(next_labels)
         mask[flat : flat + n] = torch.tensor(next_mask, dtype=torch.float32)
         old[flat : flat + n] = torch.tensor(next_old, dtype=torch.float32)
         behav[flat : flat + n] = torch.tensor(next_behav, dtype=torch.float32)
-        lags[flat : flat + n] = torch.tensor(next_lags, dtype=torch.float32)
+        if s.lags is not None:  # None: all 0, as the tensor already is (every proximal policy but loglinear)
+            lags[flat : flat + n] = torch.tensor(s.lags[1:] + [0], dtype=torch.float32)
         adv[flat : flat + n] = s.advantage
         offsets.append(flat)
         start += n

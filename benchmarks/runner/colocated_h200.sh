@@ -113,7 +113,7 @@ pause_mode=${pause_mode:-retract}
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
     settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")
-    : "${PART_EXTRA_async_concurrent=algorithm.off_policy_correction=none rollout_buffer.max_head_offpolicyness=1}"
+    : "${PART_EXTRA_async_concurrent=algorithm.off_policy_correction=none algorithm.proximal_logprobs=recompute rollout_buffer.max_head_offpolicyness=1}"
     for part in ${PARTS:-sync async_defaults async_time_share async_concurrent}; do
         profile=()
         [[ $profile_parts == *" $part "* ]] && profile=("runner.profile_steps=$profile_steps")

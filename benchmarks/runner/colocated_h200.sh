@@ -16,16 +16,18 @@
 #   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
 #              after each), each compiling cold in its own clock (benchmarks/runner/runs.py, run_env): the
 #              parts in PARTS; steps 5 and 6 of the parts in PROFILE_PARTS (default: async_concurrent) are
-#              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04) a
-#              40-step run took 2-3 minutes with start-up, prepare and the cold start 2.3 minutes: run
-#              prepare, the cold start and sync in one device call, then two async parts per call
+#              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04, sixth
+#              session) a 40-step run took 3.7 minutes (sync) and 2.7-2.8 (async) with start-up and the cold
+#              compile, prepare and the cold start 2.9 minutes: run prepare, the cold start and sync in one
+#              device call (about 6.7 minutes with the install), then two async parts per call (5.5 minutes)
 #   decode     benchmarks/engine/engine_decode_steps.py on the cold-started model: decode step time against the
 #              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
 # PARTS="sync async_time_share ..." picks the benchmark's runs (default: issue 35's four: sync, async_defaults (the
 # recipe), async_time_share, async_concurrent); PART_EXTRA_<part>="key=value ..." adds overrides to one run (e.g. a
 # variant's buffer sizes; async_concurrent's default is the concurrent runner as issue 35 found it: no correction,
-# staleness bound 1). A part named async_defaults_<label> is the recipe with its PART_EXTRA.
+# staleness bound 1). A part named async_defaults_<label> is the recipe with its PART_EXTRA, sync_<label> the sync
+# recipe with its PART_EXTRA (ratios are always against the run named sync).
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
 set -uo pipefail

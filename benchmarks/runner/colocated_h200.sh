@@ -13,13 +13,15 @@
 #              faster is the pause mode of every run of the benchmark, sync and async alike (sync pauses
 #              idle engines, so the mode changes nothing there); rollout.max_running_requests 512, as the
 #              first pilot chose (benchmarks/results/runner/colocated_h200_pilot)
+#   warmup     WARMUP_STEPS (2) untimed steps of the sync recipe, so every timed run finds the machine as warm as the
+#              others (the engine's kernel tuning, Triton's cache); SKIP it in later calls on the same machine
 #   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
 #              after each), each compiling cold in its own clock (benchmarks/runner/runs.py, run_env): the
 #              parts in PARTS; steps 5 and 6 of the parts in PROFILE_PARTS (default: async_concurrent) are
 #              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04, sixth
 #              session) a 40-step run took 3.7 minutes (sync) and 2.7-2.8 (async) with start-up and the cold
-#              compile, prepare and the cold start 2.9 minutes: run prepare, the cold start and sync in one
-#              device call (about 6.7 minutes with the install), then two async parts per call (5.5 minutes)
+#              compile, prepare and the cold start 2.9 minutes: run the install, prepare, the cold start and
+#              the warm-up in one device call, then two timed parts per call (about 6.5 minutes with sync)
 #   decode     benchmarks/engine/engine_decode_steps.py on the cold-started model: decode step time against the
 #              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)
@@ -111,6 +113,21 @@ EOF
     stamp "pilot: $(tr -d '\n ' < "$out/pilot/pilot.json") -> rollout.pause_mode=$pause_mode"
 fi
 pause_mode=${pause_mode:-retract}
+
+if [[ $skip != *" warmup "* ]]; then
+    # Untimed, before any timed run: the machine's own state (the engine's kernel tuning in TANDEM_HOME, Triton's
+    # kernel cache, the files a first compile reads) is then the same for every timed run. In the sixth
+    # session's jobs sync ran first without it, and its first train step (the actor's compile, into an empty
+    # Inductor cache in every run) took 19.7 and 18.2 s against 14.8-17.5 s in the async runs after it
+    # (colocated_h200_loglinear{,_b1}/). The actor's compile stays cold in each run's own clock (runs.py, run_env).
+    stamp "warm-up: ${WARMUP_STEPS:-2} untimed steps of the sync recipe"
+    rm -rf "$out/warmup"
+    TORCHINDUCTOR_CACHE_DIR="$out/warmup/inductor_cache" timeout 300 python3 -m tandemrl.cli train "$sync_cfg" \
+        runner.output_dir="$out/warmup" runner.max_steps="${WARMUP_STEPS:-2}" runner.val_interval=0 \
+        runner.val_before_train=false rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode" \
+        "${extra[@]}" > "$out/warmup.log" 2>&1 || stamp "warm-up failed (see warmup.log)"
+    pack
+fi
 
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done

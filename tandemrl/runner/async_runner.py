@@ -48,7 +48,7 @@ async def run_async(ctx: RunContext) -> None:
     await validate_before_training(ctx)
     await engine_busy_fraction(ctx)  # the first step's busy window starts here
     await retrieval_load(ctx)  # and the retrieval server's
-    is_time_share = ctx.colocated_policy == "time_share"
+    is_time_share = ctx.engines_stand_down
     start_clock(ctx)
     driver.start()
     try:

@@ -50,15 +50,20 @@ class RunContext:
     train_reads: asyncio.Future | None = None  # the engines' counters around this step's train step
 
     @property
+    def engines_stand_down(self) -> bool:
+        """`cluster.colocated_policy=time_share`: the engines are paused while the actor trains."""
+        return self.colocated_policy == "time_share"
+
+    @property
     def engines_generate_while_training(self) -> bool:
         """The async runner with engines that are not stood down for the train step (`time_share`)."""
-        return self.config.runner.async_mode and self.colocated_policy != "time_share"
+        return self.config.runner.async_mode and not self.engines_stand_down
 
     @property
     def may_overlap_validation(self) -> bool:
         """`runner.overlap_validation`, unless the engines stand down while the actor trains: a validation
         paused then would finish after the next weight sync, on weights not its step's."""
-        return self.config.runner.overlap_validation and self.colocated_policy != "time_share"
+        return self.config.runner.overlap_validation and not self.engines_stand_down
 
     @property
     def ledger_path(self) -> Path:

@@ -13,10 +13,15 @@
 #              faster is the pause mode of every run of the benchmark, sync and async alike (sync pauses
 #              idle engines, so the mode changes nothing there); rollout.max_running_requests 512, as the
 #              first pilot chose (benchmarks/results/runner/colocated_h200_pilot)
+#   prefill    (beside prepare) the prefill-graph checks of tests/gpu (prefill_tests.log); if they fail, every run
+#              below sets rollout.engine.prefill_cuda_graphs=false (the file prefill_graphs_off says so); after the
+#              cold start, benchmarks/engine/engine_prefill_steps.py (engine_prefill_steps_h200.json)
 #   warmup     WARMUP_STEPS (2) untimed steps of the sync recipe, so every timed run finds the machine as warm as the
-#              others (the engine's kernel tuning, Triton's cache); SKIP it in later calls on the same machine
+#              others (the engine's kernel tuning, Triton's cache) and starts from the same compile cache (its
+#              Inductor cache, copied fresh into each run; WARM_COMPILE=0: none); SKIP it in later calls on the
+#              same machine
 #   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
-#              after each), each compiling cold in its own clock (benchmarks/runner/runs.py, run_env): the
+#              after each), each compiling in its own clock (benchmarks/runner/runs.py, run_env): the
 #              parts in PARTS; steps 5 and 6 of the parts in PROFILE_PARTS (default: async_concurrent) are
 #              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04, sixth
 #              session) a 40-step run took 3.7 minutes (sync) and 2.7-2.8 (async) with start-up and the cold
@@ -63,6 +68,13 @@ if [[ $skip != *" gputests "* ]]; then
         -p no:cacheprovider > "$out/gpu_tests.log" 2>&1; echo "rc=$?" >> "$out/gpu_tests.log") &
     gputests=$!
 fi
+if [[ $skip != *" prefill "* ]]; then
+    # correctness only, so it may share the GPU with prepare; the timings below wait for it
+    stamp "prefill graph checks of tests/gpu, in the background"
+    (timeout 600 python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_engine_fast_paths.py \
+        -k "prefill_graphs or prefill_tiles" > "$out/prefill_tests.log" 2>&1; echo "rc=$?" >> "$out/prefill_tests.log") &
+    prefilltests=$!
+fi
 if [[ $skip != *" prepare "* ]]; then
     stamp "prepare"
     tandem prepare all > "$out/prepare.log" 2>&1 || { stamp "prepare failed"; pack; exit 1; }
@@ -75,6 +87,22 @@ if [ -n "${gputests:-}" ]; then
     stamp "waiting for tests/gpu (timings below must not share the GPU with it)"
     wait "$gputests"
     stamp "tests/gpu: $(tail -3 "$out/gpu_tests.log" | tr '\n' ' ')"
+fi
+if [ -n "${prefilltests:-}" ]; then
+    wait "$prefilltests"
+    if ! grep -q "^rc=0$" "$out/prefill_tests.log"; then
+        touch "$out/prefill_graphs_off"
+        stamp "prefill graph checks failed (prefill_tests.log): every run below prefills eagerly"
+    fi
+    stamp "prefill graph checks: $(tail -2 "$out/prefill_tests.log" | tr '\n' ' ')"
+    if [ ! -f "$out/prefill_graphs_off" ]; then
+        stamp "prefill step times, eager against CUDA graphs"
+        timeout 300 python3 -m benchmarks.engine.engine_prefill_steps --model-dir "${TANDEM_HOME:-$HOME/.cache/tandemrl}/models/SmolLM2-135M-Instruct-coldstart" \
+            --out "$out/engine_prefill_steps_h200.json" > "$out/prefill_steps.log" 2>&1 || stamp "prefill step benchmark failed"
+    fi
+fi
+if [ -f "$out/prefill_graphs_off" ]; then
+    extra+=(rollout.engine.prefill_cuda_graphs=false)
 fi
 pack
 if [[ $skip != *" decode "* ]]; then
@@ -119,7 +147,9 @@ if [[ $skip != *" warmup "* ]]; then
     # kernel cache, the files a first compile reads) is then the same for every timed run. In the sixth
     # session's jobs sync ran first without it, and its first train step (the actor's compile, into an empty
     # Inductor cache in every run) took 19.7 and 18.2 s against 14.8-17.5 s in the async runs after it
-    # (colocated_h200_loglinear{,_b1}/). The actor's compile stays cold in each run's own clock (runs.py, run_env).
+    # (colocated_h200_loglinear{,_b1}/). Its Inductor cache is then the snapshot every timed run starts from,
+    # a fresh copy each (runs.py, run_env; WARM_COMPILE=0: each run compiles cold in its own clock, as until
+    # the seventh session).
     stamp "warm-up: ${WARMUP_STEPS:-2} untimed steps of the sync recipe"
     rm -rf "$out/warmup"
     TORCHINDUCTOR_CACHE_DIR="$out/warmup/inductor_cache" timeout 300 python3 -m tandemrl.cli train "$sync_cfg" \
@@ -129,6 +159,10 @@ if [[ $skip != *" warmup "* ]]; then
     pack
 fi
 
+if [ -d "$out/warmup/inductor_cache" ] && [ "${WARM_COMPILE:-1}" = 1 ]; then
+    # every timed run starts from its own copy of the warm-up's compile cache (benchmarks/runner/runs.py, run_env)
+    export TANDEM_BENCH_WARM_INDUCTOR_CACHE="$out/warmup/inductor_cache"
+fi
 if [[ $skip != *" bench "* ]]; then
     # one run per call of the benchmark, packed after each: a machine lost mid-way keeps what was done
     settings=(rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode")

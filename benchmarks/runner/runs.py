@@ -18,17 +18,25 @@ RESULTS = ROOT / "benchmarks" / "results" / "runner"
 CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
 
 
+WARM_CACHE_ENV = "TANDEM_BENCH_WARM_INDUCTOR_CACHE"
+
+
 def run_env(output_dir: Path) -> dict[str, str]:
     """The run's environment: Inductor's cache (compiled graphs and, unless TRITON_CACHE_DIR is set, their
-    kernels) in the run's own directory, emptied first. It is otherwise kept per machine, so the first run
-    of a job compiled cold inside its clock and the later ones loaded what it left: on the H200 (fifth
-    session, benchmarks/results/runner/colocated_h200_compiled/COMMAND.md) about 8 s of one side's wall.
-    Each run now compiles cold inside its own clock."""
+    kernels) in the run's own directory, emptied first, so no run loads what an earlier run of the job left
+    (it is otherwise kept per machine: on the H200 in the fifth session the first run compiled cold inside its
+    clock and the later ones loaded its cache, about 8 s of one side's wall; colocated_h200_compiled/COMMAND.md).
+    With `TANDEM_BENCH_WARM_INDUCTOR_CACHE` set to a cache an untimed warm-up filled, every run starts from
+    a fresh copy of that same snapshot, as a second run on any machine would, and compiles in its own clock
+    only what the warm-up did not (benchmarks/runner/colocated_h200.sh, `warmup`)."""
     import os
     import shutil
 
     cache_dir = output_dir / "inductor_cache"
     shutil.rmtree(cache_dir, ignore_errors=True)
+    warm = os.environ.get(WARM_CACHE_ENV)
+    if warm:
+        shutil.copytree(warm, cache_dir)
     return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(cache_dir.resolve())}
 
 

@@ -43,6 +43,9 @@ class EngineOptions:
     # sync runner, async at max_head_offpolicyness 0), so those rollouts stay exactly on-policy
     prefix_cache_max_age: int | None = None
     enable_cuda_graphs: bool = True  # CUDA bf16/fp16 only; CPU and fp32 use the reference path
+    # prefill steps replay CUDA graphs too, one per token bucket up to 8,192 tokens (engine/prefill_graphs.py);
+    # needs enable_cuda_graphs. An eager prefill step is bound by the host's kernel launches at small sizes
+    prefill_cuda_graphs: bool = True
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
     # speculative decoding (engine/speculative.py): ngram drafts up to `spec_num_draft_tokens` tokens by
     # prompt lookup (the last spec_ngram_max..spec_ngram_min tokens matched earlier in the request's own

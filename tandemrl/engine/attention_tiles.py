@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class DecodeConfig:
@@ -56,3 +58,22 @@ DECODE_CANDIDATES = (
     DecodeConfig(True, 64, 4, 256),
     DecodeConfig(True, 128, 4, 512),
 )
+
+
+def tile_table(query_lens: np.ndarray, queries_per_tile: int, num_slots: int) -> np.ndarray:
+    """The (sequence, query tile) pairs of a prefill step, in order, padded with (-1, -1) to `num_slots`
+    rows: the grid of `triton_attention.attend_tiles`. A sequence of q new tokens has ceil(q / queries per
+    tile) tiles, so `max_tiles` slots always suffice."""
+    counts = -(-query_lens // queries_per_tile)
+    total = int(counts.sum())
+    assert total <= num_slots, f"{total} query tiles do not fit {num_slots} slots"
+    table = np.full((num_slots, 2), -1, dtype=np.int64)
+    table[:total, 0] = np.repeat(np.arange(len(query_lens)), counts)
+    table[:total, 1] = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    return table
+
+
+def max_tiles(num_tokens: int, num_seqs: int, queries_per_tile: int) -> int:
+    """The most query tiles `num_seqs` sequences of `num_tokens` new tokens in all can need: each
+    sequence's last tile may be partial, so one more per sequence than the tokens fill."""
+    return -(-num_tokens // queries_per_tile) + num_seqs

@@ -356,6 +356,7 @@ class Engine:
             num_spec_accepted_tokens=self.num_spec_accepted_tokens,
             num_prefix_hit_tokens=getattr(self.scheduler, "num_prefix_hit_tokens", 0),
             num_stale_prefix_hit_tokens=getattr(self.blocks, "num_stale_hit_tokens", 0),
+            num_prefill_graph_steps=getattr(getattr(self.runner, "prefill_graphs", None), "num_replays", 0),
             num_requests_added=self.num_requests_added,
             num_requests_finished=self.num_requests_finished,
             num_running=len(self.scheduler.running),

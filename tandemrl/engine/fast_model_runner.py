@@ -1,10 +1,10 @@
-"""The CUDA fast path of the model runner: Triton attention, CUDA-graph decode, sampling on the GPU, and
-steps that overlap the host.
+"""The CUDA fast path of the model runner: Triton attention, CUDA-graph decode and prefill, sampling on the
+GPU, and steps that overlap the host.
 
 `FastModelRunner` keeps `ModelRunner`'s contract and changes how a step executes: decode steps replay a
 CUDA graph captured for the smallest captured batch size >= the batch (padding rows write no KV and attend
-to nothing) that runs the forward *and* the sampler; prefill steps run eagerly with the same Triton
-kernels. All of a step's host inputs go to the GPU in one copy from a pinned buffer, and the sampled
+to nothing) that runs the forward *and* the sampler; prefill steps replay one captured per token bucket
+(engine/prefill_graphs.py) or, past the buckets, run eagerly with the same Triton kernels. All of a step's host inputs go to the GPU in one copy from a pinned buffer, and the sampled
 tokens and logprobs come back by an asynchronous copy: `launch` returns before the GPU is done, so the
 engine schedules step n+1 while step n runs. Step n+1 therefore starts before the host has seen step n's
 tokens: a sequence's pending input token is read on the device, from the rows step n sampled into
@@ -71,6 +71,7 @@ class FastModelRunner(ModelRunner):
         max_context_len: int,
         use_cuda_graphs: bool = True,
         max_prefill_tokens: int = 8192,
+        prefill_cuda_graphs: bool = True,
     ):
         super().__init__(model, num_blocks, block_size, device, dtype, seed)
         from tandemrl.engine.fast_layers import fast_forward, fuse_projections
@@ -128,6 +129,26 @@ class FastModelRunner(ModelRunner):
             if use_cuda_graphs
             else None
         )
+        self.prefill_graphs = None
+        if use_cuda_graphs and prefill_cuda_graphs:
+            from tandemrl.engine.prefill_graphs import PrefillGraphs
+            from tandemrl.engine.triton_attention import prefill_block_m
+
+            attn = model.model.layers[0].self_attn
+            block_m = prefill_block_m(attn.num_heads, attn.num_kv_heads, self.prefill_config)
+            self.prefill_graphs = PrefillGraphs(
+                self.forward,
+                self.kv_caches,
+                self.tokens_B,
+                self.logprobs_B,
+                max_blocks_per_seq,
+                block_size,
+                max_prefill_tokens,
+                block_m // (attn.num_heads // attn.num_kv_heads),
+                self.decode_config,
+                self.prefill_config,
+                model.model.embed_tokens.weight,
+            )
         mark("engine: CUDA graphs captured" if use_cuda_graphs else "engine: CUDA graphs off")
 
     @torch.inference_mode()
@@ -139,9 +160,11 @@ class FastModelRunner(ModelRunner):
         temps = [p.temperature for p in params]
         seed = int(self.seeds.integers(2**31 - 1))
         truncated = any(t > 0 and (p.top_p < 1 or p.top_k > 0) for t, p in zip(temps, params, strict=True))
-        # A prefill chunk stops short of its request's last token (>= 2 uncached): it never replays a graph.
+        # A prefill chunk stops short of its request's last token (>= 2 uncached): it never replays a decode graph.
         if self.graphs is not None and self.graphs.can_run(seqs):
             logits = self.graphs.run(seqs, src_rows, temps, seed)  # samples too
+        elif self.prefill_graphs is not None and (bucket := self.prefill_graphs.bucket_for(seqs)) is not None:
+            logits = self.prefill_graphs.run(bucket, seqs, src_rows, temps, seed)  # samples too
         else:
             logits = self._forward_eager(seqs, src_rows, temps, seed)
         if truncated:  # the reference sampler (a few host syncs) overwrites the fused one's draw
@@ -223,4 +246,5 @@ def build_runner(
         max_context_len=config.max_context_len,
         use_cuda_graphs=config.enable_cuda_graphs,
         max_prefill_tokens=config.max_prefill_tokens,
+        prefill_cuda_graphs=config.prefill_cuda_graphs,
     )

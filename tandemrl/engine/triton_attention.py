@@ -122,17 +122,27 @@ def _paged_attention_kernel(
     stride_c_slot,
     stride_c_head,
     stride_bt,
+    Tiles,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TILED: tl.constexpr,
 ):
-    seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    if TILED:  # program 0's axis walks a table of (sequence, query tile) pairs; -1: a padding slot
+        seq = tl.load(Tiles + 2 * tl.program_id(0))
+        tile = tl.load(Tiles + 2 * tl.program_id(0) + 1)
+        valid = seq >= 0
+        seq = tl.maximum(seq, 0)  # a padding slot reads row 0's lengths, and with no queries reads no keys
+        tile = tl.maximum(tile, 0)
+    else:
+        seq = tl.program_id(0)
+        tile = tl.program_id(2)
+        valid = seq >= 0
     queries_per_tile: tl.constexpr = BLOCK_M // GROUP
-    q_len = tl.load(QueryLens + seq)
+    q_len = tl.load(QueryLens + seq) * valid
     ctx = tl.load(ContextLens + seq)
     q_start = tl.load(QueryStart + seq)
     first_q = tile * queries_per_tile
@@ -152,6 +162,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     kv_end = ctx - q_len + first_q + queries_per_tile  # keys this tile can see
     kv_end = tl.minimum(kv_end, ctx)
+    kv_end = kv_end * (first_q < q_len)  # a tile past its sequence's queries reads nothing
     k_base = Cache + kv_head * stride_c_head
     for start in range(0, kv_end, BLOCK_N):
         pos = start + tl.arange(0, BLOCK_N)
@@ -276,13 +287,70 @@ def attend(
         kv_cache.stride(1),
         kv_cache.stride(2),
         block_tables_BW.stride(0),
+        query_lens_B,  # Tiles: unused unless TILED
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
         BLOCK_N=config.block_n if is_decode else prefill.block_n,
+        TILED=False,
         num_warps=config.num_warps if is_decode else prefill.num_warps,
         num_stages=config.num_stages if is_decode else prefill.num_stages,
+    )
+    return out
+
+
+def prefill_block_m(num_heads: int, num_kv_heads: int, prefill: PrefillConfig) -> int:
+    """Rows of a prefill program's query tile: queries x the GQA group, at least the group."""
+    return max(prefill.block_m, triton.next_power_of_2(num_heads // num_kv_heads))
+
+
+def attend_tiles(
+    q_THD: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables_BW: torch.Tensor,
+    query_start_B: torch.Tensor,
+    query_lens_B: torch.Tensor,
+    context_lens_B: torch.Tensor,
+    tiles_N2: torch.Tensor,
+    block_size: int,
+    scale: float,
+    prefill: PrefillConfig = DEFAULT_PREFILL,
+) -> torch.Tensor:
+    """`attend` of a prefill step over a table of (sequence, query tile) pairs (`attention_tiles.tile_table`,
+    built on the host for the step's query lengths), one program per pair and KV head: the grid is the
+    table's length, fixed for a captured prefill graph (engine/prefill_graphs.py) whatever the step's
+    ragged lengths; padding pairs (-1) read and write nothing."""
+    num_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
+    num_kv_heads = kv_cache.shape[2]
+    out = torch.empty_like(q_THD)
+    grid = (tiles_N2.shape[0], num_kv_heads, 1)
+    _paged_attention_kernel[grid](
+        q_THD,
+        kv_cache,
+        out,
+        block_tables_BW,
+        query_start_B,
+        query_lens_B,
+        context_lens_B,
+        scale,
+        q_THD.stride(0),
+        q_THD.stride(1),
+        out.stride(0),
+        out.stride(1),
+        kv_cache.stride(0),
+        kv_cache.stride(1),
+        kv_cache.stride(2),
+        block_tables_BW.stride(0),
+        tiles_N2,
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=prefill_block_m(num_heads, num_kv_heads, prefill),
+        BLOCK_N=prefill.block_n,
+        TILED=True,
+        num_warps=prefill.num_warps,
+        num_stages=prefill.num_stages,
     )
     return out
 
@@ -302,6 +370,8 @@ class FastMetadata:
     max_context_len: int  # bounds the decode split count (static under CUDA graphs)
     decode: DecodeConfig = DEFAULT_DECODE
     prefill: PrefillConfig = DEFAULT_PREFILL
+    # a prefill graph's (sequence, query tile) table (`attend_tiles`); None: the grid of `attend`
+    tiles_N2: torch.Tensor | None = None
 
     def attend(
         self,
@@ -353,6 +423,19 @@ class FastMetadata:
         """Attention once this step's K/V are in the cache: split-KV decode, or the ragged kernel."""
         if self.max_query_len == 1:
             return self._attend_one_query(q_THD, kv_cache, scale, self.query_start_B, self.query_lens_B)
+        if self.tiles_N2 is not None:
+            return attend_tiles(
+                q_THD,
+                kv_cache,
+                self.block_tables_BW,
+                self.query_start_B,
+                self.query_lens_B,
+                self.context_lens_B,
+                self.tiles_N2,
+                self.block_size,
+                scale,
+                self.prefill,
+            )
         return attend(
             q_THD,
             kv_cache,

@@ -30,6 +30,7 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
     "num_spec_accepted_tokens",
     "num_prefix_hit_tokens",
     "num_stale_prefix_hit_tokens",
+    "num_prefill_graph_steps",
 )
 
 
@@ -114,6 +115,8 @@ def engine_step_metrics(delta: dict[str, float]) -> dict[str, float]:
     num_decode = delta["num_steps"] - num_prefill
     prefill_s = delta.get("prefill_busy_s", 0.0)
     metrics = {"rollout/engine_steps": delta["num_steps"], "rollout/engine_prefill_steps": num_prefill}
+    if num_prefill > 0 and "num_prefill_graph_steps" in delta:  # of them replayed as CUDA graphs
+        metrics["rollout/engine_prefill_graph_steps"] = delta["num_prefill_graph_steps"]
     if num_decode > 0:
         metrics["rollout/engine_decode_batch_mean"] = delta.get("num_decode_rows", 0.0) / num_decode
         metrics["rollout/engine_decode_step_ms"] = 1000 * (delta["busy_s"] - prefill_s) / num_decode

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -42,6 +42,10 @@ from tandemrl.trainer.checkpoint_check import (
 from tandemrl.trainer.policy import reshard
 
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
+# DCP writes a rank's shards as this many files, one thread each (its default is one): a 135M-parameter
+# actor with its Adam state (1.6 GB) took 1.3-4.6 s on one thread and 0.8-1.8 s on four, three and four saves on a
+# 2-core CPU box (the manifest's hashes, on four threads over the files, 1.0 -> 0.5 s)
+WRITE_THREADS = 4
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -80,7 +84,10 @@ def save_checkpoint(actor, ckpt_dir: str | Path, extra: dict[str, object] | None
     _barrier()
     reshard(actor.policy)
     model_sd, optim_sd = get_state_dict(actor.policy, actor.optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "actor"))
+    dcp.save(
+        {"model": model_sd, "optim": optim_sd},
+        storage_writer=FileSystemWriter(str(tmp / "actor"), thread_count=WRITE_THREADS),
+    )
     torch.save(_rng_state(), tmp / "actor" / f"rng_rank{actor.rank}.pt")
     if actor.rank == 0:
         torch.save(

@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import stat
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import BinaryIO
 
@@ -29,6 +30,7 @@ MANIFEST_FORMAT = 2  # 1: sizes only (refused: its bytes cannot be checked)
 HASH_NAME = "sha256"
 MAX_MANIFEST_BYTES = 64 << 20
 _CHUNK = 1 << 20
+HASH_THREADS = 4
 
 
 class CheckpointError(ValueError):
@@ -115,11 +117,15 @@ def file_hash(path: Path) -> str:
 
 
 def write_manifest(directory: Path) -> None:
-    """Record every file's size and hash (written last, in the not yet renamed checkpoint directory)."""
-    files = {
-        rel: {"size": size, HASH_NAME: file_hash(directory / rel)}
-        for rel, size in sorted(list_files(directory).items())
-    }
+    """Record every file's size and hash (written last, in the not yet renamed checkpoint directory). The
+    files are hashed on a few threads (hashlib lets go of the GIL over large buffers): the DCP shards are
+    written as several files of similar size (trainer/checkpoint.py, `WRITE_THREADS`)."""
+    sizes = sorted(list_files(directory).items())
+    with ThreadPoolExecutor(max_workers=HASH_THREADS) as pool:
+        digests = pool.map(file_hash, [directory / rel for rel, _ in sizes])
+        files = {
+            rel: {"size": size, HASH_NAME: digest} for (rel, size), digest in zip(sizes, digests, strict=True)
+        }
     text = json.dumps({"format": MANIFEST_FORMAT, "hash": HASH_NAME, "files": files}, indent=1)
     (directory / MANIFEST).write_text(text + "\n")
 

@@ -23,10 +23,10 @@
 #   bench      benchmarks/runner/sync_vs_async.py --colocated --steps STEPS --monitor, one run at a time (packed
 #              after each), each compiling in its own clock (benchmarks/runner/runs.py, run_env): the
 #              parts in PARTS; steps 5 and 6 of the parts in PROFILE_PARTS (default: async_concurrent) are
-#              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04, sixth
-#              session) a 40-step run took 3.7 minutes (sync) and 2.7-2.8 (async) with start-up and the cold
-#              compile, prepare and the cold start 2.9 minutes: run the install, prepare, the cold start and
-#              the warm-up in one device call, then two timed parts per call (about 6.5 minutes with sync)
+#              profiled (runner.profile_steps) and left out of its means. On the H200 (2026-12-04, seventh
+#              session, CUDA-graph prefill) a 40-step run took 2.1-2.9 minutes with its start-up; the install,
+#              the prefill checks beside prepare, the cold start, the prefill benchmark and the warm-up took
+#              4.5 minutes in one device call; then two timed parts per call (4.7-5.4 minutes)
 #   decode     benchmarks/engine/engine_decode_steps.py on the cold-started model: decode step time against the
 #              batch (64, 256, 512, 1024) and where a step goes (engine_decode_steps_h200.json)
 #   ship       the kernel choices the engine's tuning made on this GPU (for tandemrl/engine/tuned)

@@ -87,16 +87,22 @@ class EngineLoop:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
 
+        submitted_s = time.monotonic()
+
         def do_pause(engine: Engine) -> dict:
+            # where a pause's time goes on the engine: waiting for the loop thread (the step it was running
+            # and the commands before it), then the step in flight drained
+            taken_s = time.monotonic()
             self.is_paused = True
             engine.drain()  # the step in flight finishes now: its requests are answered before the pause
+            timing = {"pause_queued_s": taken_s - submitted_s, "pause_drain_s": time.monotonic() - taken_s}
             if mode == "abort":
                 aborted = engine.abort_all("aborted by pause_generation(mode=abort)")
                 self._deliver(aborted)
-                return {"num_aborted": len(aborted)}
+                return {"num_aborted": len(aborted), **timing}
             if mode == "retract":
-                return {"num_retracted": engine.retract_all()}
-            return {"num_running": len(engine.scheduler.running)}
+                return {"num_retracted": engine.retract_all(), **timing}
+            return {"num_running": len(engine.scheduler.running), **timing}
 
         return self.call(do_pause)
 

@@ -255,12 +255,14 @@ class EngineClient(HttpClient):
             versions += [self.weight_version] * new
         return meta
 
-    async def pause_generation(self, mode: str) -> None:
+    async def pause_generation(self, mode: str) -> dict:
+        """The server's answer (the embedded engine's includes where its pause took time, engine/loop.py)."""
         if self.kind == "sglang" and mode == "retract":
             self.retract_gate.close()  # in-flight requests come back (abort) and wait here until continue
-            await self._post("/pause_generation", {"mode": "abort"})
-            return
-        await self._post("/pause_generation", {"mode": mode})
+            answer = await self._post("/pause_generation", {"mode": "abort"})
+        else:
+            answer = await self._post("/pause_generation", {"mode": mode})
+        return answer if isinstance(answer, dict) else {}
 
     async def continue_generation(self) -> None:
         await self._post("/continue_generation")

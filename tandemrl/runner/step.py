@@ -167,6 +167,7 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     """
     mode = ctx.config.rollout.pause_mode
     marks_s = [time.monotonic()]  # start, paused, pushed, continued
+    answers: list = []
     was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
     if is_stood_down:
         assert mode != "drain", "time-sharing never stands down with drain (config/derive.py refuses it)"
@@ -174,7 +175,7 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
         ctx.driver.pause_admission()
         await ctx.driver.wait_idle()
     else:
-        await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
+        answers = await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
     marks_s.append(time.monotonic())
     try:
         pushed = await ctx.actor.call("push_weights", weight_version)
@@ -196,7 +197,20 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
         "time/sync_weights/push": marks_s[2] - marks_s[1],
         "time/sync_weights/continue": marks_s[3] - marks_s[2],
         "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0)),
+        **pause_metrics(answers),
     }
+
+
+def pause_metrics(answers: list) -> dict[str, float]:
+    """The slowest engine's pause, split where the embedded engine reports it (engine/loop.py): waiting for its
+    loop thread (`rollout/engine_pause_queued_ms`) and draining the step in flight (`.._drain_ms`); the rest of
+    `time/sync_weights/pause` is HTTP and the driver's own event loop. Other backends report nothing."""
+    metrics = {}
+    for key in ("pause_queued_s", "pause_drain_s"):
+        values = [float(a[key]) for a in answers if isinstance(a, dict) and key in a]
+        if values:
+            metrics[f"rollout/engine_{key[:-2]}_ms"] = 1000 * max(values)
+    return metrics
 
 
 async def validate(ctx: RunContext) -> dict[str, float]:

@@ -129,7 +129,9 @@ async def start_and_pause(url: str, mode: str, min_tokens: int):
         return num_emitted >= min_tokens * len(PROMPTS)
 
     await wait_for(progressed)
-    await client.pause_generation(mode)
+    answer = await client.pause_generation(mode)
+    # the engine says where its pause took time: queued behind its loop thread's step, then the drain
+    assert answer["mode"] == mode and answer["pause_queued_s"] >= 0 and answer["pause_drain_s"] >= 0
     return client, tasks, await client.server_info()
 
 

@@ -4,11 +4,11 @@ GPU, and steps that overlap the host.
 `FastModelRunner` keeps `ModelRunner`'s contract and changes how a step executes: decode steps replay a
 CUDA graph captured for the smallest captured batch size >= the batch (padding rows write no KV and attend
 to nothing) that runs the forward *and* the sampler; prefill steps replay one captured per token bucket
-(engine/prefill_graphs.py) or, past the buckets, run eagerly with the same Triton kernels. All of a step's host inputs go to the GPU in one copy from a pinned buffer, and the sampled
-tokens and logprobs come back by an asynchronous copy: `launch` returns before the GPU is done, so the
-engine schedules step n+1 while step n runs. Step n+1 therefore starts before the host has seen step n's
-tokens: a sequence's pending input token is read on the device, from the rows step n sampled into
-(`tokens_B`). Weight updates copy into the parameters in place, so captured graphs stay valid across them.
+(engine/prefill_graphs.py) or, past the buckets, run eagerly with the same Triton kernels. All of a step's
+host inputs go to the GPU in one copy from a pinned buffer, and the sampled tokens and logprobs come back
+by an asynchronous copy: `launch` returns before the GPU is done, so the engine schedules step n+1 while
+step n runs. Step n+1 therefore starts before the host has seen step n's tokens: a sequence's pending
+input token is read on the device, from the rows step n sampled into (`tokens_B`). Weight updates copy into the parameters in place, so captured graphs stay valid across them.
 """
 
 from __future__ import annotations

@@ -29,6 +29,26 @@ def graph_size(sizes: list[int], num_seqs: int) -> int | None:
     return next((s for s in sizes if s >= num_seqs), None)
 
 
+def capture_graphs(keys: list, step) -> tuple[dict, dict]:
+    """One CUDA graph of `step(key)` per key, each run once on a side stream first (warm-up), captured from
+    the last key to the first into one memory pool (keys in ascending size: the smaller graphs fit in the
+    largest's pool); returns (graphs, the captured outputs) by key. Decode and prefill graphs both use it."""
+    graphs, outputs, pool = {}, {}, None
+    for key in reversed(keys):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step(key)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            outputs[key] = step(key)
+        pool = graph.pool()
+        graphs[key] = graph
+    torch.cuda.synchronize()
+    return graphs, outputs
+
+
 class DecodeGraphs:
     """One captured decode step (forward + sampling) per batch size, sharing static inputs and one pool."""
 
@@ -55,8 +75,6 @@ class DecodeGraphs:
         self.inputs = HostInputs(self.max_batch, max_blocks_per_seq, device)
         self.rows = torch.arange(self.max_batch, dtype=torch.long, device=device)
         self.ones = torch.ones(self.max_batch, dtype=torch.long, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
         self.num_replays = 0
         self._capture()
 
@@ -99,19 +117,7 @@ class DecodeGraphs:
     def _capture(self) -> None:
         self.inputs.slots.fill_(-1)  # warm-up and capture write no KV
         self.inputs.src.fill_(-1)
-        pool = None
-        for size in reversed(self.sizes):  # largest first: the smaller graphs fit in its pool
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._step(size)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._step(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture_graphs(self.sizes, self._step)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
     def can_run(self, seqs: list[Sequence]) -> bool:

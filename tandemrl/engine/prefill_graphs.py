@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from tandemrl.engine.attention_tiles import max_tiles, tile_table
+from tandemrl.engine.cuda_graphs import capture_graphs
 from tandemrl.engine.model_runner import flatten_uncached
 from tandemrl.engine.sequence import Sequence
 
@@ -118,8 +119,6 @@ class PrefillGraphs:
         self.dev = torch.zeros(lay.num_bytes, dtype=torch.uint8, device=device)
         self.ints = self.dev[: lay.num_ints * 8].view(torch.long)
         self.temps = self.dev[lay.num_ints * 8 :].view(torch.float32)
-        self.graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[Bucket, torch.Tensor] = {}
         self.num_replays = 0
         self._capture()
 
@@ -180,19 +179,7 @@ class PrefillGraphs:
         ints[lay.slots : lay.slots + lay.t].fill_(-1)  # warm-up and capture write no K/V
         ints[lay.tiles : lay.tiles + 2 * lay.n].fill_(-1)  # and attend nowhere
         self.temps.fill_(1.0)
-        pool = None
-        for bucket in reversed(self.buckets):  # largest first: the smaller graphs fit in its pool
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self._step(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[bucket] = self._step(bucket)
-            pool = graph.pool()
-            self.graphs[bucket] = graph
-        torch.cuda.synchronize()
+        self.graphs, self.logits = capture_graphs(self.buckets, self._step)
         logger.info("captured prefill CUDA graphs for token buckets %s", [b.num_tokens for b in self.buckets])
 
     def bucket_for(self, seqs: list[Sequence]) -> Bucket | None:

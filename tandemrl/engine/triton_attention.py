@@ -261,43 +261,18 @@ def attend(
     prefill: PrefillConfig = DEFAULT_PREFILL,
 ) -> torch.Tensor:
     """Attention of the flat queries `[T, heads, head_dim]` over the cache (K/V already stored)."""
-    num_seqs = query_lens_B.shape[0]
-    num_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
-    num_kv_heads = kv_cache.shape[2]
+    num_heads, num_kv_heads = q_THD.shape[1], kv_cache.shape[2]
     group = num_heads // num_kv_heads
-    is_decode = max_query_len == 1
-    block_m = max(_DECODE_BLOCK_M if is_decode else prefill.block_m, triton.next_power_of_2(group))
-    queries_per_tile = block_m // group
-    out = torch.empty_like(q_THD)
-    grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, queries_per_tile))
-    _paged_attention_kernel[grid](
-        q_THD,
-        kv_cache,
-        out,
-        block_tables_BW,
-        query_start_B,
-        query_lens_B,
-        context_lens_B,
-        scale,
-        q_THD.stride(0),
-        q_THD.stride(1),
-        out.stride(0),
-        out.stride(1),
-        kv_cache.stride(0),
-        kv_cache.stride(1),
-        kv_cache.stride(2),
-        block_tables_BW.stride(0),
-        query_lens_B,  # Tiles: unused unless TILED
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=config.block_n if is_decode else prefill.block_n,
-        TILED=False,
-        num_warps=config.num_warps if is_decode else prefill.num_warps,
-        num_stages=config.num_stages if is_decode else prefill.num_stages,
-    )
-    return out
+    if max_query_len == 1:
+        block_m = max(_DECODE_BLOCK_M, triton.next_power_of_2(group))
+        tiles = (config.block_n, config.num_warps, config.num_stages)
+    else:
+        block_m = prefill_block_m(num_heads, num_kv_heads, prefill)
+        tiles = (prefill.block_n, prefill.num_warps, prefill.num_stages)
+    grid = (query_lens_B.shape[0], num_kv_heads, triton.cdiv(max_query_len, block_m // group))
+    # Tiles (unused unless TILED): any int64 tensor
+    args = (q_THD, kv_cache, block_tables_BW, query_start_B, query_lens_B, context_lens_B, query_lens_B)
+    return _paged_attention(grid, *args, scale, block_size, block_m, *tiles, tiled=False)
 
 
 def prefill_block_m(num_heads: int, num_kv_heads: int, prefill: PrefillConfig) -> int:
@@ -321,10 +296,34 @@ def attend_tiles(
     built on the host for the step's query lengths), one program per pair and KV head: the grid is the
     table's length, fixed for a captured prefill graph (engine/prefill_graphs.py) whatever the step's
     ragged lengths; padding pairs (-1) read and write nothing."""
-    num_heads, head_dim = q_THD.shape[1], q_THD.shape[2]
-    num_kv_heads = kv_cache.shape[2]
-    out = torch.empty_like(q_THD)
+    num_heads, num_kv_heads = q_THD.shape[1], kv_cache.shape[2]
     grid = (tiles_N2.shape[0], num_kv_heads, 1)
+    args = (q_THD, kv_cache, block_tables_BW, query_start_B, query_lens_B, context_lens_B, tiles_N2)
+    block_m = prefill_block_m(num_heads, num_kv_heads, prefill)
+    tiles = (prefill.block_n, prefill.num_warps, prefill.num_stages)
+    return _paged_attention(grid, *args, scale, block_size, block_m, *tiles, tiled=True)
+
+
+def _paged_attention(
+    grid: tuple[int, int, int],
+    q_THD: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables_BW: torch.Tensor,
+    query_start_B: torch.Tensor,
+    query_lens_B: torch.Tensor,
+    context_lens_B: torch.Tensor,
+    tiles_N2: torch.Tensor,
+    scale: float,
+    block_size: int,
+    block_m: int,
+    block_n: int,
+    num_warps: int,
+    num_stages: int,
+    tiled: bool,
+) -> torch.Tensor:
+    """One launch of `_paged_attention_kernel` over `grid` (`attend`'s per-sequence tiles, or
+    `attend_tiles`'s table)."""
+    out = torch.empty_like(q_THD)
     _paged_attention_kernel[grid](
         q_THD,
         kv_cache,
@@ -343,14 +342,14 @@ def attend_tiles(
         kv_cache.stride(2),
         block_tables_BW.stride(0),
         tiles_N2,
-        GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim,
+        GROUP=q_THD.shape[1] // kv_cache.shape[2],
+        HEAD_DIM=q_THD.shape[2],
         BLOCK_SIZE=block_size,
-        BLOCK_M=prefill_block_m(num_heads, num_kv_heads, prefill),
-        BLOCK_N=prefill.block_n,
-        TILED=True,
-        num_warps=prefill.num_warps,
-        num_stages=prefill.num_stages,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        TILED=tiled,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

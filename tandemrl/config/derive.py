@@ -119,20 +119,10 @@ def _derive_buffer_limits(config: TandemConfig) -> None:
             f"instances {rollout.instances} x {INFLIGHT_HEADROOM} / group_size {group_size})"
         )
     if buffer.max_buffered_groups is None:
-        head = buffer.max_head_offpolicyness
-        if config.runner.async_mode and head is not None and head >= 2:
-            # the staleness bound lets (h + 1) batches be issued ahead of the hand-off; a buffer of two
-            # would cap the pipeline at h = 1 and leave the engine short of work while the actor trains
-            buffer.max_buffered_groups = (head + 1) * batch
-            config.derived["rollout_buffer.max_buffered_groups"] = (
-                f"{buffer.max_buffered_groups} = (max_head_offpolicyness {head} + 1) x rollout_batch_size "
-                f"{batch}"
-            )
-        else:
-            buffer.max_buffered_groups = 2 * batch
-            config.derived["rollout_buffer.max_buffered_groups"] = (
-                f"{buffer.max_buffered_groups} = 2 x rollout_batch_size {batch}"
-            )
+        buffer.max_buffered_groups = 2 * batch
+        config.derived["rollout_buffer.max_buffered_groups"] = (
+            f"{buffer.max_buffered_groups} = 2 x rollout_batch_size {batch}"
+        )
     if buffer.max_dropped_groups_per_step is None:
         buffer.max_dropped_groups_per_step = 10 * batch
         config.derived["rollout_buffer.max_dropped_groups_per_step"] = (

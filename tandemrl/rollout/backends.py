@@ -17,6 +17,13 @@ BACKENDS = ("embedded", "sglang", "vllm")
 IDLE_PAUSE_MODES = ("retract", "drain")
 
 
+def pushes_atomically(engine_kind: str, route: str) -> bool:
+    """Whether a push reaches every engine as one update that lands between two of its steps: CUDA IPC to the
+    embedded engine (one bucket, loaded by one command of its loop thread, engine/weight_updates.py). Other
+    routes send buckets the engine loads one at a time, so steps between them would mix two versions."""
+    return route == "cuda_ipc" and engine_kind == "embedded"
+
+
 def make_client(backend: str, url: str, weight_version: int = 0, api_key: str | None = None):
     if backend not in BACKENDS:
         raise ValueError(f"rollout.backend must be one of {BACKENDS}, got {backend!r}")
@@ -61,4 +68,5 @@ def make_weight_sender(
         engine_kind=backend,
         tp_size=tp_size,
         flush_cache=flush,
+        is_one_bucket=pushes_atomically(backend, sync),
     )

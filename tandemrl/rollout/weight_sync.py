@@ -16,6 +16,11 @@ After the last bucket each engine finishes the update (`finish_weight_update`: S
 when the pause mode left it idle, vLLM records the version and resets its prefix cache).
 Invariant: every bucket of one `push` carries the same `weight_version`, so the engines end on exactly
 that version; names are the HF parameter names.
+CUDA IPC to the embedded engine is one bucket, whatever `bucket_mb` says (`is_one_bucket`, set where
+`rollout/backends.py` `pushes_atomically` holds): the engine's
+loop thread loads it as one command between two steps, so an `in_place` update needs no pause around it
+(runner/step.py, `sync_weights`). The bucket's tensors are the actor's own where it already holds the
+compute dtype, else one cast copy of the weights, alive until the engine has copied them.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import base64
 import io
 import json
 import shutil
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -110,12 +116,16 @@ class WeightSender:
         engine_kind: str = "embedded",
         tp_size: int = 1,
         flush_cache: bool = False,
+        is_one_bucket: bool = False,
     ):
         if backend not in BACKENDS:
             raise ValueError(f"weight sync backend must be one of {BACKENDS}, got {backend!r}")
         if engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine_kind must be one of {ENGINE_KINDS}, got {engine_kind!r}")
         self.engine_kind, self.tp_size, self.flush_cache = engine_kind, tp_size, flush_cache
+        self.is_one_bucket = (
+            is_one_bucket  # every tensor in one bucket: the engine loads it between two steps
+        )
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.clients, self.backend, self.bucket_bytes = clients, backend, bucket_mb * 2**20
@@ -159,7 +169,8 @@ class WeightSender:
         if self.backend != "cuda_ipc" and self.group is None:
             raise RuntimeError("WeightSender.push before connect(); call `await sender.connect()` once first")
         start, num_bytes, num_buckets = time.perf_counter(), 0, 0
-        for bucket in iter_buckets(named_tensors, self.bucket_bytes):
+        bucket_bytes = sys.maxsize if self.is_one_bucket else self.bucket_bytes
+        for bucket in iter_buckets(named_tensors, bucket_bytes):
             bucket = [(name, self._prepare(t)) for name, t in bucket]
             if self.backend == "cuda_ipc":
                 await self._send_ipc(bucket, weight_version)

@@ -45,6 +45,7 @@ class RunContext:
     startup_origin: tuple[float, str] | None = None  # (epoch, what it is): the start-up timeline's clock
     is_first_step_done: bool = False
     colocated_policy: str = "concurrent"  # the plan's: time_share stands the engines down while training
+    atomic_weight_updates: bool = False  # a push lands between two engine steps (rollout/weight_sync.py)
     pending_validation: PendingValidation | None = None  # a validation running beside the next step
     bookkeeping: asyncio.Task | None = None  # the last step's records and row, made beside this step
     train_reads: asyncio.Future | None = None  # the engines' counters around this step's train step

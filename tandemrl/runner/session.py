@@ -127,7 +127,7 @@ async def run_session(
     from tandemrl.host.startup import mark
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.metrics.trackers import resolved_config
-    from tandemrl.rollout.backends import make_client
+    from tandemrl.rollout.backends import make_client, pushes_atomically
     from tandemrl.runner.checkpoint import load_resume_state
 
     runner, search_cfg = config.runner, config.tools.search
@@ -190,6 +190,7 @@ async def run_session(
     ctx.started_s = started_s
     ctx.startup_origin = startup_origin
     ctx.colocated_policy = services.plan.colocated_policy
+    ctx.atomic_weight_updates = pushes_atomically(config.rollout.backend, services.plan.weight_sync)
     mark("runner starting")
     is_done = False
     try:

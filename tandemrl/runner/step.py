@@ -164,8 +164,13 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     in-flight group finishes first (SGLang has no such mode, so the client realises it). Marking the
     version on the clients before `continue_generation` is what stamps streamed tokens (docs/BACKENDS.md).
     `is_stood_down`: `stand_down` already paused them (its time is `time/stand_down`, not the pause's).
+    An in_place update that lands between two engine steps (`ctx.atomic_weight_updates`: CUDA IPC to the
+    embedded engine) needs no pause: the engines generate through the push, and the pause and continue
+    parts are 0 (on the H200 they were ~0.1 s a step of the driver's and the engine's HTTP, for ~6 ms of
+    the engine's own work; benchmarks/results/runner/colocated_h200_buffer4/COMMAND.md).
     """
     mode = ctx.config.rollout.pause_mode
+    is_atomic_in_place = mode == "in_place" and ctx.atomic_weight_updates and not is_stood_down
     marks_s = [time.monotonic()]  # start, paused, pushed, continued
     answers: list = []
     was_paused = ctx.driver.is_paused  # the sync runner keeps admission closed until its next step
@@ -174,7 +179,7 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     elif mode == "drain":
         ctx.driver.pause_admission()
         await ctx.driver.wait_idle()
-    else:
+    elif not is_atomic_in_place:
         answers = await asyncio.gather(*(engine.pause_generation(mode) for engine in ctx.engines))
     marks_s.append(time.monotonic())
     try:
@@ -183,7 +188,7 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
             engine.mark_weight_version(weight_version)
     finally:
         marks_s.append(time.monotonic())
-        if mode != "drain":
+        if mode != "drain" and not is_atomic_in_place:
             await asyncio.gather(*(engine.continue_generation() for engine in ctx.engines))
     ctx.weight_version = weight_version
     ctx.driver.set_weight_version(weight_version)

@@ -91,22 +91,6 @@ def test_buffered_and_dropped_follow_batch_size():
     assert config.rollout_buffer.max_dropped_groups_per_step == 120
 
 
-def test_buffered_groups_make_room_for_the_staleness_bound():
-    """The async runner at max_head_offpolicyness h issues up to (h + 1) batches ahead of a hand-off; the
-    derived buffer holds them (two batches would cap the pipeline at h = 1), and a chosen value wins."""
-    base = ["runner.async_mode=true", "agentloop.task_name=searchr1", "data.rollout_batch_size=8"]
-    for head, buffered in ((None, 16), (0, 16), (1, 16), (2, 24), (3, 32)):
-        extra = [] if head is None else [f"rollout_buffer.max_head_offpolicyness={head}"]
-        config = load_config(None, base + extra)
-        assert config.rollout_buffer.max_buffered_groups == buffered, head
-        assert str(buffered) in config.derived["rollout_buffer.max_buffered_groups"]
-    chosen = load_config(
-        None, base + ["rollout_buffer.max_head_offpolicyness=3", "rollout_buffer.max_buffered_groups=20"]
-    )
-    assert chosen.rollout_buffer.max_buffered_groups == 20
-    assert "rollout_buffer.max_buffered_groups" not in chosen.derived
-
-
 def test_instances_from_placement_must_divide_by_tp():
     with pytest.raises(ConfigError, match="tensor_parallel_size"):
         load_config(None, ["cluster.component_placement={rollout: '0-6'}", "rollout.tensor_parallel_size=2"])

@@ -253,12 +253,14 @@ def placed_nodes(services: Services, actor: ActorGroup) -> dict[str, str]:
 
 
 def dry_run(config: TandemConfig) -> int:
-    """Print the plan: processes with node and GPUs, derived limits, weight-sync route, and each launched
-    server's command as the launch runs it (its interpreter, PYTHONPATH and key file); start nothing."""
+    """Print the plan: processes with node and GPUs, derived limits, weight-sync route, the actor's
+    memory per rank and its load's per node (commands/actor_memory.py), and each launched server's command
+    as the launch runs it (its interpreter, PYTHONPATH and key file); start nothing."""
     from tandemrl.cluster.placement import describe_plan, plan_placement
+    from tandemrl.commands.actor_memory import describe_actor_memory
 
     plan = plan_placement(config)
-    lines = [*describe_plan(config, plan), *_cpu_plan(config, plan)[1]]
+    lines = [*describe_plan(config, plan), *_cpu_plan(config, plan)[1], *describe_actor_memory(config, plan)]
     if config.rollout.backend in ("sglang", "vllm") and plan.engines:
         from tandemrl.cluster.server_supervisor import ServerSpec, build_server
 

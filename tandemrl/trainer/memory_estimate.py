@@ -1,0 +1,124 @@
+"""What one actor rank holds in memory, from the model's parameter counts alone (`tandem train --dry-run`).
+
+The counts come from the model's config.json: the HF model is built on the meta device (no memory, no
+weights), so a 30B model is measured in seconds on a machine without GPUs. The arithmetic follows the
+actor as trainer/actor.py and trainer/policy.py build it today: fp32 master weights, fp32 gradients and
+AdamW's two fp32 moments (16 bytes a parameter), sharded 1/N by FSDP2 over N ranks; while a decoder
+layer runs, its parameters gathered in the compute dtype; the root (embeddings, final norm, lm_head) kept
+gathered from forward to backward (`reshard_after_forward=False`). One rank keeps the plain module and
+computes under autocast, whose compute-dtype copies of the weights live until the forward ends.
+
+Invariant: an estimate, not a measurement. Activations, FSDP's prefetch of the next layer, a layer's
+unsharded gradients before their reduce-scatter, the CUDA context and allocator slack are not in it.
+The arithmetic is plain Python; only `measure_model` imports torch and transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+MASTER_BYTES = 4  # fp32 master weights
+GRADIENT_BYTES = 4  # fp32 gradients
+OPTIMIZER_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
+LOAD_BYTES = 4  # trainer/actor.py `load_hf_model` loads in fp32
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of an HF causal LM, as the actor shards it."""
+
+    num_params: int  # tied embeddings counted once
+    num_root_params: int  # not under the base model's `.layers`: embeddings, final norm, lm_head
+    num_layer_params: int  # the largest decoder layer
+    num_layers: int
+
+
+@dataclass(frozen=True)
+class ActorMemory:
+    """Bytes one actor rank holds at its peak (see the module docstring for what is left out)."""
+
+    num_ranks: int
+    compute_bytes: int  # 2 (bf16) or 4 (fp32): the dtype forward and backward run in
+    weights: int
+    gradients: int
+    optimizer: int
+    gathered_layer: int = 0  # FSDP (num_ranks > 1): one decoder layer unsharded while it runs
+    gathered_root: int = 0  # FSDP: the root, gathered from forward to the end of backward
+    autocast_copies: int = 0  # one rank below fp32: autocast's cast of every weight, until forward ends
+    reference: int = 0  # the reference model's fp32 weights (algorithm.kl_coef > 0), sharded like the actor's
+
+    @property
+    def total(self) -> int:
+        return (
+            self.weights
+            + self.gradients
+            + self.optimizer
+            + self.gathered_layer
+            + self.gathered_root
+            + self.autocast_copies
+            + self.reference
+        )
+
+
+def actor_memory_per_rank(
+    size: ModelSize, num_ranks: int, compute_bytes: int, has_reference: bool = False
+) -> ActorMemory:
+    """The estimate of one rank of an actor of `num_ranks` ranks computing in `compute_bytes` a value."""
+    if num_ranks < 1 or compute_bytes not in (2, 4):
+        raise ValueError(f"num_ranks={num_ranks} (>= 1), compute_bytes={compute_bytes} (2 or 4)")
+
+    def sharded(bytes_per_param: int) -> int:  # FSDP2 splits every parameter along dim 0 over the ranks
+        return math.ceil(size.num_params * bytes_per_param / num_ranks)
+
+    if num_ranks == 1:
+        below_fp32 = compute_bytes < MASTER_BYTES
+        transient = {"autocast_copies": size.num_params * compute_bytes if below_fp32 else 0}
+    else:
+        transient = {
+            "gathered_layer": size.num_layer_params * compute_bytes,
+            "gathered_root": size.num_root_params * compute_bytes,
+        }
+    return ActorMemory(
+        num_ranks,
+        compute_bytes,
+        weights=sharded(MASTER_BYTES),
+        gradients=sharded(GRADIENT_BYTES),
+        optimizer=sharded(OPTIMIZER_BYTES),
+        reference=sharded(MASTER_BYTES) if has_reference else 0,
+        **transient,
+    )
+
+
+def load_peak_host_bytes(size: ModelSize, num_ranks_on_node: int, has_reference: bool = False) -> int:
+    """Host memory the actor's load takes on one node at its peak. Today every rank loads the whole model
+    in fp32 into host memory (trainer/actor.py `load_hf_model`) and, with a reference model, copies it there
+    (`copy.deepcopy`) before either is placed or sharded. Change this with the loader."""
+    copies = 2 if has_reference else 1
+    return num_ranks_on_node * copies * LOAD_BYTES * size.num_params
+
+
+def measure_model(model_dir: str | Path) -> ModelSize:
+    """Count the parameters of the HF causal LM whose config.json is in `model_dir`, built on the meta
+    device (no weights read, nothing downloaded, no remote code run)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layers = getattr(model.base_model, "layers", None)
+    if layers is None:
+        raise ValueError(
+            f"{type(model).__name__} has no `.layers` on its base model; the actor shards the decoder "
+            "layers of Llama/Qwen/GLM-style HF models"
+        )
+    in_layers = {id(p) for p in layers.parameters()}
+    params = list(model.parameters())  # shared (tied) parameters once
+    return ModelSize(
+        num_params=sum(p.numel() for p in params),
+        num_root_params=sum(p.numel() for p in params if id(p) not in in_layers),
+        num_layer_params=max((sum(p.numel() for p in layer.parameters()) for layer in layers), default=0),
+        num_layers=len(layers),
+    )

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
 import sys
@@ -116,3 +118,76 @@ def train_save_then_hang_mid_save(model_dir: str, output_dir: str, marker: str) 
 
     torch.save = save_then_hang
     actor.save_checkpoint(checkpoint.checkpoint_dir(output_dir, 2), extra={"data/data.pt": {"position": 2}})
+
+
+def num_checkpoint_params(model_dir: Path) -> int:
+    """The parameters stored in `model_dir`'s safetensors (tied weights once), read from the headers."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def load_peak_rss(model_dir: Path, world_size: int, out_dir: Path) -> list[dict[str, int]]:
+    """Host memory of building the actor on `model_dir` (load, shard, optimizer) in each of `world_size`
+    gloo ranks (processes by mp.spawn, as a multi-rank run has them), measured from the rank's RSS just
+    before `Actor(...)`: per rank, `peak_bytes` is the highest RSS during the build (the kernel's high-water
+    mark, reset to the current RSS first) less that RSS, `rss_bytes` what the built actor keeps. The process
+    group and the model's classes exist before the baseline, so only the build is counted. (`ru_maxrss`
+    would not do: it keeps the peak of the process spawn forked from, across the exec.)"""
+    import torch.multiprocessing as mp
+
+    from tandemrl.host.child_server import free_port
+
+    mp.spawn(
+        _load_rss_rank,
+        args=(world_size, free_port(), str(model_dir), str(out_dir)),
+        nprocs=world_size,
+        join=True,
+    )
+    return [json.loads((Path(out_dir) / f"rss_rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def _load_rss_rank(rank: int, world_size: int, port: int, model_dir: str, out_dir: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from tandemrl.trainer.actor import Actor
+    from tandemrl.trainer.policy import init_distributed
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    init_distributed(torch.device("cpu"))
+    with torch.device("meta"):  # imports the model's modules (a lazy import would count as the load)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+    Path("/proc/self/clear_refs").write_text("5")  # the high-water mark := the current RSS (Linux >= 4.0)
+    rss_before = _proc_status_bytes("VmRSS")
+    actor = Actor(cpu_actor_setup(Path(model_dir)))
+    result = {
+        "peak_bytes": _proc_status_bytes("VmHWM") - rss_before,
+        "rss_bytes": _proc_status_bytes("VmRSS") - rss_before,
+    }
+    (Path(out_dir) / f"rss_rank{rank}.json").write_text(json.dumps(result))
+    del actor
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as rank_worker: skip the interpreter teardown that once aborted a gloo child
+
+
+def _proc_status_bytes(key: str) -> int:
+    """A `kB` field of /proc/self/status (VmRSS, VmHWM) in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)

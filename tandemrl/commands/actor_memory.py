@@ -106,7 +106,9 @@ def describe_actor_memory(
         "  (not counted: activations, FSDP's prefetch of the next layer, unsharded gradients before their "
         "reduce-scatter, the CUDA context, allocator slack)",
     ]
-    load_lines, load_warnings = _load_lines(size, ranks_per_node, has_reference, machine)
+    load_lines, load_warnings = _load_lines(
+        size, ranks_per_node, has_reference, machine, shards_on_host=not on_gpu
+    )
     lines += load_lines
     warnings += load_warnings
     for warning in warnings:
@@ -115,26 +117,44 @@ def describe_actor_memory(
 
 
 def _load_lines(
-    size: ModelSize, ranks_per_node: Counter, has_reference: bool, machine: MachineMemory
+    size: ModelSize,
+    ranks_per_node: Counter,
+    has_reference: bool,
+    machine: MachineMemory,
+    shards_on_host: bool,
 ) -> tuple[list[str], list[str]]:
     """(a line per node of actor ranks on the load's host peak there; the warnings)."""
     from tandemrl.trainer.memory_estimate import load_peak_host_bytes
 
+    num_ranks = sum(ranks_per_node.values())
+    if num_ranks == 1:
+        how = "one rank loads the full model in fp32" + (
+            " and copies it for the reference model" if has_reference else ""
+        )
+    else:
+        how = "rank 0 streams the checkpoint into every rank's shards" + (
+            ", held on the host" if shards_on_host else ""
+        )
     lines, warnings = [], []
-    copies = " and copies it for the reference model" if has_reference else ""
-    for node, num_ranks in sorted(ranks_per_node.items()):
-        peak = load_peak_host_bytes(size, num_ranks, has_reference)
-        line = f"load: up to {_gib(peak)} of host memory on node {node} (each rank loads the full model in fp32{copies})"
+    for node, num_ranks_on_node in sorted(ranks_per_node.items()):
+        peak = load_peak_host_bytes(
+            size,
+            num_ranks_on_node,
+            num_ranks,
+            has_reference,
+            shards_on_host=shards_on_host,
+        )
+        line = f"load: up to {_gib(peak)} of host memory on node {node} ({how})"
         if node != 0 or machine.host_bytes is None:
             lines.append(f"{line}; node {node}'s host memory is unknown from here")
             continue
         lines.append(f"{line}, of {_gib(machine.host_bytes)} on this machine")
         if peak > machine.host_bytes:
             warnings.append(
-                f"the actor's load needs up to {_gib(peak)} of host memory on node 0 ({num_ranks} rank(s), each "
-                f"loading the full model in fp32{copies}), more than this machine's {_gib(machine.host_bytes)}: "
-                "the ranks would run out of memory while loading. Spread the actor's ranks over more nodes "
-                "(cluster.component_placement) or use a node with more memory."
+                f"the actor's load needs up to {_gib(peak)} of host memory on node 0 ({num_ranks_on_node} rank(s); "
+                f"{how}), more than this machine's {_gib(machine.host_bytes)}: the ranks would run out of memory "
+                "while loading. Spread the actor's ranks over more nodes (cluster.component_placement) or use a "
+                "node with more memory."
             )
     return lines, warnings
 

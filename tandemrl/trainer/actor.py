@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 from tandemrl.config.actor import ActorSetup
 from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
+from tandemrl.trainer.loading import CheckpointSource, build_on_meta, load_hf_model, materialize, read_config
 from tandemrl.trainer.loss import PolicyLossConfig, loglinear_proximal, masked_sum_tensors, ppo_token_losses
 from tandemrl.trainer.optim import build_optimizer
 from tandemrl.trainer.policy import (
@@ -62,23 +63,6 @@ PPO_SUM_KEYS = (
 )
 
 
-def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
-    from transformers import AutoModelForCausalLM
-
-    from tandemrl.host.hf import hf_load_kwargs
-
-    path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"actor model directory {str(path)!r} has no config.json. Set "
-            "actor.model.model_path to a Hugging Face model directory, or run "
-            "`tandem prepare model` for the embedded default."
-        )
-    return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation, **hf_load_kwargs()
-    )
-
-
 def enable_activation_checkpointing(hf_model: torch.nn.Module) -> None:
     """Non-reentrant checkpointing of every decoder layer (recomputed inside FSDP's unshard in backward).
     transformers >= 5.2x names it activation_checkpointing_enable; older releases gradient_checkpointing_enable."""
@@ -105,23 +89,39 @@ class Actor:
         self.compute_dtype = resolve_compute_dtype(cfg.dtype, self.device)
         self.model_path = cfg.model.model_path or (None if hf_model is not None else str(default_model_dir()))
         attn = resolve_attn_implementation(cfg.attn_implementation, self.device, self.compute_dtype)
-        hf_model = hf_model if hf_model is not None else load_hf_model(self.model_path, attn)
+        # several ranks: each builds the model on the meta device, shards it, and rank 0 streams the weights
+        # into everyone's shards (trainer/loading.py); one rank loads it straight onto its device
+        source = None
+        if self.world_size > 1:
+            if self.rank == 0:
+                where = {"model": hf_model} if hf_model is not None else {"model_path": self.model_path}
+                source = CheckpointSource(**where, attn_implementation=attn)
+            config = hf_model.config if hf_model is not None else read_config(self.model_path)
+            hf_model = build_on_meta(config, attn)
+        elif hf_model is None:
+            hf_model = load_hf_model(self.model_path, attn)
         mark("actor: model weights loaded")
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         self.micro_batch_tokens = resolve_micro_batch_tokens(
             cfg.micro_batch_tokens, hf_model.config, self.device
         )
-        ref_hf = copy.deepcopy(hf_model) if setup.algorithm.kl_coef > 0 else None
+        ref_hf = None
+        if setup.algorithm.kl_coef > 0:  # sharded: a meta model of its own, filled from the same checkpoint
+            is_sharded = self.world_size > 1
+            ref_hf = build_on_meta(hf_model.config, attn) if is_sharded else copy.deepcopy(hf_model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
         if cfg.fused_rms_norm:
             fuse_rms_norms(hf_model)
         if cfg.compile_layers:
             compile_layers(hf_model)
-        self.policy = self._place(PolicyModel(hf_model.train(), setup.temperature))
+        self.policy = self._place(PolicyModel(hf_model.train(), setup.temperature), source)
         self.ref_policy = None
         if ref_hf is not None:
-            self.ref_policy = self._place(PolicyModel(ref_hf.requires_grad_(False).eval(), setup.temperature))
+            ref = PolicyModel(ref_hf.requires_grad_(False).eval(), setup.temperature)
+            self.ref_policy = self._place(ref, source)
+        if source is not None:
+            source.close()  # the fallback's whole model, where it took one
         self.optimizer, self.scheduler = build_optimizer(
             self.policy.parameters(), cfg.optim, setup.total_updates
         )
@@ -139,8 +139,11 @@ class Actor:
         self.num_skipped_updates = 0
         self._probe = StepProbe(torch.device(self.device))  # what the current train step waited on
 
-    def _place(self, policy: PolicyModel) -> PolicyModel:
+    def _place(self, policy: PolicyModel, source: CheckpointSource | None) -> PolicyModel:
+        """Shard `policy`; across ranks, fill its meta parameters from rank 0's `source`."""
         shard_policy(policy, self.device, self.compute_dtype)
+        if self.world_size > 1:
+            materialize(policy, policy.hf, source, self.device)
         return policy
 
     @property

@@ -22,7 +22,8 @@ from pathlib import Path
 MASTER_BYTES = 4  # fp32 master weights
 GRADIENT_BYTES = 4  # fp32 gradients
 OPTIMIZER_BYTES = 8  # AdamW's exp_avg and exp_avg_sq, fp32
-LOAD_BYTES = 4  # trainer/actor.py `load_hf_model` loads in fp32
+LOAD_BYTES = 4  # trainer/loading.py loads in fp32
+LOAD_CHUNK_BYTES = 64 * 2**20  # trainer/loading.py CHUNK_BYTES (a unit test keeps the two equal)
 
 
 @dataclass(frozen=True)
@@ -91,12 +92,25 @@ def actor_memory_per_rank(
     )
 
 
-def load_peak_host_bytes(size: ModelSize, num_ranks_on_node: int, has_reference: bool = False) -> int:
-    """Host memory the actor's load takes on one node at its peak. Today every rank loads the whole model
-    in fp32 into host memory (trainer/actor.py `load_hf_model`) and, with a reference model, copies it there
-    (`copy.deepcopy`) before either is placed or sharded. Change this with the loader."""
-    copies = 2 if has_reference else 1
-    return num_ranks_on_node * copies * LOAD_BYTES * size.num_params
+def load_peak_host_bytes(
+    size: ModelSize,
+    num_ranks_on_node: int,
+    num_ranks: int,
+    has_reference: bool = False,
+    shards_on_host: bool = False,
+) -> int:
+    """Host memory the actor's load takes on one node at its peak (trainer/loading.py). One rank: the whole
+    model in fp32, and a deep copy of it for a reference model. Several ranks: one chunk of rows in flight
+    per rank (`LOAD_CHUNK_BYTES`), and the shards themselves where the actor runs on the CPU. A checkpoint
+    whose tensor names need converting adds one fp32 copy on rank 0's node (the loader's fallback), which
+    this leaves out."""
+    if num_ranks == 1:
+        return (2 if has_reference else 1) * LOAD_BYTES * size.num_params
+    peak = num_ranks_on_node * LOAD_CHUNK_BYTES
+    if shards_on_host:
+        models = 2 if has_reference else 1
+        peak += num_ranks_on_node * models * math.ceil(LOAD_BYTES * size.num_params / num_ranks)
+    return peak
 
 
 def measure_model(model_dir: str | Path) -> ModelSize:

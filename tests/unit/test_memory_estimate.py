@@ -15,10 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, Glm4MoeLiteConfig
 
 from tandemrl.cluster.placement import plan_placement
-from tandemrl.commands.actor_memory import MachineMemory, describe_actor_memory
+from tandemrl.commands.actor_memory import MachineMemory, _gib, describe_actor_memory
 from tandemrl.commands.train import dry_run
 from tandemrl.config.loader import load_config
 from tandemrl.trainer.memory_estimate import (
+    LOAD_CHUNK_BYTES,
     ModelSize,
     actor_memory_per_rank,
     load_peak_host_bytes,
@@ -122,10 +123,21 @@ def test_the_reference_model_adds_its_sharded_fp32_weights_only():
         actor_memory_per_rank(SIZE, 0, 2)
 
 
-def test_the_loads_host_peak_is_a_full_fp32_model_per_rank_on_the_node():
-    assert load_peak_host_bytes(SIZE, 1) == 4 * SIZE.num_params
-    assert load_peak_host_bytes(SIZE, 8) == 8 * load_peak_host_bytes(SIZE, 1)
-    assert load_peak_host_bytes(SIZE, 8, has_reference=True) == 2 * load_peak_host_bytes(SIZE, 8)
+def test_the_loads_host_peak_follows_the_loader():
+    """One rank: the whole fp32 model (twice with a reference model); several: one chunk in flight per rank,
+    and the shards only where they live on the host (trainer/loading.py)."""
+    from tandemrl.trainer.loading import CHUNK_BYTES
+
+    assert LOAD_CHUNK_BYTES == CHUNK_BYTES
+    one = load_peak_host_bytes(SIZE, 1, 1)
+    assert one == 4 * SIZE.num_params
+    assert load_peak_host_bytes(SIZE, 1, 1, has_reference=True) == 2 * one
+    on_gpu = load_peak_host_bytes(SIZE, 8, 8)
+    assert on_gpu == 8 * CHUNK_BYTES
+    assert load_peak_host_bytes(SIZE, 4, 8) == on_gpu // 2
+    assert load_peak_host_bytes(SIZE, 8, 8, shards_on_host=True) == on_gpu + 4 * SIZE.num_params  # 8 x 1/8
+    shards = load_peak_host_bytes(SIZE, 4, 8, has_reference=True, shards_on_host=True)
+    assert shards - load_peak_host_bytes(SIZE, 4, 8) == 2 * 4 * SIZE.num_params // 2
 
 
 def test_dry_run_prints_the_estimate_for_a_tiny_model(capsys, tiny_llama_dir):
@@ -140,10 +152,10 @@ def test_dry_run_prints_the_estimate_for_a_tiny_model(capsys, tiny_llama_dir):
         f"gradients {weights_mib:.2f} MiB, optimizer {2 * weights_mib:.2f} MiB, gathered layer "
     )
     assert "; CPU ranks: " in line
-    load_mib = load_peak_host_bytes(size, 2) / 2**20
+    load = _gib(load_peak_host_bytes(size, 2, 2, shards_on_host=True))
     assert (
-        f"load: up to {load_mib:.2f} MiB of host memory on node 0 (each rank loads the full model in fp32)"
-        in out
+        f"load: up to {load} of host memory on node 0 (rank 0 streams the checkpoint into every "
+        "rank's shards, held on the host)" in out
     )
     assert f"actor model: {size.num_params / 1e6:.2f} M parameters" in out
 
@@ -250,4 +262,4 @@ def test_the_glm_recipe_with_a_local_config_prints_its_estimate(capsys, tmp_path
     out = capsys.readouterr().out
     assert "actor memory per rank (estimate, 8 ranks, bf16 compute, fp32 masters): weights " in out
     size = measure_model(model_dir)
-    assert f"load: up to {load_peak_host_bytes(size, 8) / 2**20:.2f} MiB of host memory on node 0" in out
+    assert f"load: up to {_gib(load_peak_host_bytes(size, 8, 8))} of host memory on node 0" in out

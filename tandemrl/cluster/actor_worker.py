@@ -124,13 +124,17 @@ class ActorWorker:
     def greedy(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
         """Greedy continuations (argmax of the raw logits, EOS included) under exactly the weights a push
         sends (`iter_full_weights`, in the compute dtype), so an engine that took them answers the same
-        (runner/weights_check.py). Every rank gathers the weights; rank 0 decodes."""
+        (runner/weights_check.py). Every rank takes part in gathering each tensor; only rank 0 keeps them,
+        builds the model in the compute dtype and decodes."""
         import torch
         from transformers import AutoModelForCausalLM
 
-        state = dict(self.actor.iter_full_weights())
+        weights = self.actor.iter_full_weights()
         if self.actor.rank != 0:
+            for _ in weights:
+                pass
             return []
+        state = dict(weights)
         config = self.actor.policy.hf.config
         with torch.device(self.actor.device):
             model = AutoModelForCausalLM.from_config(config, dtype=self.actor.compute_dtype).eval()

@@ -399,9 +399,13 @@ class Actor:
     def export_hf(self, out_dir: str | Path) -> Path:
         from tandemrl.trainer.export import save_hf_dir
 
-        state = dict(self.iter_full_weights(dtype=torch.float32))
+        # one tensor at a time: every rank takes part in each gather, rank 0 writes it (trainer/export.py)
+        weights = self.iter_full_weights(dtype=torch.float32)
         if self.rank == 0:
-            save_hf_dir(state, self.policy.hf.config, self.model_path, out_dir)
+            save_hf_dir(weights, self.policy.hf.config, self.model_path, out_dir)
+        else:
+            for _ in weights:
+                pass
         if self.world_size > 1:
             dist.barrier()
         return Path(out_dir)

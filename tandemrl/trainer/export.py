@@ -3,35 +3,52 @@
 Weights are written in float32 (the actor's master precision): a bf16 export would round away updates
 smaller than bf16's resolution, which at RL learning rates are most of them.
 Invariant: the exported directory loads with `AutoModelForCausalLM.from_pretrained` and its weights
-equal the actor's full (unsharded) weights at the checkpoint. It is written beside its place and moved
+equal the actor's full (unsharded) weights at the checkpoint. The weights are written as they arrive, one
+safetensors shard (`SHARD_BYTES`) at a time, so no process holds the whole model: the actor's ranks gather
+one tensor at a time and only rank 0 keeps it, until its shard is written. It is written beside its place and moved
 in whole: an export that fails or is interrupted leaves the model that was there before.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
 import sys
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
+SHARD_BYTES = 2 * 2**30  # fp32 bytes of one safetensors file of an export, held on the host while it fills
+
 
 def save_hf_dir(
-    state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out_dir: str | Path
+    weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    hf_config,
+    tokenizer_dir: str | Path | None,
+    out_dir: str | Path,
 ) -> Path:
-    """Build the HF model of `hf_config`, load `state` (HF names), save it with the tokenizer files."""
-    out = check_replaceable(Path(out_dir))
-    staging = out.with_name(f".{out.name}.writing-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
+    """Write the HF model of `hf_config` with `weights` (HF names; a mapping, or (name, tensor) pairs that
+    are streamed: at most `SHARD_BYTES` of them are held at once) and the tokenizer files. The pairs are
+    always consumed to the end, even when writing fails, so ranks that feed them in lockstep (all-gathers)
+    never wait on one that stopped."""
+    named = iter(weights.items() if isinstance(weights, Mapping) else weights)
     try:
-        _write_hf_dir(state, hf_config, tokenizer_dir, staging)
-        _swap_in(staging, out)
-    finally:
+        out = check_replaceable(Path(out_dir))
+        staging = out.with_name(f".{out.name}.writing-{os.getpid()}")
         shutil.rmtree(staging, ignore_errors=True)
+        try:
+            _write_hf_dir(named, hf_config, tokenizer_dir, staging)
+            _swap_in(staging, out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    finally:
+        for _ in named:  # drained: see the docstring
+            pass
     return out
 
 
@@ -63,30 +80,80 @@ def _swap_in(staging: Path, out: Path) -> None:
 
 
 def _write_hf_dir(
-    state: dict[str, torch.Tensor], hf_config, tokenizer_dir: str | Path | None, out: Path
+    named: Iterator[tuple[str, torch.Tensor]], hf_config, tokenizer_dir: str | Path | None, out: Path
 ) -> None:
+    """Safetensors shards of about SHARD_BYTES as the pairs arrive (fp32, on the host), their index, the
+    config and generation config as `save_pretrained` writes them, and the tokenizer files."""
     from transformers import AutoModelForCausalLM
 
     from tandemrl.trainer.checkpoint import TOKENIZER_FILES
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.device("meta"):  # the names and shapes the config makes, and its ties: no memory
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    seen: set[str] = set()
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, total = 0, 0
+    for name, tensor in named:
+        if name not in shapes or tuple(tensor.shape) != shapes[name]:
+            raise ValueError(
+                f"export: {name} of shape {list(tensor.shape)} is not in the model config "
+                f"(it has {list(shapes[name]) if name in shapes else 'no such tensor'}); the checkpoint and its "
+                "actor/hf/config.json disagree."
+            )
+        seen.add(name)
+        shards[-1][name] = tensor.detach().to("cpu", torch.float32).contiguous()
+        size += tensor.numel() * 4
+        if size >= SHARD_BYTES:
+            _save_shard(shards[-1], out / f"shard-{len(shards)}.safetensors")
+            total += size
+            shards.append({})
+            size = 0
     tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
-    if unexpected or set(missing) - tied:
+    missing = set(shapes) - seen - tied
+    if missing:
         raise ValueError(
-            f"export: the weights do not match the model config (missing {sorted(missing)[:5]}, "
-            f"unexpected {sorted(unexpected)[:5]}); the checkpoint and its actor/hf/config.json "
-            "disagree."
+            f"export: the weights lack {sorted(missing)[:5]} of the model config; the checkpoint and its "
+            "actor/hf/config.json disagree."
         )
-    if tied:
-        model.tie_weights()
+    if shards[-1]:
+        _save_shard(shards[-1], out / f"shard-{len(shards)}.safetensors")
+        total += size
+    _name_shards(out, total)
     model.config.dtype = torch.float32
-    model.save_pretrained(out, safe_serialization=True)
+    model.config.save_pretrained(out)
+    if model.can_generate():
+        model.generation_config.save_pretrained(out)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
             if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, out / name)
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, path, metadata={"format": "pt"})
+    tensors.clear()  # written: the host lets them go
+
+
+def _name_shards(out: Path, total_bytes: int) -> None:
+    """HF's names: one `model.safetensors`, or `model-0000i-of-0000n.safetensors` and their index."""
+    from safetensors import safe_open
+
+    written = sorted(out.glob("shard-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+    if len(written) == 1:
+        os.replace(written[0], out / "model.safetensors")
+        return
+    weight_map = {}
+    for index, path in enumerate(written, start=1):
+        final = f"model-{index:05d}-of-{len(written):05d}.safetensors"
+        with safe_open(path, framework="pt") as handle:
+            weight_map.update(dict.fromkeys(handle.keys(), final))
+        os.replace(path, out / final)
+    index_body = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index_body, indent=2) + "\n")
 
 
 def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tensor], object]:

@@ -1,7 +1,8 @@
 """The actor's loading across ranks (`trainer/loading.py`): 2 gloo ranks build the model on the meta device and
 rank 0 streams the checkpoint into both ranks' shards. They end with exactly `from_pretrained`'s weights and
 buffers, from safetensors and through the fallback (a checkpoint stored otherwise), the reference model
-(`algorithm.kl_coef > 0`) too. The load's host memory: test_actor_ranks_ray.py."""
+(`algorithm.kl_coef > 0`) too, and export them again streamed (`Actor.export_hf`). The load's host memory:
+test_actor_ranks_ray.py."""
 
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def _weights_worker(rank: int, port: int, model_dir: str, out_file: str) -> None
     buffers = {name: buffer.clone() for name, buffer in actor.policy.hf.named_buffers()}
     if rank == 0:
         torch.save({"policy": policy, "reference": reference, "buffers": buffers}, out_file)
+    actor.export_hf(Path(out_file).parent / "exported")  # every rank gathers, rank 0 writes
     _leave()
 
 
@@ -84,6 +86,8 @@ def test_two_ranks_load_exactly_the_checkpoint(tiny_llama_dir, tmp_path, stored)
         assert torch.equal(got["reference"][name], tensor), f"reference {name}"
         if name in got["policy"]:
             assert torch.equal(got["policy"][name], tensor), name
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported", dtype=torch.float32).state_dict()
+    assert all(torch.equal(exported[name], tensor) for name, tensor in state.items())
     assert set(got["buffers"]) == set(buffers) and buffers  # the rotary frequencies, never in the file
     for name, buffer in buffers.items():
         assert torch.equal(got["buffers"][name], buffer), name

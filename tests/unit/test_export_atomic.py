@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from tandemrl.trainer import export
 from tandemrl.trainer.export import save_hf_dir
 
 
@@ -40,12 +41,11 @@ def test_an_interrupted_export_leaves_the_old_model(tiny_llama_dir, tmp_path, mo
     save_hf_dir(state, config, tiny_llama_dir, out)
     before = _files(out)
 
-    def half_written(self, directory, **kwargs):
-        (directory / "model.safetensors").parent.mkdir(parents=True, exist_ok=True)
-        (directory / "model.safetensors").write_bytes(b"truncated")
+    def half_written(tensors, path):
+        path.write_bytes(b"truncated")
         raise error
 
-    monkeypatch.setattr(type(AutoModelForCausalLM.from_config(config)), "save_pretrained", half_written)
+    monkeypatch.setattr(export, "_save_shard", half_written)
     with pytest.raises(type(error) if isinstance(error, BaseException) else error):
         save_hf_dir({k: v * 0 for k, v in state.items()}, config, tiny_llama_dir, out)
     assert _files(out) == before
@@ -72,3 +72,26 @@ def test_sft_refuses_a_directory_it_would_wipe_before_any_work(tmp_path, capsys)
     assert cli.main(["sft", str(config), f"actor.sft.out_dir={mine}"]) == 2
     assert "no model in it" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+
+
+def test_a_streamed_export_is_sharded_and_drains_its_input(tiny_llama_dir, tmp_path, monkeypatch):
+    """Pairs stream in (as the actor's ranks gather them): shards of about SHARD_BYTES with HF's index, the
+    same weights back through from_pretrained; and a failed write still consumes every pair, so ranks that
+    gather in lockstep with the writer are never left waiting."""
+    state, config = _state_and_config(tiny_llama_dir)
+    monkeypatch.setattr(export, "SHARD_BYTES", 2**20)  # this model's ~12 MiB in several files
+    out = save_hf_dir(iter(state.items()), config, tiny_llama_dir, tmp_path / "sharded")
+    shards = sorted(p.name for p in out.glob("model-*.safetensors"))
+    assert len(shards) > 1 and (out / "model.safetensors.index.json").is_file()
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    assert all(torch.equal(loaded[k], state[k]) for k in state)
+    consumed = []
+
+    def pairs():
+        for name, tensor in state.items():
+            consumed.append(name)
+            yield name, tensor[:1] if name.endswith("norm.weight") else tensor  # a wrong shape midway
+
+    with pytest.raises(ValueError, match="not in the model config"):
+        save_hf_dir(pairs(), config, tiny_llama_dir, tmp_path / "wrong")
+    assert consumed == list(state) and not (tmp_path / "wrong").exists()

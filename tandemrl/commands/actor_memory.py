@@ -93,7 +93,10 @@ def describe_actor_memory(
     on_gpu = any(p.gpus for p in plan.actor)
     compute = resolve_dtype(config.actor.dtype, "cuda" if on_gpu else "cpu")
     has_reference = config.algorithm.kl_coef > 0
-    memory = actor_memory_per_rank(size, len(plan.actor), 2 if compute == "bfloat16" else 4, has_reference)
+    offload = config.actor.cpu_offload
+    memory = actor_memory_per_rank(
+        size, len(plan.actor), 2 if compute == "bfloat16" else 4, has_reference, offload
+    )
     if machine is None:
         machine = probe_machine(with_gpu=on_gpu and any(p.node == 0 for p in plan.actor))
     ranks_per_node = Counter(p.node for p in plan.actor)
@@ -229,8 +232,10 @@ def _parts(memory: ActorMemory) -> str:
         )
         if value
     ]
-    unit = GIB if memory.total >= GIB else MIB
+    unit = GIB if max(memory.total, memory.host) >= GIB else MIB
     listed = ", ".join(f"{name} {_gib(value, unit)}" for name, value in parts)
+    if memory.offload:  # actor.cpu_offload: the sharded state is on the host
+        return f"{listed}; on the host (actor.cpu_offload) {_gib(memory.host, unit)}, total on the GPU {_gib(memory.total, unit)}"
     return f"{listed}; total {_gib(memory.total, unit)}"
 
 

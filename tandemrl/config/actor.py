@@ -207,6 +207,10 @@ class ActorConfig:
     device: str = "auto"
     dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
     num_ranks: int = 1
+    # FSDP2's CPUOffloadPolicy (GPU actors only): the fp32 weights, gradients and AdamW moments (16 bytes a
+    # parameter) live in pinned host memory and each layer's weights are copied in for its forward and
+    # backward; the optimizer steps on the CPU. Sharded even on one rank (trainer/policy.py `shard_policy`)
+    cpu_offload: bool = False
     # the actor trains rollout.model.model_path (the weights the engines serve); true: actor.model.model_path
     # may name other weights on purpose (same architecture and tokenizer; the engines get them at step 0)
     allow_different_model: bool = False
@@ -220,6 +224,14 @@ class ActorConfig:
         _check_positive("actor.num_ranks", self.num_ranks)
         _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check(
+            not (self.cpu_offload and self.device == "cpu"),
+            "actor.cpu_offload",
+            self.cpu_offload,
+            "offloads a GPU actor's weights, gradients and optimizer state to the host, where a CPU actor "
+            "(actor.device=cpu) already keeps them",
+            "Set actor.cpu_offload=false, or actor.device=cuda.",
+        )
         _check_choice(
             "actor.attn_implementation",
             self.attn_implementation,

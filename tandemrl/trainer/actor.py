@@ -141,7 +141,7 @@ class Actor:
 
     def _place(self, policy: PolicyModel, source: CheckpointSource | None) -> PolicyModel:
         """Shard `policy`; across ranks, fill its meta parameters from rank 0's `source`."""
-        shard_policy(policy, self.device, self.compute_dtype)
+        shard_policy(policy, self.device, self.compute_dtype, self.setup.actor.cpu_offload)
         if self.world_size > 1:
             materialize(policy, policy.hf, source, self.device)
         return policy

@@ -49,31 +49,34 @@ class ActorMemory:
     gathered_root: int = 0  # FSDP: the root, gathered from forward to the end of backward
     autocast_copies: int = 0  # one rank below fp32: autocast's cast of every weight, until forward ends
     reference: int = 0  # the reference model's fp32 weights (algorithm.kl_coef > 0), sharded like the actor's
+    offload: bool = False  # actor.cpu_offload: the sharded state (weights, gradients, optimizer) on the host
+
+    @property
+    def host(self) -> int:
+        """Bytes on the host: the sharded state when offloaded, else none counted here."""
+        return self.weights + self.gradients + self.optimizer + self.reference if self.offload else 0
 
     @property
     def total(self) -> int:
-        return (
-            self.weights
-            + self.gradients
-            + self.optimizer
-            + self.gathered_layer
-            + self.gathered_root
-            + self.autocast_copies
-            + self.reference
+        """Bytes on the rank's device."""
+        transient = self.gathered_layer + self.gathered_root + self.autocast_copies
+        return transient + (
+            0 if self.offload else self.weights + self.gradients + self.optimizer + self.reference
         )
 
 
 def actor_memory_per_rank(
-    size: ModelSize, num_ranks: int, compute_bytes: int, has_reference: bool = False
+    size: ModelSize, num_ranks: int, compute_bytes: int, has_reference: bool = False, offload: bool = False
 ) -> ActorMemory:
-    """The estimate of one rank of an actor of `num_ranks` ranks computing in `compute_bytes` a value."""
+    """The estimate of one rank of an actor of `num_ranks` ranks computing in `compute_bytes` a value;
+    `offload` (actor.cpu_offload): FSDP on one rank too, its sharded state on the host."""
     if num_ranks < 1 or compute_bytes not in (2, 4):
         raise ValueError(f"num_ranks={num_ranks} (>= 1), compute_bytes={compute_bytes} (2 or 4)")
 
     def sharded(bytes_per_param: int) -> int:  # FSDP2 splits every parameter along dim 0 over the ranks
         return math.ceil(size.num_params * bytes_per_param / num_ranks)
 
-    if num_ranks == 1:
+    if num_ranks == 1 and not offload:
         below_fp32 = compute_bytes < MASTER_BYTES
         transient = {"autocast_copies": size.num_params * compute_bytes if below_fp32 else 0}
     else:
@@ -88,6 +91,7 @@ def actor_memory_per_rank(
         gradients=sharded(GRADIENT_BYTES),
         optimizer=sharded(OPTIMIZER_BYTES),
         reference=sharded(MASTER_BYTES) if has_reference else 0,
+        offload=offload,
         **transient,
     )
 

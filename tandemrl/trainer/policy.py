@@ -23,7 +23,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 
 from tandemrl.host.devices import resolve_device as resolve_device_name
 from tandemrl.host.devices import resolve_dtype
@@ -320,7 +326,9 @@ def reshard(policy: nn.Module) -> None:
         policy.reshard()
 
 
-def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch.dtype) -> None:
+def shard_policy(
+    policy: PolicyModel, device: torch.device, compute_dtype: torch.dtype, cpu_offload: bool = False
+) -> None:
     """FSDP2 across ranks: one unit per decoder layer, the wrapper as root; fp32 master weights,
     `compute_dtype` for forward/backward, fp32 gradient reduction.
 
@@ -330,8 +338,15 @@ def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch
     at 1.5B, bf16). Below fp32 it computes under autocast over fp32 weights instead: the same
     numerics as FSDP's mixed precision (bf16 matmuls, fp32 params, fp32 gradient accumulation over
     micro-batches). Loss scaling, clipping, DCP checkpoints and full weights are the same code for both.
+    `cpu_offload` (`actor.cpu_offload`, a GPU only): FSDP2 with its CPUOffloadPolicy, on one rank too.
     """
-    if dist.get_world_size() == 1:
+    if cpu_offload and device.type != "cuda":
+        raise ValueError(
+            f"actor.cpu_offload=true with the actor on {device.type}: offload moves a GPU actor's weights, "
+            "gradients and optimizer state to the host, where a CPU actor already keeps them. Set "
+            "actor.cpu_offload=false, or actor.device=cuda."
+        )
+    if dist.get_world_size() == 1 and not cpu_offload:
         policy.to(device)
         policy.autocast_dtype = None if compute_dtype == torch.float32 else compute_dtype
         return
@@ -345,6 +360,7 @@ def shard_policy(policy: PolicyModel, device: torch.device, compute_dtype: torch
             f"{type(policy.hf).__name__}: no `.layers` on its base model; the actor shards "
             "decoder layers of Llama/Qwen/GLM-style HF models."
         )
+    offload = CPUOffloadPolicy(pin_memory=True) if cpu_offload else OffloadPolicy()
     for layer in layers:
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(policy, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, offload_policy=offload)
+    fully_shard(policy, mesh=mesh, mp_policy=mp, offload_policy=offload, reshard_after_forward=False)

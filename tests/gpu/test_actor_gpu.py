@@ -32,7 +32,7 @@ def _tiny_model(attn: str = "sdpa"):
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
 
 
-def _step(device: str, dtype: str, attn: str = "sdpa"):
+def _step(device: str, dtype: str, attn: str = "sdpa", *overrides: str):
     torch.set_num_threads(1)
     model = _tiny_model(attn)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -46,6 +46,7 @@ def _step(device: str, dtype: str, attn: str = "sdpa"):
             "algorithm.recompute_logprobs=true",
             "actor.micro_batch_tokens=64",
             "runner.output_dir=/tmp/tandem-unused",
+            *overrides,
         ],
     )
     actor = Actor(actor_setup(config), hf_model=model)
@@ -84,6 +85,22 @@ def test_bf16_train_step_on_cuda_matches_fp32():
 
 def test_cpu_twin_bf16_compute_matches_fp32():
     _compare_to_fp32("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cpu_offload_keeps_the_state_on_the_host_and_steps_as_without():
+    """actor.cpu_offload: FSDP2 on one rank with its CPUOffloadPolicy; the fp32 masters (and so the optimizer
+    state) on the host, the same bf16 step as the plain module within bf16 tolerance."""
+    offloaded, low, low_delta = _step("cuda", "bfloat16", "sdpa", "actor.cpu_offload=true")
+    assert is_sharded(offloaded.policy)
+    assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in offloaded.policy.parameters())
+    _, ref, ref_delta = _step("cuda", "bfloat16")
+    assert low["train/actor/loss"] == pytest.approx(ref["train/actor/loss"], abs=2e-2)
+    a = torch.cat([low_delta[k].flatten() for k in ref_delta])
+    b = torch.cat([ref_delta[k].flatten() for k in ref_delta])
+    assert b.abs().max() > 1e-4
+    assert float(a @ b / (a.norm() * b.norm())) > 0.9
 
 
 @pytest.mark.gpu

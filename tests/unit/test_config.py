@@ -350,3 +350,17 @@ def test_prefix_cache_age_is_derived_by_runner(overrides, expected):
 def test_prefix_cache_age_out_of_range_names_the_key():
     with pytest.raises(ConfigError, match="prefix_cache_max_age=9"):
         load_config(None, ["rollout.engine.prefix_cache_max_age=9"])
+
+
+def test_cpu_offload_is_for_a_gpu_actor():
+    """actor.cpu_offload on a CPU actor is refused at load (named), and by the actor itself where `auto`
+    resolved to the CPU."""
+    import torch
+
+    from tandemrl.trainer.policy import shard_policy
+
+    with pytest.raises(ConfigError, match="actor.cpu_offload"):
+        load_config(None, ["actor.device=cpu", "actor.cpu_offload=true"])
+    assert load_config(None, ["actor.device=cuda", "actor.cpu_offload=true"]).actor.cpu_offload is True
+    with pytest.raises(ValueError, match="actor.cpu_offload=true with the actor on cpu"):
+        shard_policy(torch.nn.Module(), torch.device("cpu"), torch.float32, cpu_offload=True)

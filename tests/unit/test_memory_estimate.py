@@ -263,3 +263,14 @@ def test_the_glm_recipe_with_a_local_config_prints_its_estimate(capsys, tmp_path
     assert "actor memory per rank (estimate, 8 ranks, bf16 compute, fp32 masters): weights " in out
     size = measure_model(model_dir)
     assert f"load: up to {_gib(load_peak_host_bytes(size, 8, 8))} of host memory on node 0" in out
+
+
+def test_offload_moves_the_sharded_state_to_the_host():
+    """actor.cpu_offload: weights, gradients, optimizer state and a reference model on the host; the GPU holds
+    what FSDP gathers (one layer and the root), on one rank too."""
+    plain = actor_memory_per_rank(SIZE, 1, 2, has_reference=True)
+    offloaded = actor_memory_per_rank(SIZE, 1, 2, has_reference=True, offload=True)
+    assert offloaded.host == plain.weights + plain.gradients + plain.optimizer + plain.reference
+    assert offloaded.total == offloaded.gathered_layer + offloaded.gathered_root > 0
+    assert offloaded.autocast_copies == 0 and offloaded.total < plain.total
+    assert plain.host == 0

@@ -18,6 +18,24 @@ QWEN25_15B = dict(
     rms_norm_eps=1e-6,
     use_sliding_window=False,
 )
+QWEN25_3B = dict(  # Qwen/Qwen2.5-3B (3.09 B parameters)
+    QWEN25_15B,
+    hidden_size=2048,
+    intermediate_size=11008,
+    num_hidden_layers=36,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+)
+QWEN25_7B = dict(  # Qwen/Qwen2.5-7B (7.62 B parameters): a larger vocabulary, and untied embeddings
+    QWEN25_15B,
+    vocab_size=152064,
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    tie_word_embeddings=False,
+)
 TINY = dict(
     vocab_size=1024,
     hidden_size=64,

@@ -17,9 +17,8 @@ when the pause mode left it idle, vLLM records the version and resets its prefix
 Invariant: every bucket of one `push` carries the same `weight_version`, so the engines end on exactly
 that version; names are the HF parameter names.
 CUDA IPC to the embedded engine is one bucket, whatever `bucket_mb` says (`is_one_bucket`, set where
-`rollout/backends.py` `pushes_atomically` holds): the engine's
-loop thread loads it as one command between two steps, so an `in_place` update needs no pause around it
-(runner/step.py, `sync_weights`). The bucket's tensors are the actor's own where it already holds the
+`rollout/backends.py` `pushes_atomically` holds): the engine's loop thread loads it as one command between
+two steps, so an `in_place` update needs no pause around it (runner/step.py, `sync_weights`). The bucket's tensors are the actor's own where it already holds the
 compute dtype, else one cast copy of the weights, alive until the engine has copied them.
 """
 
@@ -123,9 +122,8 @@ class WeightSender:
         if engine_kind not in ENGINE_KINDS:
             raise ValueError(f"engine_kind must be one of {ENGINE_KINDS}, got {engine_kind!r}")
         self.engine_kind, self.tp_size, self.flush_cache = engine_kind, tp_size, flush_cache
-        self.is_one_bucket = (
-            is_one_bucket  # every tensor in one bucket: the engine loads it between two steps
-        )
+        # every tensor in one bucket, which the engine loads between two of its steps
+        self.is_one_bucket = is_one_bucket
         if bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {bucket_mb}")
         self.clients, self.backend, self.bucket_bytes = clients, backend, bucket_mb * 2**20

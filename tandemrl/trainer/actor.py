@@ -90,7 +90,7 @@ class Actor:
         self.model_path = cfg.model.model_path or (None if hf_model is not None else str(default_model_dir()))
         attn = resolve_attn_implementation(cfg.attn_implementation, self.device, self.compute_dtype)
         # several ranks: each builds the model on the meta device, shards it, and rank 0 streams the weights
-        # into everyone's shards (trainer/loading.py); one rank loads it straight onto its device
+        # into everyone's shards (trainer/loading.py); one rank loads it whole (fp32, on the host)
         source = None
         if self.world_size > 1:
             if self.rank == 0:

@@ -6,7 +6,6 @@ test_actor_ranks_ray.py."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -17,30 +16,13 @@ from transformers import AutoModelForCausalLM
 
 from tandemrl.trainer.loading import build_on_meta, read_config, tied_names
 from tests.conftest import free_port
-from tests.integration.trainer_helpers import cpu_actor_setup
-
-
-def _join(rank: int, world_size: int, port: int) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-
-
-def _leave() -> None:
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    os._exit(0)  # the result is on disk; skip teardown (see trainer_helpers.rank_worker)
+from tests.integration.trainer_helpers import cpu_actor_setup, join_as_rank, leave_together
 
 
 def _weights_worker(rank: int, port: int, model_dir: str, out_file: str) -> None:
     """Both ranks build the actor with a reference model; rank 0 saves both models' full weights and
     buffers."""
-    _join(rank, 2, port)
+    join_as_rank(rank, 2, port)
     from tandemrl.trainer.actor import Actor
 
     actor = Actor(cpu_actor_setup(Path(model_dir), "algorithm.kl_coef=0.1"))
@@ -52,7 +34,7 @@ def _weights_worker(rank: int, port: int, model_dir: str, out_file: str) -> None
     if rank == 0:
         torch.save({"policy": policy, "reference": reference, "buffers": buffers}, out_file)
     actor.export_hf(Path(out_file).parent / "exported")  # every rank gathers, rank 0 writes
-    _leave()
+    leave_together()
 
 
 def _spawn(worker, *args) -> None:

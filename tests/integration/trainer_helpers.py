@@ -57,10 +57,9 @@ def cpu_actor_setup(model_dir: Path, *overrides: str) -> ActorSetup:
     )
 
 
-def rank_worker(
-    rank: int, world_size: int, port: int, model_dir: str, out_file: str, num_steps: int, overrides: list[str]
-) -> None:
-    """One rank: `num_steps` train steps on the same samples, then rank 0 saves the full weights."""
+def join_as_rank(rank: int, world_size: int, port: int) -> None:
+    """A process started by `mp.spawn`: one torch thread, and the env:// rendezvous of rank `rank` of
+    `world_size` at 127.0.0.1:`port` (the actor's `init_distributed` joins it)."""
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -69,18 +68,30 @@ def rank_worker(
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
     )
-    result = train_steps(Path(model_dir), num_steps, overrides, Path(out_file).parent / "ckpt")
-    if rank == 0:
-        torch.save(result, out_file)
+
+
+def leave_together() -> None:
+    """End a spawned rank whose results are on disk."""
     # leave together: a rank that tears gloo down while its peer is still using the group can abort
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
-    # The result is on disk. Skip interpreter teardown: once in CI a gloo thread still joinable at static
-    # destruction aborted the child ("terminate called without an active exception") after it had done
-    # its work, which mp.spawn reports as a failed rank.
+    # Skip interpreter teardown: once in CI a gloo thread still joinable at static destruction aborted the
+    # child ("terminate called without an active exception") after it had done its work, which mp.spawn
+    # reports as a failed rank.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def rank_worker(
+    rank: int, world_size: int, port: int, model_dir: str, out_file: str, num_steps: int, overrides: list[str]
+) -> None:
+    """One rank: `num_steps` train steps on the same samples, then rank 0 saves the full weights."""
+    join_as_rank(rank, world_size, port)
+    result = train_steps(Path(model_dir), num_steps, overrides, Path(out_file).parent / "ckpt")
+    if rank == 0:
+        torch.save(result, out_file)
+    leave_together()
 
 
 def train_steps(model_dir: Path, num_steps: int, overrides: list[str], ckpt_dir: Path | None = None) -> dict:
@@ -158,14 +169,7 @@ def _load_rss_rank(rank: int, world_size: int, port: int, model_dir: str, out_di
     from tandemrl.trainer.actor import Actor
     from tandemrl.trainer.policy import init_distributed
 
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
+    join_as_rank(rank, world_size, port)
     init_distributed(torch.device("cpu"))
     with torch.device("meta"):  # imports the model's modules (a lazy import would count as the load)
         AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
@@ -178,11 +182,7 @@ def _load_rss_rank(rank: int, world_size: int, port: int, model_dir: str, out_di
     }
     (Path(out_dir) / f"rss_rank{rank}.json").write_text(json.dumps(result))
     del actor
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as rank_worker: skip the interpreter teardown that once aborted a gloo child
+    leave_together()
 
 
 def _proc_status_bytes(key: str) -> int:

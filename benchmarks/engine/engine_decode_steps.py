@@ -152,6 +152,28 @@ def measure(engine: Engine, batch: int, args, rng: random.Random) -> dict:
     return row
 
 
+def tiny_model_dir(path: Path) -> Path:
+    """A random tiny model with SmolLM2's tokenizer at `path` (the --tiny smoke checks of this group)."""
+    from benchmarks.engine.model_shapes import make_tiny_model_dir
+    from tandemrl.host.home import tandem_home
+
+    return make_tiny_model_dir(path, tandem_home() / "models" / "SmolLM2-135M-Instruct")
+
+
+def print_row(row: dict) -> None:
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+
+
+def run_header(model_dir, device: str) -> dict:
+    """What a result file says about its run: the command, the device, torch and the model."""
+    return {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "model_dir": str(model_dir),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,12 +187,7 @@ def main() -> int:
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     if args.tiny:
-        from benchmarks.engine.model_shapes import make_tiny_model_dir
-        from tandemrl.host.home import tandem_home
-
-        model_dir = make_tiny_model_dir(
-            Path("/tmp/tandem_decode_steps_tiny"), tandem_home() / "models" / "SmolLM2-135M-Instruct"
-        )
+        model_dir = tiny_model_dir(Path("/tmp/tandem_decode_steps_tiny"))
         batches, args.steps, args.prompt_tokens = [min(b, 16) for b in batches[:2]], 3, 32
         device = "cpu"
     else:
@@ -191,12 +208,9 @@ def main() -> int:
     for batch in batches:
         row = measure(engine, batch, args, rng)
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print_row(row)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "model_dir": str(model_dir),
+        **run_header(model_dir, device),
         "prompt_tokens": args.prompt_tokens,
         "steps": args.steps,
         "rows": rows,

@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -31,6 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks.engine.engine_decode_steps import print_row, run_header, tiny_model_dir  # noqa: E402
 from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.sequence import SamplingParams  # noqa: E402
 
@@ -117,12 +117,7 @@ def main() -> int:
     args = parser.parse_args()
     shapes = SHAPES
     if args.tiny:
-        from benchmarks.engine.model_shapes import make_tiny_model_dir
-        from tandemrl.host.home import tandem_home
-
-        model_dir = make_tiny_model_dir(
-            Path("/tmp/tandem_prefill_steps_tiny"), tandem_home() / "models" / "SmolLM2-135M-Instruct"
-        )
+        model_dir = tiny_model_dir(Path("/tmp/tandem_prefill_steps_tiny"))
         shapes, args.repeats, device = shapes[:2], 2, "cpu"
     else:
         model_dir, device = args.model_dir, "cuda"
@@ -140,12 +135,9 @@ def main() -> int:
             "graph_over_eager": g["step_ms"] / e["step_ms"],
         }
         rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print_row(row)
     result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-        "torch": torch.__version__,
-        "model_dir": str(model_dir),
+        **run_header(model_dir, device),
         "repeats": args.repeats,
         "prefill_graph_steps": replays,  # of the graph engine's prefill steps, warm-ups included
         "rows": rows,

@@ -48,15 +48,12 @@ def build_model(shape: dict, device: torch.device, attn_implementation: str) -> 
     """The Qwen2 model of `shape`, fp32, its weights drawn on `device` (never whole on the host)."""
     from transformers import Qwen2Config
 
-    from tandemrl.trainer.loading import build_on_meta
+    from tandemrl.trainer.loading import build_on_meta, to_empty_keeping_buffers
 
     model = build_on_meta(Qwen2Config(**shape), attn_implementation)
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)  # fresh storage for every tensor: the buffers' values and the ties are lost
-    model.tie_weights()
+    to_empty_keeping_buffers(model, device)
+    model.tie_weights()  # to_empty gives each module's parameters fresh storage of their own
     with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
         for name, param in model.named_parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, INIT_STD)

@@ -107,8 +107,7 @@ class Actor:
         )
         ref_hf = None
         if setup.algorithm.kl_coef > 0:  # sharded: a meta model of its own, filled from the same checkpoint
-            is_sharded = self.world_size > 1
-            ref_hf = build_on_meta(hf_model.config, attn) if is_sharded else copy.deepcopy(hf_model)
+            ref_hf = build_on_meta(hf_model.config, attn) if self.world_size > 1 else copy.deepcopy(hf_model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
         if cfg.fused_rms_norm:

@@ -93,8 +93,14 @@ def _write_hf_dir(
         model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     seen: set[str] = set()
-    shards: list[dict[str, torch.Tensor]] = [{}]
+    shard: dict[str, torch.Tensor] = {}  # filling; emptied as each shard is written
+    written: list[list[str]] = []  # the names in each shard written, in order
     size, total = 0, 0
+
+    def write_shard() -> None:
+        written.append(list(shard))
+        _save_shard(shard, out / f"shard-{len(written)}.safetensors")
+
     for name, tensor in named:
         if name not in shapes or tuple(tensor.shape) != shapes[name]:
             raise ValueError(
@@ -103,13 +109,11 @@ def _write_hf_dir(
                 "actor/hf/config.json disagree."
             )
         seen.add(name)
-        shards[-1][name] = tensor.detach().to("cpu", torch.float32).contiguous()
+        shard[name] = tensor.detach().to("cpu", torch.float32).contiguous()
         size += tensor.numel() * 4
         if size >= SHARD_BYTES:
-            _save_shard(shards[-1], out / f"shard-{len(shards)}.safetensors")
-            total += size
-            shards.append({})
-            size = 0
+            write_shard()
+            total, size = total + size, 0
     tied = {"lm_head.weight"} if getattr(hf_config, "tie_word_embeddings", False) else set()
     missing = set(shapes) - seen - tied
     if missing:
@@ -117,10 +121,10 @@ def _write_hf_dir(
             f"export: the weights lack {sorted(missing)[:5]} of the model config; the checkpoint and its "
             "actor/hf/config.json disagree."
         )
-    if shards[-1]:
-        _save_shard(shards[-1], out / f"shard-{len(shards)}.safetensors")
+    if shard:
+        write_shard()
         total += size
-    _name_shards(out, total)
+    _name_shards(out, written, total)
     model.config.dtype = torch.float32
     model.config.save_pretrained(out)
     if model.can_generate():
@@ -138,20 +142,17 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path) -> None:
     tensors.clear()  # written: the host lets them go
 
 
-def _name_shards(out: Path, total_bytes: int) -> None:
-    """HF's names: one `model.safetensors`, or `model-0000i-of-0000n.safetensors` and their index."""
-    from safetensors import safe_open
-
-    written = sorted(out.glob("shard-*.safetensors"), key=lambda p: int(p.stem.split("-")[1]))
+def _name_shards(out: Path, written: list[list[str]], total_bytes: int) -> None:
+    """HF's names for the shards `shard-i` (`written[i - 1]` their tensors): one `model.safetensors`, or
+    `model-0000i-of-0000n.safetensors` and their index."""
     if len(written) == 1:
-        os.replace(written[0], out / "model.safetensors")
+        os.replace(out / "shard-1.safetensors", out / "model.safetensors")
         return
     weight_map = {}
-    for index, path in enumerate(written, start=1):
+    for index, names in enumerate(written, start=1):
         final = f"model-{index:05d}-of-{len(written):05d}.safetensors"
-        with safe_open(path, framework="pt") as handle:
-            weight_map.update(dict.fromkeys(handle.keys(), final))
-        os.replace(path, out / final)
+        weight_map.update(dict.fromkeys(names, final))
+        os.replace(out / f"shard-{index}.safetensors", out / final)
     index_body = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_body, indent=2) + "\n")
 

@@ -113,11 +113,11 @@ class CheckpointSource:
             yield from _in_memory(self.model.state_dict(), names)
             return
         files = safetensors_files(Path(self.model_path))
-        stored = _stored_names(files)
+        stored = _stored_tensors(files)
         if files and names - tied <= set(stored):
-            for name, file in stored.items():
+            for name, (file, shape) in stored.items():
                 if name in names:
-                    yield name, _stored_shape(file, name), _file_rows(file, name)
+                    yield name, shape, _file_rows(file, name)
             return
         # names the checkpoint does not store as the model does: transformers' own loading converts them
         if self._fallback is None:
@@ -141,21 +141,16 @@ def safetensors_files(path: Path) -> list[Path]:
     return [single] if single.is_file() else []
 
 
-def _stored_names(files: list[Path]) -> dict[str, Path]:
+def _stored_tensors(files: list[Path]) -> dict[str, tuple[Path, torch.Size]]:
+    """Every stored tensor's file and shape, from the files' headers (no tensor is read)."""
     from safetensors import safe_open
 
-    stored: dict[str, Path] = {}
+    stored: dict[str, tuple[Path, torch.Size]] = {}
     for file in files:
         with safe_open(file, framework="pt") as handle:
-            stored.update(dict.fromkeys(handle.keys(), file))
+            for name in handle.keys():
+                stored[name] = (file, torch.Size(handle.get_slice(name).get_shape()))
     return stored
-
-
-def _stored_shape(file: Path, name: str) -> torch.Size:
-    from safetensors import safe_open
-
-    with safe_open(file, framework="pt") as handle:
-        return torch.Size(handle.get_slice(name).get_shape())
 
 
 def _file_rows(file: Path, name: str) -> RowReader:
@@ -200,16 +195,23 @@ def tied_names(hf: nn.Module) -> set[str]:
     return tied
 
 
+def to_empty_keeping_buffers(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device=device)` (fresh, uninitialised storage for every tensor), its buffers' values
+    put back: a `build_on_meta` model computed them at construction, and no checkpoint stores them."""
+    buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+
+
 def materialize(
     model: nn.Module, hf: nn.Module, source: CheckpointSource | None, device: torch.device
 ) -> None:
     """Give sharded `model` (whose HF module is `hf`, from `build_on_meta`) real storage on `device`, keeping
     its buffers, then rank 0's weights (`source`; None on the other ranks), each tensor broadcast in chunks
     of rows and each rank keeping the rows of its own shard."""
-    buffers = {name: buffer.detach().to("cpu", copy=True) for name, buffer in hf.named_buffers()}
-    model.to_empty(device=device)
-    for name, buffer in hf.named_buffers():
-        buffer.copy_(buffers[name])
+    to_empty_keeping_buffers(model, device)
     targets = dict(hf.state_dict(keep_vars=True))
     tied = tied_names(hf)
     # gloo sends host tensors, NCCL device ones

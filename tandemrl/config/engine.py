@@ -49,7 +49,8 @@ class EngineOptions:
     overlap_steps: bool | None = None  # schedule step n+1 while step n runs; None: where the runner gains
     # speculative decoding (engine/speculative.py): ngram drafts up to `spec_num_draft_tokens` tokens by
     # prompt lookup (the last spec_ngram_max..spec_ngram_min tokens matched earlier in the request's own
-    # context) and one forward verifies them, with exact sampling; runs on the reference runner
+    # context) and one forward verifies them, with exact sampling; steps do not overlap (docs/DESIGN.md,
+    # Speculative decoding, Fast paths)
     speculative: str = "none"
     spec_num_draft_tokens: int = 4
     spec_ngram_min: int = 1

@@ -8,7 +8,8 @@ operation that is not a step (abort, retract, weight load, flush) first drains t
 A prefill step may forward only a chunk of a long request (see `scheduler.py`): that row samples
 nothing, so it gets no pending token and its postprocessed token is discarded. With speculative decoding
 (`rollout.engine.speculative`) a decode step verifies each request's n-gram draft (`speculative.py`) and
-appends every token it emits, up to a stop; the step does not overlap and runs on the reference runner.
+appends every token it emits, up to a stop; the step does not overlap (on CUDA a verify step is one eager
+Triton forward, `FastModelRunner.launch_verify`).
 Invariant: every added request is returned by `step()` or `abort*()` exactly once, with its finish reason
 (requests finished while draining come out of the next `step()` or `take_finished()`); the weight version
 stamped on a token is the version of the weights that produced its logits.
@@ -30,7 +31,7 @@ from tandemrl.config.engine import DEFAULT_PREFIX_CACHE_AGE, EngineConfig
 from tandemrl.engine.fast_model_runner import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
-from tandemrl.engine.model_runner import ModelRunner, StepResult
+from tandemrl.engine.model_runner import StepResult
 from tandemrl.engine.prefix_cache import PrefixCachingBlockManager, PrefixCachingScheduler
 from tandemrl.engine.scheduler import Scheduler
 from tandemrl.engine.sequence import SamplingParams, Sequence, Status
@@ -95,13 +96,11 @@ class Engine:
         else:
             self.blocks = BlockManager(num_blocks, config.block_size)
             self.scheduler = Scheduler(self.blocks, *scheduler_args, self.drafter)
-        if self.drafter is None:
-            self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
-        else:  # verify steps run on the reference path (docs/DESIGN.md, Speculative decoding)
-            self.runner = ModelRunner(
-                self.model, num_blocks, config.block_size, self.device, self.dtype, config.seed
-            )
-        self.overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
+        self.runner = build_runner(self.model, num_blocks, config, self.device, self.dtype)
+        # a verify step's tokens are the next step's inputs, so a speculating engine never overlaps steps
+        # (config/engine.py refuses overlap_steps=true with it)
+        overlaps = self.runner.overlaps if config.overlap_steps is None else config.overlap_steps
+        self.overlaps = overlaps and self.drafter is None
         self.weight_version = 0
         self.is_version_set_by_update = False  # whether a call carrying this version loaded it
         self.is_version_order_restarted = False  # a new trainer joined: its first version may be any

@@ -13,6 +13,7 @@ input token is read on the device, from the rows step n sampled into (`tokens_B`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -25,6 +26,7 @@ from tandemrl.engine.model_runner import ModelRunner, StepResult, flatten_uncach
 from tandemrl.engine.pinned_staging import PinnedStaging
 from tandemrl.engine.sampler import sample
 from tandemrl.engine.sequence import Sequence
+from tandemrl.engine.speculative import verify
 from tandemrl.host.startup import mark
 
 # Triton is imported only on the CUDA path (`triton_attention`, `fast_layers`): CPU installs need not have it.
@@ -186,6 +188,57 @@ class FastModelRunner(ModelRunner):
         event = torch.cuda.Event()
         event.record()
         return _PendingResult(event, ids_host[:num_seqs], logprobs_host[:num_seqs])
+
+    @torch.inference_mode()
+    def launch_verify(self, seqs: list[Sequence]) -> StepResult:
+        """A speculative decode step (engine/speculative.py). A batch without drafts is a plain decode step
+        (its captured graph); with drafts, one eager Triton forward over each request's last token and
+        draft gives the logits of every one of those positions, which `verify` accepts or rejects. The
+        engine does not overlap steps while it speculates, so no input token is pending here."""
+        assert not any(s.num_pending for s in seqs), "a verify step's inputs are all known"
+        if not any(s.draft_ids for s in seqs):
+            ids, logprobs = self.launch(seqs).get()
+            return StepResult([[t] for t in ids], [[lp] for lp in logprobs])
+        token_ids, logprobs = verify(self._verify_logits(seqs), seqs, self.generator)
+        self.prev_rows = {}  # nothing of this step is read on the device by the next
+        return StepResult(token_ids, logprobs)
+
+    def _verify_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Logits `[R, V]` at each sequence's last token and every draft token, in batch order: its uncached
+        tokens forwarded as a prefill chunk over its cached context (the ragged Triton attention), every
+        row kept (`fast_forward` prunes its last layer only when `last_token_index` has fewer rows than the
+        step has tokens). The drafts' K/V is written; `num_cached_tokens` counts it once accepted."""
+        from tandemrl.engine.triton_attention import host_metadata
+
+        input_ids, positions, query_lens, context_lens = flatten_uncached(seqs)
+        meta = host_metadata(query_lens, context_lens, [s.block_table for s in seqs], self.block_size)
+        ends = np.cumsum(query_lens)
+        rows = np.concatenate(
+            [np.arange(end - 1 - len(s.draft_ids), end) for s, end in zip(seqs, ends, strict=True)]
+        )
+        num_tokens, num_meta = len(input_ids), len(meta.ints)
+        # metadata | ids | positions | the rows verify reads
+        ints = np.concatenate(
+            [
+                meta.ints,
+                np.asarray(input_ids, dtype=np.int64),
+                np.asarray(positions, dtype=np.int64),
+                rows.astype(np.int64),
+            ]
+        )
+        dev, _ = self.staging.copy(ints, np.zeros(0, dtype=np.float32))
+        fast_meta = meta.on_device(dev[:num_meta], self.block_size, self.decode_config, self.prefill_config)
+        every_row = torch.arange(num_tokens, device=self.device)
+        fast_meta = dataclasses.replace(fast_meta, last_token_index=every_row)
+        step = dev[num_meta:]
+        logits = self.forward(step[:num_tokens], step[num_tokens : 2 * num_tokens], self.kv_caches, fast_meta)
+        for seq in seqs:
+            seq.num_cached_tokens = seq.step_end
+        if (
+            len(rows) < num_tokens
+        ):  # a request with more than its last token uncached (none in a decode batch)
+            logits = logits[step[2 * num_tokens :]]
+        return logits
 
     def _forward_eager(
         self, seqs: list[Sequence], src_rows: list[int], temps: list[float], seed: int

@@ -214,9 +214,10 @@ def _greedy(
     prompts: list[list[int]],
     graphs: bool,
     prefix: bool,
-    overlap: bool = True,
+    overlap: bool | None = True,
     prefill_budget: int = 8192,
     prefill_graphs: bool = False,
+    speculative: str = "none",
 ) -> tuple[list, object]:
     from tandemrl.engine.engine import Engine, EngineConfig
     from tandemrl.engine.sequence import SamplingParams
@@ -233,6 +234,7 @@ def _greedy(
             overlap_steps=overlap,
             max_prefill_tokens=prefill_budget,
             prefill_cuda_graphs=prefill_graphs,
+            speculative=speculative,
         )
     )
     params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
@@ -294,6 +296,36 @@ def test_prefill_graphs_match_eager_prefill(tmp_path, monkeypatch, prefill_budge
     for (g_ids, g_lps), (e_ids, e_lps) in zip(graphed, eager, strict=True):
         agree = next((i for i, (a, b) in enumerate(zip(g_ids, e_ids, strict=True)) if a != b), len(g_ids))
         for a, b in zip(g_lps[:agree], e_lps[:agree], strict=True):
+            assert abs(a - b) < 0.05
+
+
+def test_speculative_verify_on_the_fast_path(tmp_path, monkeypatch):
+    """n-gram speculation on the CUDA runner (engine/fast_model_runner.py `launch_verify`): a batch with
+    drafts is one eager Triton forward whose every row is verified, a batch without replays the decode
+    graph. Greedy tokens are those of the same engine without speculation (the forward rounds a verify
+    row in other GEMM shapes than a decode step, so near-ties may part: first tokens agree for all but two
+    requests, logprobs stay close until the paths part), drafts are accepted, and no KV block leaks."""
+    from tandemrl.engine.fast_model_runner import FastModelRunner
+
+    _pin_kernels(monkeypatch)
+    model_dir = _model_dir(tmp_path / "model")
+    rng = random.Random(11)
+    prompts = []
+    for _ in range(12):  # a span the request repeats: drafts find it
+        span = [rng.randrange(2, 2048) for _ in range(rng.randrange(8, 30))]
+        prompts.append(span + [rng.randrange(2, 2048) for _ in range(rng.randrange(3, 40))] + span[:4])
+    plain, _ = _greedy(model_dir, prompts, graphs=True, prefix=True, overlap=False)
+    spec, engine = _greedy(model_dir, prompts, graphs=True, prefix=True, overlap=None, speculative="ngram")
+    assert isinstance(engine.runner, FastModelRunner) and not engine.overlaps
+    assert engine.runner.graphs.num_replays > 0  # the batches without a draft
+    assert 0 < engine.num_spec_accepted_tokens <= engine.num_spec_draft_tokens
+    assert engine.num_decode_emitted_tokens > engine.num_decode_rows  # fewer steps than tokens
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # free or cached, none held
+    assert sum(s[0][0] == p[0][0] for s, p in zip(spec, plain, strict=True)) >= len(plain) - 2
+    for (s_ids, s_lps), (p_ids, p_lps) in zip(spec, plain, strict=True):
+        assert len(s_ids) == len(p_ids) == 40  # max_new_tokens holds with several tokens a step
+        agree = next((i for i, (a, b) in enumerate(zip(s_ids, p_ids, strict=True)) if a != b), len(s_ids))
+        for a, b in zip(s_lps[:agree], p_lps[:agree], strict=True):
             assert abs(a - b) < 0.05
 
 

@@ -41,6 +41,7 @@ from tandemrl.host.http_guard import (
     key_from_env,
     open_beyond_loopback_message,
 )
+from tandemrl.host.loop_monitor import LoopMonitor
 from tandemrl.host.startup import mark, mark_process_started
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class EngineServer:
         self.max_request_bytes = int(max_request_mb * 2**20)
         self.health_stall_s, self.weight_update_timeout_s = health_stall_s, weight_update_timeout_s
         self.started_s = time.time()
+        # how long this server's event loop was held (host/loop_monitor.py): a request's answer waits
+        # behind whatever holds it, time its client sees as HTTP (runner/step_metrics.py)
+        self.loop_monitor = LoopMonitor()
 
     def build_app(self) -> web.Application:
         app = web.Application(
@@ -114,7 +118,15 @@ class EngineServer:
         app.router.add_get("/get_model_info", self.model_info)
         WeightUpdateRoutes(self.loop, self.weight_update_timeout_s).add_to(app)
         app.on_startup.append(_mark_starting)
+        app.on_startup.append(self._watch_loop)
+        app.on_cleanup.append(self._stop_watching_loop)
         return app
+
+    async def _watch_loop(self, app: web.Application) -> None:
+        self.loop_monitor.start()
+
+    async def _stop_watching_loop(self, app: web.Application) -> None:
+        self.loop_monitor.stop()
 
     def _parse_generate(self, body: dict) -> tuple[list[int], SamplingParams]:
         for key in ("stream", "return_logprob", "return_text_in_logprobs"):
@@ -247,12 +259,16 @@ class EngineServer:
 
     async def server_info(self, request: web.Request) -> web.Response:
         stats = await asyncio.wrap_future(self.loop.call(lambda engine: engine.stats()))
+        totals = self.loop_monitor.totals()
         return web.json_response(
             {
                 **stats,
                 "is_paused": self.loop.is_paused,
                 "busy_s": self.loop.busy_s,  # cumulative seconds with requests running
                 "prefill_busy_s": self.loop.prefill_busy_s,  # the part of it in steps that launched a prefill
+                # cumulative seconds the HTTP side's event loop ran its timer late, and was held past 50 ms
+                "http_loop_late_s": totals["loop_late_s"],
+                "http_loop_stalled_s": totals["loop_stalled_s"],
                 "model_path": self.model_path,
                 "uptime_s": time.time() - self.started_s,
             }

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandemrl.host.loop_monitor import LoopMonitor
 from tandemrl.runner.rollout_driver import RolloutDriver
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ class RunContext:
     pending_validation: PendingValidation | None = None  # a validation running beside the next step
     bookkeeping: asyncio.Task | None = None  # the last step's records and row, made beside this step
     train_reads: asyncio.Future | None = None  # the engines' counters around this step's train step
+    # how long the driver's event loop (agents, runner, bookkeeping) was held, and by what: `close_step`
+    # takes each step's window (host/loop_monitor.py); None: not watched (tests that build a context)
+    loop_monitor: LoopMonitor | None = None
 
     @property
     def engines_stand_down(self) -> bool:

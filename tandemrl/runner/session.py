@@ -124,6 +124,7 @@ async def run_session(
     `startup_origin` (epoch, what it is): the start-up timeline is reported after the first step."""
     from tandemrl.agent.search_tool import SearchTool
     from tandemrl.agent.tools import build_env
+    from tandemrl.host.loop_monitor import LoopMonitor
     from tandemrl.host.startup import mark
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.metrics.trackers import resolved_config
@@ -191,12 +192,15 @@ async def run_session(
     ctx.startup_origin = startup_origin
     ctx.colocated_policy = services.plan.colocated_policy
     ctx.atomic_weight_updates = pushes_atomically(config.rollout.backend, services.plan.weight_sync)
+    ctx.loop_monitor = LoopMonitor()
+    ctx.loop_monitor.start()
     mark("runner starting")
     is_done = False
     try:
         await _run_with_watchdog(ctx, services)
         is_done = True
     finally:
+        ctx.loop_monitor.stop()
         await driver.stop()
         try:
             if is_done and runner.weights_check_tokens:

@@ -18,6 +18,7 @@ much of it they took), so the steps' times add up to the run's wall time from th
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import time
@@ -351,6 +352,8 @@ async def validate_before_training(ctx: RunContext) -> None:
 def start_clock(ctx: RunContext) -> None:
     """The first step starts now: `time/wall` counts from here, and the first `time/step` too."""
     ctx.clock_start_s = ctx.last_step_end_s = time.monotonic()
+    if ctx.loop_monitor is not None:
+        ctx.loop_monitor.take()  # the first step's window of the driver's loop starts with its clock
 
 
 async def end_of_step(
@@ -436,7 +439,26 @@ def close_step(ctx: RunContext, metrics: dict[str, float]) -> float:
     step_s = now_s - ctx.last_step_end_s
     metrics["time/wall"] = now_s - ctx.clock_start_s
     ctx.last_step_end_s = now_s
+    if ctx.loop_monitor is not None:
+        metrics.update(loop_metrics(ctx, ctx.loop_monitor.take(), metrics["time/wall"]))
     return step_s
+
+
+def loop_metrics(ctx: RunContext, window: dict, wall_s: float) -> dict[str, float]:
+    """The step's window of the driver's event loop (host/loop_monitor.py): `driver/loop_late_s` (its timer's
+    lateness summed: time the loop ran other callbacks first), `driver/loop_max_late_ms`, and
+    `driver/loop_stalled_s` (held past 50 ms at a stretch); what held it goes to loop_stalls.jsonl, a line
+    per step that stalled (`wall`: the step's end on the run's clock, its row's `time/wall`), the code
+    locations with their seconds."""
+    if window["stalled_s"] > 0:
+        line = {"wall": wall_s, "stalled_s": window["stalled_s"], "where": window["where"]}
+        with open(ctx.output_dir / "loop_stalls.jsonl", "a") as file:
+            file.write(json.dumps(line) + "\n")
+    return {
+        "driver/loop_late_s": window["late_s"],
+        "driver/loop_max_late_ms": window["max_late_ms"],
+        "driver/loop_stalled_s": window["stalled_s"],
+    }
 
 
 def step_row(ctx: RunContext, handoff: HandOff, metrics: dict[str, float], step_s: float) -> dict[str, float]:

@@ -31,6 +31,8 @@ BUSY_KEYS = (  # cumulative, in /get_server_info
     "num_prefix_hit_tokens",
     "num_stale_prefix_hit_tokens",
     "num_prefill_graph_steps",
+    "http_loop_late_s",
+    "http_loop_stalled_s",
 )
 
 
@@ -72,6 +74,10 @@ async def engine_busy_fraction(ctx: RunContext) -> dict[str, float]:
         # (rollout.engine.prefix_cache_max_age)
         "rollout/engine_prefix_hit_tokens": delta["num_prefix_hit_tokens"],
         "rollout/engine_stale_prefix_hit_tokens": delta["num_stale_prefix_hit_tokens"],
+        # the engines' HTTP event loops, summed: their timer's lateness, and time held past 50 ms at a
+        # stretch (host/loop_monitor.py); an answer waits behind whatever holds the loop
+        "rollout/engine_http_loop_late_s": delta["http_loop_late_s"],
+        "rollout/engine_http_loop_stalled_s": delta["http_loop_stalled_s"],
     }
     return {**metrics, **engine_step_metrics(delta)}
 

@@ -36,6 +36,12 @@ STEP_TIME_METRICS = [
     "time/sync_weights/push",
     "time/sync_weights/continue",
     "rollout/engine_busy_fraction",
+    # how long the driver's and the engine server's event loops were held (host/loop_monitor.py)
+    "driver/loop_late_s",
+    "driver/loop_stalled_s",
+    "driver/loop_max_late_ms",
+    "rollout/engine_http_loop_late_s",
+    "rollout/engine_http_loop_stalled_s",
 ]
 
 

@@ -114,6 +114,7 @@ def test_generate_shapes_and_task_name(engine, tiny_llama_dir, reference):
     assert len(result.output_logprobs) == 5 and result.prompt_tokens == len(PROMPTS[0])
     assert result.weight_versions == [int(result.weight_version)] * 5
     assert status == 200 and '"output_token_logprobs"' in text and '"finish_reason"' in text
+    assert info["http_loop_late_s"] >= 0 and info["http_loop_stalled_s"] >= 0  # its event loop is watched
     assert info["num_running"] == 0 and info["num_requests_added"] == info["num_requests_finished"]
 
 

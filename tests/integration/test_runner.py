@@ -114,6 +114,10 @@ def check_step_times(scalars: dict) -> None:
         assert 0 <= wait_s and 0 < train_s and wait_s + train_s <= step_s
     busy = [v for _, v in scalars["rollout/engine_busy_fraction"]]
     assert all(0.0 < v <= 1.0 for v in busy), busy  # the engine generated in every step
+    for (_, late_s), (_, stalled_s), (_, step_s) in zip(
+        scalars["driver/loop_late_s"], scalars["driver/loop_stalled_s"], scalars["time/step"], strict=True
+    ):
+        assert 0 <= stalled_s <= step_s + 0.05 and 0 <= late_s  # the step's window (one watcher tick over at most)
 
 
 def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):

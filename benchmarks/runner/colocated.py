@@ -141,7 +141,24 @@ GENERATION_KEYS = (  # where generation time went: means over the timed steps
     "time/engine_reads",
     "time/sync_weights",
     "time/other",
+    "driver/loop_late_s",
+    "driver/loop_max_late_ms",
+    "driver/loop_stalled_s",
+    "rollout/engine_http_loop_late_s",
+    "rollout/engine_http_loop_stalled_s",
 )
+
+
+def loop_stall_sites(run_dir: Path, top: int = 10) -> dict[str, float]:
+    """What held the driver's event loop over the whole run: seconds per code location, summed over the
+    lines of its loop_stalls.jsonl (tandemrl/host/loop_monitor.py), the `top` largest."""
+    path = run_dir / "loop_stalls.jsonl"
+    totals: dict[str, float] = {}
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            for where, seconds in json.loads(line)["where"].items():
+                totals[where] = totals.get(where, 0.0) + seconds
+    return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
 def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: float | None) -> dict:
@@ -186,6 +203,7 @@ def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: fl
             "mean_step_time_all_steps_s": _mean([r["time/step"] for r in trained if "time/step" in r]),
             "prefill_tokens_per_trajectory": per_trajectory["engine_prefill_tokens_per_trajectory"],
             "generation": {key: _mean([r[key] for r in timed if key in r]) for key in GENERATION_KEYS},
+            "loop_stall_sites": loop_stall_sites(run_dir),
         }
     )
     if slow_above_s is not None:

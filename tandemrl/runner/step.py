@@ -492,7 +492,10 @@ async def bookkeep(
     if train_reads is not None:
         reads.update(await train_reads)
     write_ledger(ctx, step, events)
-    write_trajectories(ctx, step, handoff)
+    # the trained trajectories as JSON (a few MB a step; 53 ms of json.dumps for 256 trajectories on a
+    # 2-core CPU, benchmarks/results/runner/step_records_cpu.json) in a worker thread: on the loop it would
+    # hold every agent's answer behind it (host/loop_monitor.py names such holders); the file is the step's own
+    await asyncio.to_thread(write_trajectories, ctx, step, handoff)
     # outside the step's clock, which ended before it
     metrics = {**metrics, **reads, "time/bookkeeping_overlapped": time.monotonic() - start_s}
     row = step_row(ctx, handoff, metrics, step_s)

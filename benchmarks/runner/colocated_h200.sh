@@ -35,6 +35,7 @@
 # variant's buffer sizes; async_concurrent's default is the concurrent runner as issue 35 found it: no correction,
 # staleness bound 1). A part named async_defaults_<label> is the recipe with its PART_EXTRA, sync_<label> the sync
 # recipe with its PART_EXTRA (ratios are always against the run named sync).
+# SPEC=1 adds issue 39's part after the benchmark: the sync recipe without and with n-gram speculation (SPEC_STEPS, SPEC_EXTRA).
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
 set -uo pipefail
@@ -181,6 +182,17 @@ if [[ $skip != *" bench "* ]]; then
     done
     python3 -m benchmarks.runner.sync_vs_async --colocated --summarize-only --runs-dir "$out/runs" \
         --out "$out/colocated_h200.json" >> "$out/bench.log" 2>&1 || stamp "summary failed (see bench.log)"
+    pack
+fi
+if [[ ${SPEC:-0} = 1 ]]; then
+    # issue 39 (opt-in): the sync recipe without and with n-gram speculative decoding, SPEC_STEPS (20) steps
+    # each, with SPEC_EXTRA (key=value) for the speculating run only (benchmarks/engine/speculative_h200.py)
+    read -r -a spec_extra <<< "${SPEC_EXTRA:-}"
+    stamp "speculative: the sync recipe without and with rollout.engine.speculative=ngram, ${SPEC_STEPS:-20} steps each"
+    timeout 600 python3 -m benchmarks.engine.speculative_h200 --config "$sync_cfg" --runs-dir "$out/spec" \
+        --steps "${SPEC_STEPS:-20}" --monitor --no-plots --out "$out/speculative_h200.json" --spec "${spec_extra[@]}" \
+        -- rollout.max_running_requests="$max_running" rollout.pause_mode="$pause_mode" "${extra[@]}" >> "$out/spec.log" 2>&1 \
+        || stamp "speculative benchmark failed (see spec.log)"
     pack
 fi
 if [[ $skip != *" ship "* ]]; then

@@ -107,6 +107,9 @@ class OptimConfig:
     lr_schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
+    # AdamW's two moments: float32 (8 bytes a parameter) | bfloat16 (4 bytes, written back by stochastic
+    # rounding, trainer/low_precision.py; round-to-nearest would freeze exp_avg_sq, which moves 0.1% a step)
+    state_dtype: str = "float32"
 
     def __post_init__(self):
         _check(
@@ -126,6 +129,7 @@ class OptimConfig:
                 f"Set actor.optim.{key} to a non-negative number.",
             )
         _check_choice("actor.optim.lr_schedule", self.lr_schedule, ("constant", "cosine"))
+        _check_choice("actor.optim.state_dtype", self.state_dtype, ("float32", "bfloat16"))
         _check(
             self.warmup_steps >= 0,
             "actor.optim.warmup_steps",
@@ -205,11 +209,16 @@ class ActorConfig:
     # off until it is measured on a GPU (CPU tests show the same loss and gradients)
     fused_rms_norm: bool = False
     device: str = "auto"
-    dtype: str = "auto"  # auto: bf16 on GPU, fp32 on CPU
+    dtype: str = "auto"  # the compute dtype; auto: bf16 on GPU, fp32 on CPU (bf16 under param_dtype=bfloat16)
+    # the stored weights and their gradients: float32 (fp32 masters, 16 bytes a parameter with AdamW's fp32
+    # moments) | bfloat16 (12 bytes: the update is computed in fp32 and written back by stochastic rounding,
+    # unbiased where round-to-nearest would drop every update below half a bf16 ulp (|w|/512 or more):
+    # all of them at lr 1e-6; trainer/low_precision.py)
+    param_dtype: str = "float32"
     num_ranks: int = 1
-    # FSDP2's CPUOffloadPolicy (GPU actors only): the fp32 weights, gradients and AdamW moments (16 bytes a
-    # parameter) live in pinned host memory and each layer's weights are copied in for its forward and
-    # backward; the optimizer steps on the CPU. Sharded even on one rank (trainer/policy.py `shard_policy`)
+    # FSDP2's CPUOffloadPolicy (GPU actors only): the weights, gradients and AdamW moments (16 bytes a
+    # parameter, 12 with bf16 weights) live in pinned host memory and each layer's weights are copied in for
+    # its forward and backward; the optimizer steps on the CPU. Sharded even on one rank (trainer/policy.py `shard_policy`)
     cpu_offload: bool = False
     # the actor trains rollout.model.model_path (the weights the engines serve); true: actor.model.model_path
     # may name other weights on purpose (same architecture and tokenizer; the engines get them at step 0)
@@ -224,6 +233,14 @@ class ActorConfig:
         _check_positive("actor.num_ranks", self.num_ranks)
         _check_choice("actor.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("actor.dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        _check_choice("actor.param_dtype", self.param_dtype, ("float32", "bfloat16"))
+        _check(
+            not (self.param_dtype == "bfloat16" and self.dtype == "float32"),
+            "actor.param_dtype",
+            self.param_dtype,
+            "contradicts actor.dtype=float32: bf16 weights compute in bf16 (nothing casts them up to fp32)",
+            "Set actor.dtype=bfloat16 (or auto), or actor.param_dtype=float32 for fp32 compute.",
+        )
         _check(
             not (self.cpu_offload and self.device == "cpu"),
             "actor.cpu_offload",

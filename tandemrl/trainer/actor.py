@@ -28,7 +28,8 @@ from tandemrl.host.startup import mark
 from tandemrl.trainer.batching import MicroBatch, TrainSample, plan_rank_micro_batches, split_minibatches
 from tandemrl.trainer.loading import CheckpointSource, build_on_meta, load_hf_model, materialize, read_config
 from tandemrl.trainer.loss import PolicyLossConfig, loglinear_proximal, masked_sum_tensors, ppo_token_losses
-from tandemrl.trainer.optim import build_optimizer
+from tandemrl.trainer.low_precision import cast_parameters
+from tandemrl.trainer.optim import DTYPES, build_optimizer
 from tandemrl.trainer.policy import (
     PolicyModel,
     compile_layers,
@@ -86,20 +87,25 @@ class Actor:
         cfg = setup.actor
         self.device = resolve_device(cfg.device)
         self.rank, self.world_size = init_distributed(self.device)
-        self.compute_dtype = resolve_compute_dtype(cfg.dtype, self.device)
+        self.compute_dtype = resolve_compute_dtype(cfg.dtype, self.device, cfg.param_dtype)
+        # the stored weights and gradients (actor.param_dtype): bf16 ones are loaded as such, never whole in
+        # fp32, and stepped by trainer/low_precision.py's AdamW
+        self.param_dtype = DTYPES[cfg.param_dtype]
         self.model_path = cfg.model.model_path or (None if hf_model is not None else str(default_model_dir()))
         attn = resolve_attn_implementation(cfg.attn_implementation, self.device, self.compute_dtype)
         # several ranks: each builds the model on the meta device, shards it, and rank 0 streams the weights
-        # into everyone's shards (trainer/loading.py); one rank loads it whole (fp32, on the host)
+        # into everyone's shards (trainer/loading.py); one rank loads it whole (in param_dtype, on the host)
         source = None
         if self.world_size > 1:
             if self.rank == 0:
                 where = {"model": hf_model} if hf_model is not None else {"model_path": self.model_path}
-                source = CheckpointSource(**where, attn_implementation=attn)
+                source = CheckpointSource(**where, attn_implementation=attn, dtype=self.param_dtype)
             config = hf_model.config if hf_model is not None else read_config(self.model_path)
-            hf_model = build_on_meta(config, attn)
+            hf_model = build_on_meta(config, attn, self.param_dtype)
         elif hf_model is None:
-            hf_model = load_hf_model(self.model_path, attn)
+            hf_model = load_hf_model(self.model_path, attn, self.param_dtype)
+        else:  # a model handed in (tests, benchmarks): its weights as actor.param_dtype says
+            cast_parameters(hf_model, self.param_dtype)
         mark("actor: model weights loaded")
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         self.micro_batch_tokens = resolve_micro_batch_tokens(
@@ -107,7 +113,10 @@ class Actor:
         )
         ref_hf = None
         if setup.algorithm.kl_coef > 0:  # sharded: a meta model of its own, filled from the same checkpoint
-            ref_hf = build_on_meta(hf_model.config, attn) if self.world_size > 1 else copy.deepcopy(hf_model)
+            if self.world_size > 1:
+                ref_hf = build_on_meta(hf_model.config, attn, self.param_dtype)
+            else:
+                ref_hf = copy.deepcopy(hf_model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
         if cfg.fused_rms_norm:
@@ -140,7 +149,7 @@ class Actor:
 
     def _place(self, policy: PolicyModel, source: CheckpointSource | None) -> PolicyModel:
         """Shard `policy`; across ranks, fill its meta parameters from rank 0's `source`."""
-        shard_policy(policy, self.device, self.compute_dtype, self.setup.actor.cpu_offload)
+        shard_policy(policy, self.device, self.compute_dtype, self.setup.actor.cpu_offload, self.param_dtype)
         if self.world_size > 1:
             materialize(policy, policy.hf, source, self.device)
         return policy
@@ -363,7 +372,8 @@ class Actor:
     def iter_full_weights(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) in state-dict order, tied weights once; each parameter is all-gathered
         from its shards, so every rank must consume the iterator (only one needs to send). A tensor may
-        alias the live parameter (unsharded fp32 actor): clone it to keep it past the next update."""
+        alias the live parameter (an unsharded actor whose weights are in `dtype`): clone it to keep it
+        past the next update."""
         reshard(self.policy)
         persistent = set(self.policy.hf.state_dict().keys())
         named = list(self.policy.hf.named_parameters()) + [

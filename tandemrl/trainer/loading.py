@@ -1,19 +1,20 @@
 """The actor's model loading: shards filled from the checkpoint, never a full fp32 copy per rank.
 
-One rank: `from_pretrained` in fp32 (the master weights) on the host, then onto the device: one fp32 copy.
+One rank: `from_pretrained` in the weights' dtype (`actor.param_dtype`: fp32 masters, or bf16, which halves
+the host copy) on the host, then onto the device: one copy.
 Several ranks (FSDP2): every rank builds the model with its parameters on the meta device (shapes and ties,
 no memory) and its buffers real (the rotary embedding's inverse frequencies are computed at construction,
 not stored), shards it (`policy.shard_policy`) and gives its shards empty storage on the device
 (`to_empty`, the buffers put back). Then rank 0 reads the checkpoint's safetensors tensor by tensor, in
 chunks of rows of about `CHUNK_BYTES` (cast to fp32; each read through a handle of its own, so the file's
-pages do not stay mapped), and broadcasts each chunk; every rank copies the rows of its own shard. So a
-node's host memory holds the shards (where they live on the host) and one chunk per rank, whatever the
+pages do not stay mapped), and broadcasts each chunk; every rank copies the rows of its own shard (a bf16
+shard rounds them to nearest as it copies). So a node's host memory holds the shards (where they live on the host) and one chunk per rank, whatever the
 model and the number of ranks: on the CPU, 2 ranks loading a 34.6 M-parameter model peaked at 1.58 fp32
 copies in all, where each rank loading the whole model took 2.27 (`tests/integration/test_actor_ranks_ray.py`). Rank 0 reads and broadcasts rather than each rank reading its own rows: a sharded or converted
 checkpoint need not store a rank's rows in one file, and one reader keeps the file access simple; the
 broadcast is one pass over the model, once per run.
 A checkpoint whose tensor names are not the model's own (transformers renames some on load) takes the
-fallback: rank 0 loads the whole model with `from_pretrained` (one fp32 copy on its node) and broadcasts it
+fallback: rank 0 loads the whole model with `from_pretrained` (one copy in param_dtype on its node) and broadcasts it
 the same way. The reference model (`algorithm.kl_coef > 0`) is built and filled the same way, never
 deep-copied per rank.
 """
@@ -44,28 +45,28 @@ def check_model_dir(model_path: str | Path) -> Path:
     return path
 
 
-def load_hf_model(model_path: str | Path, attn_implementation: str = "sdpa"):
-    """The HF model in fp32 on the host (one rank, and the fallback's rank 0)."""
+def load_hf_model(
+    model_path: str | Path, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32
+):
+    """The HF model in `dtype` (the actor's param_dtype) on the host (one rank, and the fallback's rank 0)."""
     from transformers import AutoModelForCausalLM
 
     from tandemrl.host.hf import hf_load_kwargs
 
     path = check_model_dir(model_path)
     return AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, attn_implementation=attn_implementation, **hf_load_kwargs()
+        path, dtype=dtype, attn_implementation=attn_implementation, **hf_load_kwargs()
     )
 
 
-def build_on_meta(config, attn_implementation: str) -> nn.Module:
-    """The HF model of `config` (a transformers config), fp32, its parameters on the meta device (shapes and
-    ties, no memory) and its buffers real on the host: they are computed at construction (the rotary
-    embedding's inverse frequencies), not stored in a checkpoint."""
+def build_on_meta(config, attn_implementation: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The HF model of `config` (a transformers config), its parameters in `dtype` on the meta device (shapes
+    and ties, no memory) and its buffers real on the host: they are computed at construction (the rotary
+    embedding's inverse frequencies, fp32 whatever `dtype`), not stored in a checkpoint."""
     from transformers import AutoModelForCausalLM
 
     with _parameters_on_meta():
-        return AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation=attn_implementation
-        )
+        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
 
 
 @contextmanager
@@ -101,9 +102,12 @@ class CheckpointSource:
         model_path: str | Path | None = None,
         model: nn.Module | None = None,
         attn_implementation: str = "sdpa",
+        dtype: torch.dtype = torch.float32,
     ):
+        """`dtype`: the actor's param_dtype, the fallback's whole model's (what it is rounded to anyway)."""
         assert (model_path is None) != (model is None), "a source is a model directory or a model"
         self.model_path, self.model, self.attn_implementation = model_path, model, attn_implementation
+        self.dtype = dtype
         self._fallback: nn.Module | None = None
 
     def tensors(self, names: set[str], tied: set[str]) -> Iterator[tuple[str, torch.Size, RowReader]]:
@@ -121,7 +125,7 @@ class CheckpointSource:
             return
         # names the checkpoint does not store as the model does: transformers' own loading converts them
         if self._fallback is None:
-            self._fallback = load_hf_model(self.model_path, self.attn_implementation)
+            self._fallback = load_hf_model(self.model_path, self.attn_implementation, self.dtype)
         yield from _in_memory(self._fallback.state_dict(), names)
 
     def close(self) -> None:

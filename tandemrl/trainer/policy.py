@@ -293,9 +293,10 @@ def resolve_micro_batch_tokens(value: int | None, model_config, device: torch.de
     return tokens
 
 
-def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bf16 compute on GPU (fp32 master weights), fp32 on CPU."""
-    name = resolve_dtype(name, device.type)
+def resolve_compute_dtype(name: str, device: torch.device, param_dtype: str = "float32") -> torch.dtype:
+    """auto: bf16 compute on GPU (over fp32 master weights), fp32 on CPU; bf16 wherever the weights are
+    (`actor.param_dtype=bfloat16`: nothing casts them up, and the config refuses actor.dtype=float32)."""
+    name = "bfloat16" if param_dtype == "bfloat16" else resolve_dtype(name, device.type)
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
@@ -327,17 +328,23 @@ def reshard(policy: nn.Module) -> None:
 
 
 def shard_policy(
-    policy: PolicyModel, device: torch.device, compute_dtype: torch.dtype, cpu_offload: bool = False
+    policy: PolicyModel,
+    device: torch.device,
+    compute_dtype: torch.dtype,
+    cpu_offload: bool = False,
+    param_dtype: torch.dtype = torch.float32,
 ) -> None:
-    """FSDP2 across ranks: one unit per decoder layer, the wrapper as root; fp32 master weights,
-    `compute_dtype` for forward/backward, fp32 gradient reduction.
+    """FSDP2 across ranks: one unit per decoder layer, the wrapper as root; `param_dtype` sharded weights
+    (fp32 masters, or bf16 under `actor.param_dtype=bfloat16`: the policy's parameters already are),
+    `compute_dtype` for forward/backward, fp32 gradient reduction (cast back to `param_dtype` in the shard).
 
     A single rank keeps the plain module: FSDP would have nothing to shard, yet it would copy (and
     cast) every parameter in before each layer's forward and backward, and every gradient out after
     it, per micro-batch (~40% of a CPU fp32 step on SmolLM2-135M; 0.79x of a plain HF loop on an H200
     at 1.5B, bf16). Below fp32 it computes under autocast over fp32 weights instead: the same
     numerics as FSDP's mixed precision (bf16 matmuls, fp32 params, fp32 gradient accumulation over
-    micro-batches). Loss scaling, clipping, DCP checkpoints and full weights are the same code for both.
+    micro-batches). bf16 weights need no autocast: the module computes in bf16 as FSDP's unsharded bf16
+    parameters do. Loss scaling, clipping, DCP checkpoints and full weights are the same code for both.
     `cpu_offload` (`actor.cpu_offload`, a GPU only): FSDP2 with its CPUOffloadPolicy, on one rank too.
     """
     if cpu_offload and device.type != "cuda":
@@ -346,13 +353,20 @@ def shard_policy(
             "gradients and optimizer state to the host, where a CPU actor already keeps them. Set "
             "actor.cpu_offload=false, or actor.device=cuda."
         )
+    if param_dtype != torch.float32 and compute_dtype != param_dtype:
+        raise ValueError(
+            f"actor.param_dtype={str(param_dtype).removeprefix('torch.')} with compute dtype "
+            f"{str(compute_dtype).removeprefix('torch.')}: bf16 weights compute in bf16. Set actor.dtype=bfloat16 "
+            "(or auto), or actor.param_dtype=float32."
+        )
     if dist.get_world_size() == 1 and not cpu_offload:
         policy.to(device)
-        policy.autocast_dtype = None if compute_dtype == torch.float32 else compute_dtype
+        is_autocast = compute_dtype != torch.float32 and param_dtype == torch.float32
+        policy.autocast_dtype = compute_dtype if is_autocast else None
         return
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     mp = MixedPrecisionPolicy(
-        param_dtype=None if compute_dtype == torch.float32 else compute_dtype, reduce_dtype=torch.float32
+        param_dtype=None if compute_dtype == param_dtype else compute_dtype, reduce_dtype=torch.float32
     )
     layers = getattr(policy.hf.base_model, "layers", None)
     if layers is None:

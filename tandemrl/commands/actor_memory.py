@@ -80,7 +80,7 @@ def describe_actor_memory(
 ) -> list[str]:
     """The dry run's lines on the actor's memory; each warning among them is also logged. `machine`:
     this machine's memory (None: probed)."""
-    from tandemrl.trainer.memory_estimate import actor_memory_per_rank, measure_model
+    from tandemrl.trainer.memory_estimate import DTYPE_BYTES, actor_memory_per_rank, measure_model
 
     model_dir, why = find_model_dir(config.actor.model.model_path)
     if model_dir is None:
@@ -91,11 +91,23 @@ def describe_actor_memory(
         reason = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return [f"actor memory: estimate unavailable for {model_dir}: {type(error).__name__}: {reason}"]
     on_gpu = any(p.gpus for p in plan.actor)
-    compute = resolve_dtype(config.actor.dtype, "cuda" if on_gpu else "cpu")
+    param_dtype, state_dtype = config.actor.param_dtype, config.actor.optim.state_dtype
+    # bf16 weights compute in bf16 (trainer/policy.py resolve_compute_dtype)
+    compute = (
+        "bfloat16"
+        if param_dtype == "bfloat16"
+        else resolve_dtype(config.actor.dtype, "cuda" if on_gpu else "cpu")
+    )
     has_reference = config.algorithm.kl_coef > 0
     offload = config.actor.cpu_offload
     memory = actor_memory_per_rank(
-        size, len(plan.actor), 2 if compute == "bfloat16" else 4, has_reference, offload
+        size,
+        len(plan.actor),
+        DTYPE_BYTES[compute],
+        has_reference,
+        offload,
+        param_bytes=DTYPE_BYTES[param_dtype],
+        state_bytes=DTYPE_BYTES[state_dtype],
     )
     if machine is None:
         machine = probe_machine(with_gpu=on_gpu and any(p.node == 0 for p in plan.actor))
@@ -105,12 +117,12 @@ def describe_actor_memory(
         f"actor model: {_count(size.num_params)} parameters (root {_count(size.num_root_params)}, largest "
         f"of {size.num_layers} decoder layers {_count(size.num_layer_params)}), from {model_dir}",
         f"actor memory per rank (estimate, {memory.num_ranks} rank{'s' if memory.num_ranks > 1 else ''}, "
-        f"{'bf16' if compute == 'bfloat16' else 'fp32'} compute, fp32 masters): {_parts(memory)}{capacity}",
+        f"{_short(compute)} compute, {_precision(param_dtype, state_dtype)}): {_parts(memory)}{capacity}",
         "  (not counted: activations, FSDP's prefetch of the next layer, unsharded gradients before their "
         "reduce-scatter, the CUDA context, allocator slack)",
     ]
     load_lines, load_warnings = _load_lines(
-        size, ranks_per_node, has_reference, machine, shards_on_host=not on_gpu
+        size, ranks_per_node, has_reference, machine, shards_on_host=not on_gpu, param_dtype=param_dtype
     )
     lines += load_lines
     warnings += load_warnings
@@ -125,13 +137,14 @@ def _load_lines(
     has_reference: bool,
     machine: MachineMemory,
     shards_on_host: bool,
+    param_dtype: str = "float32",
 ) -> tuple[list[str], list[str]]:
     """(a line per node of actor ranks on the load's host peak there; the warnings)."""
-    from tandemrl.trainer.memory_estimate import load_peak_host_bytes
+    from tandemrl.trainer.memory_estimate import DTYPE_BYTES, load_peak_host_bytes
 
     num_ranks = sum(ranks_per_node.values())
     if num_ranks == 1:
-        how = "one rank loads the full model in fp32" + (
+        how = f"one rank loads the full model in {_short(param_dtype)}" + (
             " and copies it for the reference model" if has_reference else ""
         )
     else:
@@ -146,6 +159,7 @@ def _load_lines(
             num_ranks,
             has_reference,
             shards_on_host=shards_on_host,
+            param_bytes=DTYPE_BYTES[param_dtype],
         )
         line = f"load: up to {_gib(peak)} of host memory on node {node} ({how})"
         if node != 0 or machine.host_bytes is None:
@@ -237,6 +251,18 @@ def _parts(memory: ActorMemory) -> str:
     if memory.offload:  # actor.cpu_offload: the sharded state is on the host
         return f"{listed}; on the host (actor.cpu_offload) {_gib(memory.host, unit)}, total on the GPU {_gib(memory.total, unit)}"
     return f"{listed}; total {_gib(memory.total, unit)}"
+
+
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+
+
+def _precision(param_dtype: str, state_dtype: str) -> str:
+    """What the weights and AdamW's moments are stored in (actor.param_dtype, actor.optim.state_dtype)."""
+    weights = "fp32 masters" if param_dtype == "float32" else "bf16 weights"
+    if param_dtype == state_dtype == "float32":
+        return weights
+    return f"{weights}, {_short(state_dtype)} AdamW moments"
 
 
 def _gib(num_bytes: int, unit: int | None = None) -> str:

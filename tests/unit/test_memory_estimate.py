@@ -274,3 +274,65 @@ def test_offload_moves_the_sharded_state_to_the_host():
     assert offloaded.total == offloaded.gathered_layer + offloaded.gathered_root > 0
     assert offloaded.autocast_copies == 0 and offloaded.total < plain.total
     assert plain.host == 0
+
+
+def test_bf16_weights_and_moments_shrink_the_sharded_state():
+    """actor.param_dtype=bfloat16: weights, gradients and a reference model in 2 bytes, AdamW's moments
+    fp32 (12 bytes a parameter in all) or bf16 (8); no autocast copies, since bf16 weights compute as they
+    are; the gathered layer and root in the compute dtype as before."""
+    from tandemrl.trainer.memory_estimate import BYTES_PER_PARAM
+
+    assert BYTES_PER_PARAM == {
+        ("float32", "float32"): 16,
+        ("float32", "bfloat16"): 12,
+        ("bfloat16", "float32"): 12,
+        ("bfloat16", "bfloat16"): 8,
+    }
+    fp32 = actor_memory_per_rank(SIZE, 2, 2, has_reference=True)
+    bf16 = actor_memory_per_rank(SIZE, 2, 2, has_reference=True, param_bytes=2)
+    both = actor_memory_per_rank(SIZE, 2, 2, has_reference=True, param_bytes=2, state_bytes=2)
+    num = SIZE.num_params // 2  # per rank
+    assert (fp32.weights, fp32.gradients, fp32.optimizer, fp32.reference) == (
+        4 * num,
+        4 * num,
+        8 * num,
+        4 * num,
+    )
+    assert (bf16.weights, bf16.gradients, bf16.optimizer, bf16.reference) == (
+        2 * num,
+        2 * num,
+        8 * num,
+        2 * num,
+    )
+    assert (both.weights, both.gradients, both.optimizer) == (2 * num, 2 * num, 4 * num)
+    assert (bf16.gathered_layer, bf16.gathered_root) == (fp32.gathered_layer, fp32.gathered_root)
+    one = actor_memory_per_rank(SIZE, 1, 2, param_bytes=2)
+    assert one.autocast_copies == 0 and one.total == 12 * SIZE.num_params
+    assert actor_memory_per_rank(SIZE, 1, 2).autocast_copies == 2 * SIZE.num_params
+    with pytest.raises(ValueError, match="bf16 weights compute in bf16"):
+        actor_memory_per_rank(SIZE, 1, compute_bytes=4, param_bytes=2)
+    assert load_peak_host_bytes(SIZE, 1, 1, param_bytes=2) == load_peak_host_bytes(SIZE, 1, 1) // 2
+    on_host = load_peak_host_bytes(SIZE, 2, 2, shards_on_host=True, param_bytes=2)
+    assert on_host - load_peak_host_bytes(SIZE, 2, 2) == 2 * SIZE.num_params  # 2 ranks x half in bf16
+
+
+def test_dry_run_names_bf16_weights_and_moments(capsys, tiny_llama_dir):
+    config = load_config(
+        None,
+        [
+            f"rollout.model.model_path={tiny_llama_dir}",
+            "actor.param_dtype=bfloat16",
+            "actor.optim.state_dtype=bfloat16",
+        ],
+    )
+    assert dry_run(config) == 0
+    out = capsys.readouterr().out
+    num_params = measure_model(tiny_llama_dir).num_params
+    line = next(line for line in out.splitlines() if line.startswith("actor memory per rank"))
+    weights_mib = 2 * num_params / 2**20
+    assert line.startswith(
+        "actor memory per rank (estimate, 1 rank, bf16 compute, bf16 weights, bf16 AdamW moments): "
+        f"weights {weights_mib:.2f} MiB, gradients {weights_mib:.2f} MiB, optimizer {2 * weights_mib:.2f} MiB; "
+        f"total {4 * weights_mib:.2f} MiB"
+    )
+    assert "(one rank loads the full model in bf16)" in out

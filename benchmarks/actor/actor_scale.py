@@ -1,9 +1,11 @@
 """The largest model one GPU can train: one GRPO `Actor.train_step` per Qwen2.5 size (1.5B, 3B, 7B, random
 weights) on 256 trajectories of 512 tokens, with activation checkpointing and bf16 compute, alone and
-beside an engine's memory, with and without `actor.cpu_offload` (FSDP2's CPUOffloadPolicy).
+beside an engine's memory, with and without `actor.cpu_offload` (FSDP2's CPUOffloadPolicy), with fp32 or bf16
+weights (`--param-dtype`: `actor.param_dtype`) and AdamW moments (`--state-dtype`: `actor.optim.state_dtype`).
 
     python -m benchmarks.actor.actor_scale                          # H200: every size alone, no offload
     python -m benchmarks.actor.actor_scale --offload fallback --beside-engine both
+    python -m benchmarks.actor.actor_scale --sizes qwen2.5-7b --param-dtype bfloat16   # 12 bytes a parameter
     python -m benchmarks.actor.actor_scale --sizes tiny --device cpu --trajectories 8 --tokens 32  # smoke
 
 Each run (benchmarks/actor/actor_scale_run.py) builds its model from the config in
@@ -28,7 +30,9 @@ CUDA graphs and the engine's activations are not held, and nothing generates, so
 actor's alone (benchmarks/actor/trainer_smollm2.py measures the time sharing).
 `--offload fallback` tries offload only for a size that failed without it. `--merge` adds the runs to
 `--out`'s (a run of the same size, offload and mode replaced), so a session can run the modes one command
-at a time. Writes benchmarks/results/actor/actor_scale_h200.json after every run.
+at a time. Writes benchmarks/results/actor/actor_scale_h200.json after every run (with bf16 weights or
+moments: actor_scale_h200_param-bfloat16[_state-bfloat16].json, so runs of each precision keep a file of their
+own).
 """
 
 from __future__ import annotations
@@ -75,11 +79,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--beside-engine", nargs="?", const="on", default="off", choices=("off", "on", "both"))
     p.add_argument("--engine-gib", type=float, default=None, help="held beside the actor (default: per size)")
     p.add_argument("--peak-tflops", type=float, default=H200_DENSE_BF16_TFLOPS, help="the GPU's dense bf16")
+    p.add_argument(
+        "--param-dtype", choices=("float32", "bfloat16"), default="float32", help="actor.param_dtype"
+    )
+    p.add_argument(
+        "--state-dtype", choices=("float32", "bfloat16"), default="float32", help="actor.optim.state_dtype"
+    )
     p.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--run-timeout-s", type=float, default=1800.0, help="per child process")
     p.add_argument("--merge", action="store_true", help="keep --out's other runs")
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--out", default=None, help="default: per precision, see the module docstring")
     args = p.parse_args(argv)
+    args.out = args.out or str(default_out(args.param_dtype, args.state_dtype))
     args.sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
     unknown = [s for s in args.sizes if s not in SHAPES]
     if unknown or not args.sizes:
@@ -87,6 +98,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if min(args.trajectories, args.tokens, args.steps) < 1:
         p.error("--trajectories, --tokens and --steps must be >= 1")
     return args
+
+
+def default_out(param_dtype: str, state_dtype: str) -> Path:
+    """The results file of a precision: DEFAULT_OUT for fp32 weights and moments, suffixed otherwise."""
+    suffix = "".join(
+        f"_{name}-{dtype}"
+        for name, dtype in (("param", param_dtype), ("state", state_dtype))
+        if dtype != "float32"
+    )
+    return DEFAULT_OUT.with_name(f"{DEFAULT_OUT.stem}{suffix}.json")
 
 
 def actor_overrides(args: argparse.Namespace, offload: bool, output_dir: str) -> list[str]:
@@ -97,6 +118,11 @@ def actor_overrides(args: argparse.Namespace, offload: bool, output_dir: str) ->
         "algorithm.n_minibatches=1",
         f"runner.output_dir={output_dir}",
     ]
+    # only where not the default: a results file written before these options still merges
+    if args.param_dtype != "float32":
+        overrides.append(f"actor.param_dtype={args.param_dtype}")
+    if args.state_dtype != "float32":
+        overrides.append(f"actor.optim.state_dtype={args.state_dtype}")
     if args.device == "cuda":
         overrides.append("actor.dtype=bfloat16")
     if offload:

@@ -44,13 +44,16 @@ FLOPS = {
 }
 
 
-def build_model(shape: dict, device: torch.device, attn_implementation: str) -> torch.nn.Module:
-    """The Qwen2 model of `shape`, fp32, its weights drawn on `device` (never whole on the host)."""
+def build_model(
+    shape: dict, device: torch.device, attn_implementation: str, dtype: torch.dtype = torch.float32
+) -> torch.nn.Module:
+    """The Qwen2 model of `shape`, its weights in `dtype` (the actor's param_dtype: no fp32 copy first) drawn
+    on `device` (never whole on the host)."""
     from transformers import Qwen2Config
 
     from tandemrl.trainer.loading import build_on_meta, to_empty_keeping_buffers
 
-    model = build_on_meta(Qwen2Config(**shape), attn_implementation)
+    model = build_on_meta(Qwen2Config(**shape), attn_implementation, dtype)
     to_empty_keeping_buffers(model, device)
     model.tie_weights()  # to_empty gives each module's parameters fresh storage of their own
     with torch.no_grad():
@@ -86,22 +89,28 @@ def flops_per_step(
 def build_actor(spec: dict, device: torch.device, record: dict):
     from tandemrl.config.derive import actor_setup
     from tandemrl.trainer.actor import Actor
+    from tandemrl.trainer.memory_estimate import BYTES_PER_PARAM
+    from tandemrl.trainer.optim import DTYPES
     from tandemrl.trainer.policy import resolve_attn_implementation, resolve_compute_dtype
 
     setup = actor_setup(load_config(None, spec["overrides"]))
-    compute_dtype = resolve_compute_dtype(setup.actor.dtype, device)
+    param_dtype, state_dtype = setup.actor.param_dtype, setup.actor.optim.state_dtype
+    compute_dtype = resolve_compute_dtype(setup.actor.dtype, device, param_dtype)
     # one rank keeps the model it is given: it must be built with the attention the actor would pick
     attn = resolve_attn_implementation(setup.actor.attn_implementation, device, compute_dtype)
     torch.manual_seed(0)
     start = time.perf_counter()
-    model = build_model(SHAPES[spec["size"]], device, attn)
+    model = build_model(SHAPES[spec["size"]], device, attn, DTYPES[param_dtype])
     counts = param_counts(model)
     actor = Actor(setup, hf_model=model)
     del model
     _sync(device)
     record.update(
         counts,
-        state_gib=16 * counts["num_params"] / GIB,  # fp32 weights, gradients, AdamW's two moments
+        # weights, gradients (param_dtype) and AdamW's two moments (state_dtype)
+        state_gib=BYTES_PER_PARAM[(param_dtype, state_dtype)] * counts["num_params"] / GIB,
+        param_dtype=param_dtype,
+        state_dtype=state_dtype,
         build_s=time.perf_counter() - start,
         attn_implementation=attn,
         micro_batch_tokens=actor.micro_batch_tokens,

@@ -46,3 +46,26 @@ def test_smoke_run_trains_tiny_alone_and_beside_the_engine(tmp_path, capsys):
         assert record["gradient_checkpointing"] is True and record["n_minibatches"] == 1
     beside = result["runs"][1]
     assert beside["engine_gib"] == result["engine"]["gib"]["tiny"] > 0
+    assert result["runs"][0]["param_dtype"] == "float32"
+    assert result["runs"][0]["state_gib"] == 16 * result["runs"][0]["num_params"] / 2**30
+
+
+def test_smoke_run_trains_tiny_with_bf16_weights_and_moments(tmp_path):
+    """--param-dtype/--state-dtype: the run's actor holds bf16 weights and moments, 8 bytes a parameter."""
+    out = tmp_path / "actor_scale_bf16.json"
+    argv = [
+        "--sizes",
+        "tiny",
+        "--device",
+        "cpu",
+        "--trajectories",
+        str(TRAJECTORIES),
+        "--tokens",
+        str(TOKENS),
+    ]
+    assert main([*argv, "--param-dtype", "bfloat16", "--state-dtype", "bfloat16", "--out", str(out)]) == 0
+    (record,) = json.loads(out.read_text())["runs"]
+    assert record["trained"], record.get("error")
+    assert (record["param_dtype"], record["state_dtype"]) == ("bfloat16", "bfloat16")
+    assert record["state_gib"] == 8 * record["num_params"] / 2**30
+    assert record["num_skipped_updates"] == 0

@@ -160,3 +160,21 @@ def test_fallback_offloads_only_the_sizes_that_failed_without(tmp_path, monkeypa
     result = json.loads((tmp_path / "s.json").read_text())
     assert result["largest_alone"] == "qwen2.5-7b" and result["sizes"]["qwen2.5-7b"]["offload"] is True
     assert result["largest_by_offload"]["alone"] == {"offload_off": "qwen2.5-3b", "offload_on": "qwen2.5-7b"}
+
+
+def test_precision_options_set_the_keys_and_their_own_results_file():
+    """--param-dtype/--state-dtype become actor.param_dtype/actor.optim.state_dtype (only off the default, so
+    an older results file still merges) and pick a results file of their own unless --out names one."""
+    from benchmarks.actor.actor_scale import DEFAULT_OUT, actor_overrides
+
+    plain = parse_args(["--device", "cpu"])
+    assert plain.out == str(DEFAULT_OUT)
+    assert not [o for o in actor_overrides(plain, False, "/tmp") if "dtype" in o]
+    bf16 = parse_args(["--param-dtype", "bfloat16", "--state-dtype", "bfloat16"])
+    assert bf16.out == str(DEFAULT_OUT.with_name("actor_scale_h200_param-bfloat16_state-bfloat16.json"))
+    overrides = actor_overrides(bf16, False, "/tmp")
+    assert {"actor.param_dtype=bfloat16", "actor.optim.state_dtype=bfloat16", "actor.dtype=bfloat16"} <= set(
+        overrides
+    )
+    check_config(bf16, [False, True])  # a GPU actor: bf16 weights, offloaded or not, are accepted
+    assert parse_args(["--param-dtype", "bfloat16", "--out", "x.json"]).out == "x.json"

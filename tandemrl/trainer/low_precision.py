@@ -45,7 +45,9 @@ def stochastic_round_(target: torch.Tensor, source: torch.Tensor) -> torch.Tenso
 
 def stochastic_round(source: torch.Tensor) -> torch.Tensor:
     """A bf16 copy of `source` by `stochastic_round_` (`source` is left as it was)."""
-    return stochastic_round_(torch.empty_like(source, dtype=torch.bfloat16), source.float().clone())
+    return stochastic_round_(
+        torch.empty_like(source, dtype=torch.bfloat16), source.to(torch.float32, copy=True)
+    )
 
 
 def cast_parameters(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
@@ -43,6 +44,27 @@ SAMPLING_FIELDS = {
     "skip_special_tokens": "skip_special_tokens",
     "no_stop_trim": "include_stop_str_in_output",
 }
+
+# vLLM's cumulative counters in its Prometheus /metrics, under the embedded engine's /get_server_info names
+# (runner/step_metrics.py BUSY_KEYS), summed over their label sets
+PROMETHEUS_COUNTERS = {
+    "vllm:generation_tokens_total": "num_decode_emitted_tokens",
+    "vllm:spec_decode_num_draft_tokens_total": "num_spec_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "num_spec_accepted_tokens",
+}
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+
+
+def prometheus_counters(text: str) -> dict[str, float]:
+    """The PROMETHEUS_COUNTERS of a /metrics text by our names, and `num_decode_rows`: a request's decode
+    (or verify) step emits one token and the draft tokens it accepted, so the rows are the generated
+    tokens less the accepted ones (each request's first token, from its prefill, counts as a row too)."""
+    totals = dict.fromkeys(PROMETHEUS_COUNTERS.values(), 0.0)
+    for name, value in _SAMPLE.findall(text):
+        if name in PROMETHEUS_COUNTERS:
+            totals[PROMETHEUS_COUNTERS[name]] += float(value)
+    totals["num_decode_rows"] = totals["num_decode_emitted_tokens"] - totals["num_spec_accepted_tokens"]
+    return totals
 
 
 def check_pause_mode(mode: str) -> None:
@@ -141,6 +163,11 @@ class VllmClient(HttpClient):
 
     async def server_info(self) -> dict:
         return {"model_path": await self.model(), "is_paused": await self.is_paused()}
+
+    async def counters(self) -> dict[str, float]:
+        """Cumulative token and speculative-decoding counters from /metrics (`prometheus_counters`)."""
+        text = await self._get("/metrics")
+        return prometheus_counters(text if isinstance(text, str) else "")
 
     # ---- weights (our worker extension, through /collective_rpc) -------------------------------------
     async def rpc(self, method: str, *args: str) -> list:

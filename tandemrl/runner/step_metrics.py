@@ -146,6 +146,21 @@ def spec_metrics(delta: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
+async def vllm_spec_reads(ctx: RunContext) -> dict[str, float]:
+    """`rollout/spec/*` for launched vLLM servers that speculate (`rollout.engine.speculative`), from their
+    Prometheus counters over the step window (`VllmClient.counters`); empty otherwise and on the first read."""
+    if (
+        ctx.config.rollout.backend != "vllm"
+        or ctx.config.rollout.engine.speculative == "none"
+        or not ctx.engines
+    ):
+        return {}
+    counters = await asyncio.gather(*(engine.counters() for engine in ctx.engines))
+    totals = {key: sum(c[key] for c in counters) for key in counters[0]}
+    ctx.vllm_spec_mark, window = advance_window(ctx.vllm_spec_mark, totals)
+    return {} if window is None else spec_metrics(window[0])
+
+
 async def engine_counters(ctx: RunContext) -> dict[str, float] | None:
     """The embedded engines' cumulative step and token counters, summed (None for other backends, which
     report none): read around a train step, they say what the engines ran while the actor trained."""

@@ -10,20 +10,22 @@ import json
 from benchmarks.actor.actor_scale import main
 
 TRAJECTORIES, TOKENS = 8, 32
+# every smoke run: the tiny shape on the CPU, a small GRPO batch
+SMOKE_ARGS = [
+    "--sizes",
+    "tiny",
+    "--device",
+    "cpu",
+    "--trajectories",
+    str(TRAJECTORIES),
+    "--tokens",
+    str(TOKENS),
+]
 
 
 def test_smoke_run_trains_tiny_alone_and_beside_the_engine(tmp_path, capsys):
     out = tmp_path / "actor_scale.json"
-    common = [
-        "--sizes",
-        "tiny",
-        "--device",
-        "cpu",
-        "--trajectories",
-        str(TRAJECTORIES),
-        "--tokens",
-        str(TOKENS),
-    ]
+    common = SMOKE_ARGS
     assert main([*common, "--out", str(out)]) == 0
     assert main([*common, "--out", str(out), "--beside-engine", "--merge"]) == 0  # the second mode, added
 
@@ -53,17 +55,9 @@ def test_smoke_run_trains_tiny_alone_and_beside_the_engine(tmp_path, capsys):
 def test_smoke_run_trains_tiny_with_bf16_weights_and_moments(tmp_path):
     """--param-dtype/--state-dtype: the run's actor holds bf16 weights and moments, 8 bytes a parameter."""
     out = tmp_path / "actor_scale_bf16.json"
-    argv = [
-        "--sizes",
-        "tiny",
-        "--device",
-        "cpu",
-        "--trajectories",
-        str(TRAJECTORIES),
-        "--tokens",
-        str(TOKENS),
-    ]
-    assert main([*argv, "--param-dtype", "bfloat16", "--state-dtype", "bfloat16", "--out", str(out)]) == 0
+    assert (
+        main([*SMOKE_ARGS, "--param-dtype", "bfloat16", "--state-dtype", "bfloat16", "--out", str(out)]) == 0
+    )
     (record,) = json.loads(out.read_text())["runs"]
     assert record["trained"], record.get("error")
     assert (record["param_dtype"], record["state_dtype"]) == ("bfloat16", "bfloat16")

@@ -61,15 +61,21 @@ async def weight_version(url: str) -> str:
     return version
 
 
-def greedy(url: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+def generate(url: str, prompt_ids: list[int], max_new: int, temperature: float):
+    """One request to the vLLM server at `url`, to its token limit; its GenerateResult."""
+
     async def run():
         client = VllmClient(url)
-        params = {"max_new_tokens": max_new, "temperature": 0.0, "ignore_eos": True}
+        params = {"max_new_tokens": max_new, "temperature": temperature, "ignore_eos": True}
         result = await client.generate(prompt_ids, params)
         await client.close()
         return result
 
-    result = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def greedy(url: str, prompt_ids: list[int], max_new: int) -> tuple[list[int], list[float]]:
+    result = generate(url, prompt_ids, max_new, 0.0)
     assert len(result.output_ids) == max_new and result.finish_reason == "length"
     return result.output_ids, result.output_logprobs
 

@@ -11,7 +11,6 @@ logprob under -15 (all recovered tokens of rejected drafts), none of 192 without
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -22,9 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tandemrl.config.engine import EngineOptions
-from tandemrl.rollout.vllm_client import VllmClient
 from tandemrl.rollout.vllm_server import VllmServer, speculative_config
-from tests.vllm.test_vllm_server import PROMPTS, greedy, hf_greedy
+from tests.vllm.test_vllm_server import PROMPTS, generate, greedy, hf_greedy
 
 pytestmark = pytest.mark.vllm
 # drafts that get accepted: a counted sequence and a repeated sentence (prompt lookup finds both)
@@ -56,14 +54,7 @@ def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> list[flo
 
 
 def sample(url: str, prompt_ids: list[int]) -> tuple[list[int], list[float]]:
-    async def run():
-        client = VllmClient(url)
-        params = {"max_new_tokens": NUM_TOKENS, "temperature": 1.0, "ignore_eos": True}
-        result = await client.generate(prompt_ids, params)
-        await client.close()
-        return result
-
-    result = asyncio.run(run())
+    result = generate(url, prompt_ids, NUM_TOKENS, 1.0)
     return result.output_ids, result.output_logprobs
 
 

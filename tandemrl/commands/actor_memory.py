@@ -201,8 +201,10 @@ def _capacity(
     unknown = f"; node(s) {', '.join(map(str, elsewhere))}: GPU memory unknown from here" if elsewhere else ""
     if 0 not in ranks_per_node:
         return unknown, []
+    host_line, warnings = _offloaded_host(memory, machine, ranks_per_node[0])
+    unknown += host_line
     if machine.gpu_bytes is None:
-        return f"; GPU memory unknown ({machine.gpu_name}){unknown}", []
+        return f"; GPU memory unknown ({machine.gpu_name}){unknown}", warnings
     room, whose = machine.gpu_bytes, machine.gpu_name
     if plan.shares_gpu:
         share, counted = _engine_share(config, machine.gpu_bytes)
@@ -210,11 +212,31 @@ def _capacity(
         whose = f"{whose}, shared with the rollout engine: {counted}"
     line = f" of {_gib(room)} ({whose}){unknown}"
     if total <= room:
-        return line, []
+        return line, warnings
     return line, [
         f"the actor's estimated {_gib(total)} per rank exceeds the {_gib(room)} of {whose}: it would run out "
         f"of GPU memory at its first step. Raise actor.num_ranks (weights, gradients and AdamW state are "
-        "sharded over the ranks), or use GPUs with more memory."
+        "sharded over the ranks), or use GPUs with more memory.",
+        *warnings,
+    ]
+
+
+def _offloaded_host(memory: ActorMemory, machine: MachineMemory, num_ranks: int) -> tuple[str, list[str]]:
+    """actor.cpu_offload on GPU ranks: (the part of the line on node 0's host share of the state, held in
+    pinned memory for the whole run; the warning when the machine cannot hold it)."""
+    if not memory.offload:
+        return "", []
+    held = memory.host * num_ranks
+    if machine.host_bytes is None:
+        return f"; offloaded state {_gib(held)} on node 0's host (its memory unknown)", []
+    line = f"; offloaded state {_gib(held)} on node 0's host, of {_gib(machine.host_bytes)}"
+    if held <= machine.host_bytes:
+        return line, []
+    return line, [
+        f"actor.cpu_offload keeps an estimated {_gib(held)} of weights, gradients and AdamW state in node 0's "
+        f"pinned host memory ({num_ranks} rank(s)), more than this machine's {_gib(machine.host_bytes)}. "
+        "Use bf16 weights or moments (actor.param_dtype, actor.optim.state_dtype), spread the ranks over more "
+        "nodes, or keep the state on the GPU (actor.cpu_offload=false)."
     ]
 
 

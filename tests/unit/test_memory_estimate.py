@@ -276,6 +276,24 @@ def test_offload_moves_the_sharded_state_to_the_host():
     assert plain.host == 0
 
 
+def test_offloaded_state_is_checked_against_node_0s_host_memory(tiny_llama_dir):
+    """actor.cpu_offload: the dry run says how much state the node's host holds for the whole run, and
+    warns where the machine has less (the GPU would hold only what FSDP gathers)."""
+    config, plan = _gpu_plan(
+        f"rollout.model.model_path={tiny_llama_dir}",
+        "cluster.component_placement={actor: '0-1', rollout: '2'}",
+        "actor.cpu_offload=true",
+    )
+    memory = actor_memory_per_rank(measure_model(tiny_llama_dir), 2, 2, offload=True)
+    held = 2 * memory.host
+    roomy = describe_actor_memory(config, plan, MachineMemory(host_bytes=64 * GIB, gpu_bytes=80 * GIB))
+    assert any(f"; offloaded state {_gib(held)} on node 0's host, of 64.00 GiB" in line for line in roomy)
+    assert not [line for line in roomy if line.startswith("warning:")]
+    tight = describe_actor_memory(config, plan, MachineMemory(host_bytes=held - 1, gpu_bytes=80 * GIB))
+    warnings = [line for line in tight if line.startswith("warning:")]
+    assert any("actor.cpu_offload keeps an estimated" in w and "actor.param_dtype" in w for w in warnings)
+
+
 def test_bf16_weights_and_moments_shrink_the_sharded_state():
     """actor.param_dtype=bfloat16: weights, gradients and a reference model in 2 bytes, AdamW's moments
     fp32 (12 bytes a parameter in all) or bf16 (8); no autocast copies, since bf16 weights compute as they

@@ -29,7 +29,11 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   0.5.15's shapes (server_info: the server args, `tp_size` among them).
 
 Generation is a deterministic stand-in: token i of a request is (sum(prompt) + 7 i) % 1000 with logprob
--0.5, one token every TOKEN_S seconds; streams are SGLang's default (cumulative). GET /fake/state
+-0.5, one token every TOKEN_S seconds; streams are SGLang's default (cumulative). With
+`--speculative-num-draft-tokens N` (SGLang's flag: N - 1 draft tokens a verify step) a finished request's
+meta_info carries 0.5.15's speculation counts (tokenizer_manager.py `_calculate_spec_decoding_metrics`:
+only once it finished, aborts included, and only when it verified at least once), as if its first token
+came from the prefill and every verify step accepted one draft token (`spec_counts`). GET /fake/state
 (fake-only) reports what it saw.
 """
 
@@ -113,8 +117,9 @@ class Request:
 
 
 class FakeSglang:
-    def __init__(self, tp_size: int = 1):
+    def __init__(self, tp_size: int = 1, num_draft_tokens: int = 0):
         self.tp_size = tp_size
+        self.num_draft_tokens = num_draft_tokens  # --speculative-num-draft-tokens; 0: no speculation
         self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
         self.tokenizer_held = False  # abort: new requests wait at the tokenizer until continue
         self.abort_epoch = 0
@@ -257,6 +262,8 @@ class FakeSglang:
         }
         if return_logprob:
             meta["output_token_logprobs"] = [[-0.5, t, None] for t in req.output]
+        if reason is not None and self.num_draft_tokens > 1:
+            meta.update(spec_counts(len(req.output), self.num_draft_tokens))
         return {"text": "", "output_ids": list(req.output), "meta_info": meta}
 
     # ---- control -----------------------------------------------------------------------------------
@@ -495,11 +502,31 @@ def receive(group, specs) -> dict[str, float]:
     return out
 
 
+def spec_counts(num_tokens: int, num_draft_tokens: int) -> dict[str, int]:
+    """A request's speculation counts in 0.5.15's meta_info names (and their deprecated aliases): the first
+    token from the prefill, then verify steps of one accepted draft and the bonus token each (the last
+    may emit the bonus only); none when it never verified."""
+    verify_ct = num_tokens // 2  # ceil((num_tokens - 1) / 2)
+    if verify_ct == 0:
+        return {}
+    correct, proposed = num_tokens - 1 - verify_ct, verify_ct * (num_draft_tokens - 1)
+    return {
+        "spec_verify_ct": verify_ct,
+        "spec_num_correct_drafts": correct,
+        "spec_num_proposed_drafts": proposed,
+        "spec_accepted_drafts": correct,
+        "spec_proposed_drafts": proposed,
+        "spec_accept_rate": correct / proposed,
+        "spec_accept_length": num_tokens / verify_ct,
+    }
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--speculative-num-draft-tokens", type=int, default=0)
     args = parser.parse_args()
-    app = FakeSglang(args.tp_size).app()
+    app = FakeSglang(args.tp_size, args.speculative_num_draft_tokens).app()
     # a stream frozen by a pause must not hold the exit (aiohttp waits 60 s for open requests by default)
     web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=1.0)

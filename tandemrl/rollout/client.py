@@ -28,6 +28,22 @@ from tandemrl.host.startup import mark
 from tandemrl.rollout.retract import RetractGate, resumed_body
 
 ENGINE_KINDS = ("embedded", "sglang")
+# SGLang's per-request speculation counts, in a finished request's meta_info when it speculates (sglang 0.5.15
+# tokenizer_manager.py `_calculate_spec_decoding_metrics`), and the older names of two of them
+SPEC_META = {
+    "spec_num_correct_drafts": "num_spec_accepted_tokens",
+    "spec_num_proposed_drafts": "num_spec_draft_tokens",
+}
+SPEC_META_ALIASES = {
+    "spec_accepted_drafts": "spec_num_correct_drafts",
+    "spec_proposed_drafts": "spec_num_proposed_drafts",
+}
+SPEC_COUNTERS = (
+    "num_decode_emitted_tokens",
+    "num_decode_rows",
+    "num_spec_draft_tokens",
+    "num_spec_accepted_tokens",
+)
 
 
 class EngineError(RuntimeError):
@@ -160,6 +176,27 @@ class HttpClient:
             self._session = None
 
 
+def count_speculation(totals: dict[str, float], meta: dict) -> None:
+    """Add a finished SGLang request's speculation counts (its last meta_info) to `totals`: its tokens,
+    the draft tokens proposed and accepted, and its rows, the tokens less the accepted drafts (a verify step
+    emits one token plus the drafts it accepted; the first token, from the prefill, is a row too), as
+    `prometheus_counters` derives them for vLLM. A request that verified nothing (one token) reports no
+    counts and adds none; a retracted request adds each of its pieces."""
+    counts = {SPEC_META_ALIASES.get(key, key): value for key, value in meta.items()}
+    if not all(_count(counts.get(key)) is not None for key in (*SPEC_META, "completion_tokens")):
+        return
+    accepted = _count(counts["spec_num_correct_drafts"])
+    emitted = _count(counts["completion_tokens"])
+    totals["num_decode_emitted_tokens"] += emitted
+    totals["num_decode_rows"] += emitted - accepted
+    for key, name in SPEC_META.items():
+        totals[name] += _count(counts[key])
+
+
+def _count(value) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
 def _checked(answer: dict | str, what: str) -> dict:
     """SGLang answers weight-update calls with {"success", "message"}; success=false is an error."""
     if not isinstance(answer, dict) or not answer.get("success", False):
@@ -182,6 +219,7 @@ class EngineClient(HttpClient):
         self.kind = kind
         self.weight_version = weight_version
         self.retract_gate = RetractGate()  # SGLang only (the embedded engine retracts by itself)
+        self.spec_totals = dict.fromkeys(SPEC_COUNTERS, 0.0)  # SGLang only: `count_speculation`
 
     async def generate(
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
@@ -215,6 +253,7 @@ class EngineClient(HttpClient):
                 if not gate.is_retracted(marked, rid):
                     raise
                 continue
+            count_speculation(self.spec_totals, meta)
             is_abort = (meta.get("finish_reason") or {}).get("type") == "abort"
             if not (is_abort and gate.is_retracted(marked, rid)):
                 break
@@ -254,6 +293,11 @@ class EngineClient(HttpClient):
             logprobs += chunk_lps
             versions += [self.weight_version] * new
         return meta
+
+    async def counters(self) -> dict[str, float]:
+        """SGLang's speculation counters summed over the requests this client saw finish (`spec_totals`),
+        under the embedded engine's /get_server_info names, like `VllmClient.counters`."""
+        return dict(self.spec_totals)
 
     async def pause_generation(self, mode: str) -> dict:
         """The server's answer (the embedded engine's includes where its pause took time, engine/loop.py)."""

@@ -40,7 +40,7 @@ class RunContext:
     clock_start_s: float | None = None  # monotonic start of the first step (`start_clock`)
     busy_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, engines' BUSY_KEYS totals)
     retrieval_mark: tuple[float, dict[str, float]] | None = None  # (monotonic time, RETRIEVAL_KEYS totals)
-    vllm_spec_mark: tuple[float, dict[str, float]] | None = None  # launched vLLM's speculation counters
+    launched_spec_mark: tuple[float, dict[str, float]] | None = None  # vLLM's or SGLang's spec counters
     started_s: float | None = None  # monotonic time of the process start (`tandem train`)
     first_step_s: float = float("nan")  # process start -> end of the run's first step
     placed_nodes: dict[str, str] = field(default_factory=dict)  # process -> the Ray node id it runs on

@@ -32,9 +32,9 @@ from tandemrl.runner.records import write_ledger, write_trajectories
 from tandemrl.runner.step_metrics import (
     engine_busy_fraction,
     engine_counters,
+    launched_spec_reads,
     retrieval_load,
     rollout_metrics,
-    vllm_spec_reads,
     warn_on_search_errors,
 )
 
@@ -427,7 +427,9 @@ async def end_of_step(
 async def step_window_reads(ctx: RunContext) -> dict[str, float]:
     """The engines' and the retrieval server's figures over the step window, read side by side."""
     metrics: dict[str, float] = {}
-    for reads in await asyncio.gather(engine_busy_fraction(ctx), retrieval_load(ctx), vllm_spec_reads(ctx)):
+    for reads in await asyncio.gather(
+        engine_busy_fraction(ctx), retrieval_load(ctx), launched_spec_reads(ctx)
+    ):
         metrics.update(reads)
     return metrics
 

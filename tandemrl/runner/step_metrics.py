@@ -146,18 +146,20 @@ def spec_metrics(delta: dict[str, float]) -> dict[str, float]:
     return metrics
 
 
-async def vllm_spec_reads(ctx: RunContext) -> dict[str, float]:
-    """`rollout/spec/*` for launched vLLM servers that speculate (`rollout.engine.speculative`), from their
-    Prometheus counters over the step window (`VllmClient.counters`); empty otherwise and on the first read."""
+async def launched_spec_reads(ctx: RunContext) -> dict[str, float]:
+    """`rollout/spec/*` for launched vLLM or SGLang servers that speculate (`rollout.engine.speculative`),
+    from their cumulative counters over the step window: vLLM's Prometheus /metrics (`VllmClient.counters`),
+    SGLang's per-request counts summed by our client (`EngineClient.counters`). Empty otherwise and on the
+    first read."""
     if (
-        ctx.config.rollout.backend != "vllm"
+        ctx.config.rollout.backend not in ("vllm", "sglang")
         or ctx.config.rollout.engine.speculative == "none"
         or not ctx.engines
     ):
         return {}
     counters = await asyncio.gather(*(engine.counters() for engine in ctx.engines))
     totals = {key: sum(c[key] for c in counters) for key in counters[0]}
-    ctx.vllm_spec_mark, window = advance_window(ctx.vllm_spec_mark, totals)
+    ctx.launched_spec_mark, window = advance_window(ctx.launched_spec_mark, totals)
     return {} if window is None else spec_metrics(window[0])
 
 

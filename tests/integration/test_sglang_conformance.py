@@ -47,9 +47,10 @@ async def is_healthy(url: str) -> bool:
         await client.close()
 
 
-def start_fake(tp_size: int = 1) -> tuple[subprocess.Popen, str]:
+def start_fake(tp_size: int = 1, *extra_args: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     command = [sys.executable, "-m", "tests.fake_sglang", "--port", str(port), "--tp-size", str(tp_size)]
+    command += extra_args
     proc = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -72,8 +73,8 @@ def fresh_fakes():
     """Fakes of the given TP sizes, started for one test (their state is that test's alone)."""
     procs = []
 
-    def start(*tp_sizes: int) -> list[str]:
-        started = [start_fake(tp) for tp in tp_sizes]
+    def start(*tp_sizes: int, extra_args: tuple[str, ...] = ()) -> list[str]:
+        started = [start_fake(tp, *extra_args) for tp in tp_sizes]
         procs.extend(proc for proc, _ in started)
         return [url for _, url in started]
 
@@ -384,3 +385,47 @@ def test_per_token_versions_follow_the_update_timeline(fake_sglang):
     num_old = state["tokens_at_pause"]["timeline"]
     assert 0 < num_old < 40 and len(result.output_ids) == 40
     assert result.weight_versions == [0] * num_old + [1] * (40 - num_old)
+
+
+def test_speculation_counts_add_up_over_requests_and_retracted_pieces(fresh_fakes):
+    """SGLang that speculates (`--speculative-num-draft-tokens 5`: 4 drafts a verify step) reports each
+    finished request's counts in its meta_info; the client sums them (`EngineClient.counters`) into the
+    embedded engine's counter names: every returned token once, retracted requests included (each piece
+    is a request of its own), the rows the tokens less the accepted drafts, 4 drafts a verify step."""
+    (url,) = fresh_fakes(1, extra_args=("--speculative-num-draft-tokens", "5"))
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        short = await asyncio.gather(*(client.generate([3, n], {"max_new_tokens": n}) for n in (1, 9, 10)))
+        after_short = await client.counters()
+        rids = ["s0", "s1"]
+        tasks = [
+            asyncio.create_task(client.generate([5, i], {"max_new_tokens": 40}, rid=r))
+            for i, r in enumerate(rids)
+        ]
+        await wait_for_progress(url, rids, 3)
+        await client.pause_generation("retract")
+        await client.continue_generation()
+        long = await asyncio.gather(*tasks)
+        totals = await client.counters()
+        await client.close()
+        return short, after_short, long, totals
+
+    short, after_short, long, totals = asyncio.run(run())
+    assert [len(r.output_ids) for r in short] == [1, 9, 10]
+    # 1 token: never verified, so no counts; 9 tokens: 4 verify steps accepting 4 drafts of 16; 10: 5, 4 of 20
+    assert after_short == {
+        "num_decode_emitted_tokens": 19.0,
+        "num_decode_rows": 11.0,
+        "num_spec_draft_tokens": 36.0,
+        "num_spec_accepted_tokens": 8.0,
+    }
+    assert [len(r.output_ids) for r in long] == [40, 40]
+    window = {key: totals[key] - after_short[key] for key in totals}
+    assert window["num_decode_emitted_tokens"] == 80.0  # each token once, over both pieces of each request
+    assert window["num_decode_rows"] + window["num_spec_accepted_tokens"] == 80.0
+    # two pieces a request verify more often than one request of 40 tokens (20 steps, 19 accepted)
+    assert window["num_spec_accepted_tokens"] < 2 * 19
+    assert window["num_spec_draft_tokens"] == 4 * (
+        window["num_decode_rows"] - 4
+    )  # rows = verify steps + firsts

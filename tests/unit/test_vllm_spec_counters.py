@@ -1,6 +1,7 @@
 """rollout/spec/* for launched vLLM: its Prometheus counters (/metrics) become the embedded engine's
 counter names (rollout/vllm_client.py `prometheus_counters`), and the runner's step window turns them into
-the same metrics (runner/step_metrics.py `vllm_spec_reads`)."""
+the same metrics (runner/step_metrics.py `launched_spec_reads`), as it does SGLang's (rollout/client.py
+`count_speculation`, tests/integration/test_sglang_conformance.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from tandemrl.rollout.vllm_client import prometheus_counters
-from tandemrl.runner.step_metrics import vllm_spec_reads
+from tandemrl.runner.step_metrics import launched_spec_reads
 
 METRICS = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -44,16 +45,17 @@ class FakeVllmCounters:
         return prometheus_counters(self.texts.pop(0))
 
 
-def test_step_window_gives_the_embedded_engines_spec_metrics():
-    rollout = SimpleNamespace(backend="vllm", engine=SimpleNamespace(speculative="ngram"))
+@pytest.mark.parametrize("backend", ["vllm", "sglang"])  # SGLang's client sums its counts under these names
+def test_step_window_gives_the_embedded_engines_spec_metrics(backend):
+    rollout = SimpleNamespace(backend=backend, engine=SimpleNamespace(speculative="ngram"))
     ctx = SimpleNamespace(
-        config=SimpleNamespace(rollout=rollout), engines=[FakeVllmCounters()], vllm_spec_mark=None
+        config=SimpleNamespace(rollout=rollout), engines=[FakeVllmCounters()], launched_spec_mark=None
     )
-    assert asyncio.run(vllm_spec_reads(ctx)) == {}  # the first read only sets the mark
-    metrics = asyncio.run(vllm_spec_reads(ctx))
+    assert asyncio.run(launched_spec_reads(ctx)) == {}  # the first read only sets the mark
+    metrics = asyncio.run(launched_spec_reads(ctx))
     # window: 300 tokens emitted (both label sets), 100 drafted, 50 accepted, so 250 rows
     assert metrics["rollout/spec/acceptance_rate"] == pytest.approx(0.5)
     assert metrics["rollout/spec/tokens_per_step"] == pytest.approx(300 / 250)
     assert metrics["rollout/engine_decode_rows"] == pytest.approx(250)
     rollout.engine.speculative = "none"
-    assert asyncio.run(vllm_spec_reads(ctx)) == {}  # no /metrics read without speculation
+    assert asyncio.run(launched_spec_reads(ctx)) == {}  # no /metrics read without speculation

@@ -41,6 +41,8 @@ from tandemrl.trainer.checkpoint_check import (
 )
 from tandemrl.trainer.policy import reshard
 
+# the flattened names of the optimizer's param-group hyperparameters (lr, betas, amsgrad, ...)
+OPTIM_GROUP_PREFIX = "optim.param_groups."
 STEP_DIR_RE = re.compile(r"^global_step_(\d+)$")
 # DCP writes a rank's shards as this many files, one thread each (its default is one): a 135M-parameter
 # actor with its Adam state (1.6 GB) took 1.3-4.6 s on one thread and 0.8-1.8 s on four, three and four saves on a
@@ -148,7 +150,18 @@ class SafeReader(FileSystemReader):
 
 class PlainValuesPlanner(DefaultLoadPlanner):
     """DCP's planner, except that non-tensor items (optimizer hyperparameters) are read with torch's
-    weights_only unpickler; DCP's own planner reads them with weights_only=False."""
+    weights_only unpickler (DCP's own planner reads them with weights_only=False), and a hyperparameter
+    the checkpoint lacks keeps the new optimizer's value: a run saved with `actor.param_dtype=bfloat16`
+    (trainer/low_precision.py's AdamW) resumes in fp32 under torch's AdamW, whose groups also hold
+    `amsgrad`, `foreach` and the like. Any other missing key (a weight, a moment) still fails the load."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        if metadata is None:
+            return
+        saved = metadata.state_dict_metadata
+        for fqn in [k for k in self.state_dict if k.startswith(OPTIM_GROUP_PREFIX) and k not in saved]:
+            del self.state_dict[fqn]
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         obj = load_plain(value, f"checkpoint item {read_item.dest_index.fqn!r}")

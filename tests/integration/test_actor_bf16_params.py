@@ -145,3 +145,27 @@ def test_two_ranks_train_bf16_shards_and_reshard_onto_one(tiny_llama_dir, tmp_pa
     assert all(m.dtype == torch.float32 for m in _moments(one))
     loaded = _weights(one)
     assert all(torch.equal(loaded[k], two["weights"][k]) for k in loaded)
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_checkpoint_resumes_in_the_other_param_dtype(tiny_llama_dir, tmp_path, saved, resumed):
+    """A run saved with one `actor.param_dtype` resumes with the other (to halve the actor's memory, or to
+    leave bf16): the weights are the saved ones in the new dtype (fp32 to bf16 rounds to nearest, once),
+    the fp32 moments come back exactly, the optimizer is the one the new dtype takes, and it trains on."""
+    straight, _, _ = _train(tiny_llama_dir, f"actor.param_dtype={saved}", num_steps=2)
+    ckpt = straight.save_checkpoint(checkpoint_dir(tmp_path, 2))
+    saved_weights, saved_moments = _weights(straight), [m.clone() for m in _moments(straight)]
+
+    actor = Actor(cpu_actor_setup(tiny_llama_dir, *OVERRIDES, f"actor.param_dtype={resumed}"))
+    actor.load_checkpoint(ckpt)
+    dtype = getattr(torch, resumed)
+    assert {p.dtype for p in actor.policy.parameters()} == {dtype}
+    assert isinstance(actor.optimizer, LowPrecisionAdamW) == (resumed == "bfloat16")
+    loaded = _weights(actor)
+    assert all(torch.equal(loaded[k], saved_weights[k].to(dtype).float()) for k in saved_weights)
+    assert all(m.dtype == torch.float32 for m in _moments(actor))
+    assert all(torch.equal(a, b) for a, b in zip(_moments(actor), saved_moments, strict=True))
+    assert actor.num_updates == straight.num_updates
+    actor.train_step(make_samples(seed=2, num_samples=6))
+    moved = _weights(actor)
+    assert any(not torch.equal(moved[k], loaded[k]) for k in loaded), "the resumed actor must train"

@@ -218,6 +218,8 @@ def _greedy(
     prefill_budget: int = 8192,
     prefill_graphs: bool = False,
     speculative: str = "none",
+    turns: int = 2,
+    max_new_tokens: int = 40,
 ) -> tuple[list, object]:
     from tandemrl.engine.engine import Engine, EngineConfig
     from tandemrl.engine.sequence import SamplingParams
@@ -237,16 +239,16 @@ def _greedy(
             speculative=speculative,
         )
     )
-    params = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
     outputs = {}
-    for turn in range(2):  # the second turn resends each context: prefix reuse when enabled
+    for turn in range(turns):  # the second turn resends each context: prefix reuse when enabled
         for i, ids in enumerate(prompts):
             engine.add_request(f"{turn}-{i}", ids, params)
         while engine.has_work():
             for seq in engine.step():
                 outputs[seq.rid] = (seq.output_ids, seq.output_logprobs)
         prompts = [ids + outputs[f"{turn}-{i}"][0] + list(range(10, 30)) for i, ids in enumerate(prompts)]
-    return [outputs[k] for k in sorted(outputs)], engine
+    return [outputs[k] for k in sorted(outputs, key=lambda rid: [int(n) for n in rid.split("-")])], engine
 
 
 def test_cuda_graph_greedy_equals_eager(tmp_path, monkeypatch):
@@ -304,22 +306,38 @@ def test_speculative_verify_on_the_fast_path(tmp_path, monkeypatch):
     drafts is one eager Triton forward whose every row is verified, a batch without replays the decode
     graph. Greedy tokens are those of the same engine without speculation (the forward rounds a verify
     row in other GEMM shapes than a decode step, so near-ties may part: first tokens agree for all but two
-    requests, logprobs stay close until the paths part), drafts are accepted, and no KV block leaks."""
+    requests, logprobs stay close until the paths part), drafts are accepted, and no KV block leaks.
+
+    The prompts are P + G + P, G the model's own greedy continuation of P, as in the CPU tests
+    (tests/unit/test_engine_speculative.py): after the second P the drafts propose G again, which the
+    model partly repeats. At init std 0.05 it does (193 of 275 drafted tokens accepted in fp32 on CPU);
+    at 0.2 its continuations change with the context and none is (0 of 43), and a span merely repeated
+    in a random prompt is never what such a model generates (0 of 46)."""
     from tandemrl.engine.fast_model_runner import FastModelRunner
+    from tandemrl.engine.sequence import SamplingParams
 
     _pin_kernels(monkeypatch)
-    model_dir = _model_dir(tmp_path / "model")
+    model_dir = _model_dir(tmp_path / "model", init_std=0.05)
     rng = random.Random(11)
-    prompts = []
-    for _ in range(12):  # a span the request repeats: drafts find it
-        span = [rng.randrange(2, 2048) for _ in range(rng.randrange(8, 30))]
-        prompts.append(span + [rng.randrange(2, 2048) for _ in range(rng.randrange(3, 40))] + span[:4])
+    starts = [[rng.randrange(2, 2048) for _ in range(rng.randrange(8, 30))] for _ in range(12)]
+    continued, _ = _greedy(model_dir, starts, graphs=True, prefix=False, turns=1, max_new_tokens=24)
+    prompts = [start + ids + start for start, (ids, _) in zip(starts, continued, strict=True)]
     plain, _ = _greedy(model_dir, prompts, graphs=True, prefix=True, overlap=False)
     spec, engine = _greedy(model_dir, prompts, graphs=True, prefix=True, overlap=None, speculative="ngram")
     assert isinstance(engine.runner, FastModelRunner) and not engine.overlaps
-    assert engine.runner.graphs.num_replays > 0  # the batches without a draft
     assert 0 < engine.num_spec_accepted_tokens <= engine.num_spec_draft_tokens
     assert engine.num_decode_emitted_tokens > engine.num_decode_rows  # fewer steps than tokens
+    # Alone, a request of four distinct tokens decodes its second token without a draft unless its first
+    # repeats one of them: the plain decode graph.
+    for i in range(4):
+        engine.add_request(
+            f"alone-{i}",
+            [rng.randrange(2, 2048) for _ in range(4)],
+            SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True),
+        )
+        while engine.has_work():
+            engine.step()
+    assert engine.runner.graphs.num_replays > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks  # free or cached, none held
     assert sum(s[0][0] == p[0][0] for s, p in zip(spec, plain, strict=True)) >= len(plain) - 2
     for (s_ids, s_lps), (p_ids, p_lps) in zip(spec, plain, strict=True):

@@ -51,6 +51,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.actor.actor_scale_run import FLOPS, GIB, SHAPES, summary_line  # noqa: E402
 from tandemrl.config.errors import ConfigError  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
@@ -325,9 +326,7 @@ def write(args: argparse.Namespace, previous: dict | None, runs: list[dict]) -> 
         **summarise(all_runs),
         "runs": all_runs,
     }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return result
 
 

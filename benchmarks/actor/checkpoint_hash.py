@@ -23,6 +23,8 @@ import time
 import warnings
 from pathlib import Path
 
+from benchmarks import write_json
+
 SHAPES = [(4096, 4096), (11008, 4096), (4096, 11008)]  # attention projection, MLP up, MLP down
 PARAMS_7B = 7e9
 
@@ -75,8 +77,7 @@ def main() -> None:
         "extrapolated_7b_actor_checkpoint_84GB_s": round(PARAMS_7B * 12 / rate, 1),
     }
     print(json.dumps(report, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

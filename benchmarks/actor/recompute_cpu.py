@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import write_json
 from benchmarks.engine.model_shapes import TINY
 from tandemrl.config.derive import actor_setup
 from tandemrl.config.loader import load_config
@@ -97,8 +98,7 @@ def main() -> None:
         + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
     }
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from tandemrl.commands.demo import demo_config_path  # noqa: E402
 from tandemrl.config.derive import actor_setup  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
@@ -80,8 +81,7 @@ def main() -> int:
         "batch_size": batch_size,
         "loadavg_1m_at_end": round(os.getloadavg()[0], 2),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    write_json(args.out, result, indent=1)
     print(
         f"{per_1k:.1f} CPU-s per 1k tokens after the first update; {mean_len:.0f} tokens per demo; {args.out}"
     )

@@ -36,6 +36,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.engine.model_shapes import QWEN25_15B, TINY  # noqa: E402
 from tandemrl.config.loader import load_config  # noqa: E402
 from tandemrl.trainer.batching import TrainSample, plan_rank_micro_batches, split_minibatches  # noqa: E402
@@ -301,8 +302,7 @@ def main() -> int:
     if engine_model is not None:
         result.update(run_sync(actor, engine_model, args, device))
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     print(
         f"train {result['train_tokens_per_s']:.0f} tok/s vs HF {result['hf_baseline_tokens_per_s']:.0f} tok/s "
         f"({result['ratio_vs_hf']:.2f}x), MFU {result['mfu']}, weight sync {result['weight_sync_s']} s -> {args.out}"

@@ -46,6 +46,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.actor.trainer import write_engine_dir  # noqa: E402
 from benchmarks.engine.engine_load import GenerationLoad  # noqa: E402
 from benchmarks.engine.model_shapes import SMOLLM2_135M, TINY  # noqa: E402
@@ -458,8 +459,7 @@ def main() -> int:
     }
     result["summary"] = summarise(result)
     print(json.dumps(result, indent=2))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     v, s = result["variants"], result["summary"]
     print(
         f"before {v['before_alone']['train_tokens_per_s']:.0f} tok/s, after {v['after_alone']['train_tokens_per_s']:.0f} "

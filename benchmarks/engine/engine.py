@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.engine.model_shapes import QWEN25_15B, TINY  # noqa: E402
 from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.kv_cache import kv_bytes_per_token  # noqa: E402
@@ -510,8 +511,7 @@ def main() -> int:
         report["decode_roofline_fraction"] = report["decode_tokens_per_s"] / report["roofline_tokens_per_s"]
     print_report(report)
     if not args.tiny:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.out, report)
     return 0
 
 

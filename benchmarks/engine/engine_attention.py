@@ -16,11 +16,12 @@ and divides by the layer count. JSON under benchmarks/results/engine/engine_atte
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
+
+from benchmarks import write_json
 
 
 def graph_us_per_call(fn, caches: list[torch.Tensor], replays: int = 20) -> float:
@@ -94,8 +95,7 @@ def main() -> int:
                     + f"  {config}",
                     flush=True,
                 )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     return 0
 
 

@@ -32,6 +32,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.sequence import SamplingParams  # noqa: E402
 
@@ -216,9 +217,7 @@ def main() -> int:
         "rows": rows,
     }
     if args.out and not args.tiny:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
-        print("wrote", args.out)
+        write_json(args.out, result, indent=1)
     return 0
 
 

@@ -11,13 +11,13 @@ bandwidth each reaches (weights dominate the bytes at these batch sizes).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_json
 from benchmarks.engine.model_shapes import QWEN25_15B
 
 
@@ -95,8 +95,7 @@ def main() -> int:
             )
             print(f"{name:9s} M={rows:3d} N={n:6d} K={k:5d}: {cells}", flush=True)
         del weight, bias
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     return 0
 
 

@@ -30,6 +30,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.engine.engine_decode_steps import print_row, run_header, tiny_model_dir  # noqa: E402
 from tandemrl.engine.engine import Engine, EngineConfig  # noqa: E402
 from tandemrl.engine.sequence import SamplingParams  # noqa: E402
@@ -144,8 +145,7 @@ def main() -> int:
     }
     print(json.dumps({"prefill_graph_steps": replays}))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        write_json(args.out, result, indent=1)
     return 0
 
 

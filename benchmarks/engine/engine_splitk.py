@@ -13,13 +13,13 @@ how far its outputs are from `F.linear` + norm. The engine tunes the down projec
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_json
 from benchmarks.engine.model_shapes import QWEN25_15B
 
 LAYERS = 28
@@ -96,8 +96,7 @@ def main() -> int:
         torch=torch.__version__,
         us_per_call=results,
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.out, report)
     return 0
 
 

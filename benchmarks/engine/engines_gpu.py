@@ -43,6 +43,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
+from benchmarks import write_json  # noqa: E402
 from benchmarks.engine.model_shapes import QWEN25_15B  # noqa: E402
 
 BACKENDS = ("embedded", "vllm", "sglang")
@@ -309,9 +310,7 @@ def main() -> None:
         report["backends"][backend] = result
         print(f"{backend}: {json.dumps({k: v for k, v in result.items() if not isinstance(v, dict | list)})}")
     report["embedded_vs_best_other"] = ratios(report["backends"])
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

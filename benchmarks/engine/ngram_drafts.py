@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks import write_json
 from tandemrl.engine.speculative import NgramDrafter
 
 DRAFT_LENGTHS = (2, 3, 4, 6, 8)
@@ -116,9 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             "best_steps_per_token": min(results, key=lambda r: r["decode_steps_per_token"]),
             "command": " ".join(sys.argv),
         }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_json(args.out, result)
     return 0
 
 

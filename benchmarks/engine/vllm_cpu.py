@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from benchmarks import write_json  # noqa: E402
 from tandemrl.data.prepare_model import prepare_model  # noqa: E402
 from tandemrl.rollout.vllm_client import VllmClient  # noqa: E402
 from tandemrl.rollout.vllm_server import VllmServer  # noqa: E402
@@ -73,9 +72,7 @@ def main() -> None:
         "host": {"cpus": os.cpu_count(), "machine": platform.machine(), "python": platform.python_version()},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import write_json
 from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -488,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
         else {"dir": args.realtext, "split": args.realtext_split, "limit": args.realtext_limit},
     }
     result = summarize(specs, runs_dir, setup)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    write_json(out, result, indent=1)
     plots = write_plots(result, out.parent / f"{out.stem}_plots")
     samples = write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
     runs = bundle(specs, runs_dir, plots, out.parent / f"{out.stem}_runs.tgz")

@@ -14,6 +14,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from benchmarks import write_json
+
 WINDOW = 5  # steps averaged into the start / end figure of a per-step curve
 OVERALL = {
     "val/em/": "all",
@@ -274,8 +276,7 @@ def write_samples(
                 rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
                 per_step[str(step)] = _digest(rows, per_source, max_chars)
         digest[f"{spec.variant}/seed{spec.seed}"] = per_step
-    path.write_text(json.dumps(digest, indent=1) + "\n")
-    return path
+    return write_json(path, digest, indent=1)
 
 
 def _digest(rows: list[dict], per_source: int, max_chars: int) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks import write_json  # noqa: E402
 from tandemrl.agent.prompt import encode_text, format_information  # noqa: E402
 from tandemrl.agent.reward import normalize_answer  # noqa: E402
 
@@ -175,9 +176,7 @@ def main(argv: list[str] | None = None) -> int:
             provenance = data_dir / "provenance.json"
             if provenance.exists():
                 results["realtext_provenance"] = json.loads(provenance.read_text())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, results, indent=1)
     return 0
 
 

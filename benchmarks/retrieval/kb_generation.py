@@ -14,6 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import write_json
 from tandemrl.data.kb import generate_kb
 
 
@@ -50,8 +51,7 @@ def main() -> None:
     }
     print(json.dumps(figures, indent=2))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.out, figures)
 
 
 if __name__ == "__main__":

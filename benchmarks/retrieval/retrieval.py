@@ -28,6 +28,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from benchmarks import write_json  # noqa: E402
 from tandemrl.retrieval.build import build_index  # noqa: E402
 from tandemrl.retrieval.fusion import FusionParams, default_fusion  # noqa: E402
 from tandemrl.retrieval.retriever import Retriever  # noqa: E402
@@ -230,10 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"benchmarks/retrieval/retrieval.py: {error}", file=sys.stderr)
         return 2
     result["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
-    out = Path(args.out or f"benchmarks/results/retrieval/retrieval_{result['name']}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(args.out or f"benchmarks/results/retrieval/retrieval_{result['name']}.json", result)
     return 0
 
 

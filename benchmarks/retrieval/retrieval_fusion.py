@@ -15,11 +15,11 @@ test figures come from benchmarks/retrieval/retrieval.py with the chosen default
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
 
+from benchmarks import write_json
 from benchmarks.retrieval.retrieval import kb_question_files, load_questions, machine
 from tandemrl.retrieval.fusion import FusionParams, fuse
 from tandemrl.retrieval.retriever import Retriever
@@ -134,9 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "sets": {n: [str(i), str(q)] for n, (i, q) in sets.items()},
     }
     result.update(command=" ".join([Path(sys.executable).name, *sys.argv]), machine=machine())
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, result)
     return 0
 
 

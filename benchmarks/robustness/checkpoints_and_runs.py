@@ -40,6 +40,7 @@ import uuid
 import zipfile
 from pathlib import Path
 
+from benchmarks import write_json
 from benchmarks.robustness import (
     pickles_indexes_and_limits as base,  # the harness: record, classify, tandem, checkpoints
 )
@@ -493,8 +494,7 @@ def main() -> None:
     report["cases"] = {name: outcome for name, (outcome, _) in base.cases.items()}
     report["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(report, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

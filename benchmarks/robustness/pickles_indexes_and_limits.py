@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples/searchr1/config/embedded_cpu_async.yaml"
 KEY = "probe-key-0123456789"
@@ -578,8 +580,7 @@ def main() -> None:
     report = summary()
     report["seconds"] = round(time.monotonic() - start, 1)
     print(json.dumps(report, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

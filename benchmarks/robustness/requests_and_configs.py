@@ -22,6 +22,7 @@ from pathlib import Path
 import aiohttp
 import httpx
 
+from benchmarks import write_json
 from tandemrl.rollout.engine_process import EngineProcess
 
 KEY = "probe-key-123456"
@@ -293,8 +294,7 @@ def main() -> None:
     report.update({k: v for k, v in results.items() if k != "clear"})
     report.update(timings)
     print(json.dumps(report, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -36,6 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples/searchr1/config"
 ASYNC, SYNC = CONFIGS / "embedded_cpu_async.yaml", CONFIGS / "embedded_cpu_sync.yaml"
@@ -437,8 +439,7 @@ def main() -> None:
     report["seconds"] = round(time.monotonic() - start, 1)
     report["tandemrl"] = args.label or os.environ.get("PYTHONPATH", str(ROOT))
     print(json.dumps(report, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    write_json(args.out, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ Writes benchmarks/results/runner/demo_cpu_<label>.json with a (wall_s, cpu_s) ti
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -26,6 +25,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+from benchmarks import write_json
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "runner"
 
@@ -89,9 +90,7 @@ def main() -> int:
         platform=platform.platform(),
         tandem_home=os.environ.get("TANDEM_HOME", "~/.cache/tandemrl"),
     )
-    RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"demo_cpu_{args.label}.json"
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    out = write_json(RESULTS / f"demo_cpu_{args.label}.json", result, indent=1)
     print(
         f"{args.label}: rc {result['returncode']}, wall {result['wall_s']} s (this machine, load "
         f"{result['loadavg_1m_at_end']}), CPU {result['cpu_s']} s -> ~{result['est_uncontended_wall_s']} s "

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from pathlib import Path
+
+from benchmarks import write_json
 
 PHASES = (  # (name, a frame substring that puts a sample in it), first match wins
     ("prefill forward, eager", "_forward_eager"),
@@ -74,7 +75,7 @@ def main() -> None:
     for name, share in summary["loop_phase_share"].items():
         print(f"  {share:6.1%}  {name}")
     if args.out:
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        write_json(args.out, summary)
 
 
 if __name__ == "__main__":

@@ -7,11 +7,12 @@ sync_vs_async.py and colocated.py both import it; neither imports the other at m
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from benchmarks import write_json
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "runner"
@@ -143,9 +144,7 @@ def gpu_name() -> str:
 
 def write_result(result: dict, out: Path, runs: list[tuple[Path, str]], no_plots: bool) -> None:
     """The JSON at `out`, and (unless `no_plots`) the runs' overlays beside it in `<stem>_plots/`."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_json(out, result)
     if not no_plots:
         write_plots(runs, out.parent / f"{out.stem}_plots")
 

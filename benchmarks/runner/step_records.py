@@ -16,8 +16,8 @@ import json
 import os
 import random
 import time
-from pathlib import Path
 
+from benchmarks import write_json
 from tandemrl.agent.loop import Trajectory
 
 
@@ -73,8 +73,7 @@ def main() -> int:
         f"{args.trajectories} trajectories: to_dict {to_dict_s * 1e3:.1f} ms, dataclasses.asdict "
         f"{asdict_s * 1e3:.1f} ms, json.dumps {dumps_s * 1e3:.1f} ms ({result['json_mb']:.1f} MB)"
     )
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.out, result)
     return 0
 
 

@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import write_json
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
 DEFAULT_OVERRIDES = ["runner.max_steps=3", "runner.val_interval=0", "runner.val_before_train=false"]
@@ -180,9 +182,12 @@ def main() -> int:
         result["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     except ImportError:
         result["device"] = "unknown"
-    out = Path(args.out or ROOT / "benchmarks" / "results" / "runner" / f"time_to_first_step_{tag}.json")
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"\nwritten {out}")
+    print()
+    write_json(
+        args.out or ROOT / "benchmarks" / "results" / "runner" / f"time_to_first_step_{tag}.json",
+        result,
+        indent=1,
+    )
     return 0
 
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 
-def write_json(path: str | Path, obj, *, indent: int = 2) -> Path:
+def write_json(path: str | Path, obj: object, *, indent: int = 2) -> Path:
     """Write `obj` as JSON (`indent` spaces, a newline at the end) to `path`, making its folder, and print
     `wrote <path>`. Returns the path."""
     path = Path(path)

@@ -491,10 +491,10 @@ def main(argv: list[str] | None = None) -> int:
     result = summarize(specs, runs_dir, setup)
     write_json(out, result, indent=1)
     plots = write_plots(result, out.parent / f"{out.stem}_plots")
-    samples = write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
+    write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
     runs = bundle(specs, runs_dir, plots, out.parent / f"{out.stem}_runs.tgz")
     print(json.dumps({"acceptance": result["acceptance"], "complete": result["complete"]}, indent=1))
-    print(f"wrote {out}, {samples}, {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")
+    print(f"wrote {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")  # the JSONs said so
     if left:
         print(f"not done yet: {', '.join(left)}; run the same command again", flush=True)
         return 3

@@ -494,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")
     runs = bundle(specs, runs_dir, plots, out.parent / f"{out.stem}_runs.tgz")
     print(json.dumps({"acceptance": result["acceptance"], "complete": result["complete"]}, indent=1))
-    print(f"wrote {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")  # the JSONs said so
+    # write_json printed both JSON paths; the bundle and the plots are announced here
+    print(f"wrote {runs} and {len(plots)} plots in {out.parent / f'{out.stem}_plots'}")
     if left:
         print(f"not done yet: {', '.join(left)}; run the same command again", flush=True)
         return 3

@@ -5,6 +5,7 @@ sets), and the next run on the same index starts."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -42,7 +43,14 @@ class Run:
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-            env={**os.environ, "TANDEM_RUN_ID": self.run_id, "PYTHONPATH": os.getcwd()},
+            # faulthandler: a run that does not stop in time is sent SIGABRT (`finish`), and its stderr then
+            # holds every thread's stack: where it hung
+            env={
+                **os.environ,
+                "TANDEM_RUN_ID": self.run_id,
+                "PYTHONPATH": os.getcwd(),
+                "PYTHONFAULTHANDLER": "1",
+            },
         )
 
     def wait_first_step(self, timeout_s: float = 300.0) -> None:
@@ -58,7 +66,18 @@ class Run:
         return [p for p in tagged_pids(self.run_id) if subcommand in Path(f"/proc/{p}/cmdline").read_text()]
 
     def finish(self, timeout_s: float = 60.0) -> tuple[int, str]:
-        _, stderr = self.proc.communicate(timeout=timeout_s)
+        try:
+            _, stderr = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGABRT)  # faulthandler writes every thread's stack to stderr
+            try:
+                _, stderr = self.proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                _, stderr = self.proc.communicate()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # what the run started in its session
+            pytest.fail(f"the run did not stop within {timeout_s:.0f} s; its stacks then:\n{stderr[-12000:]}")
         return self.proc.returncode, stderr
 
     def assert_nothing_left(self, timeout_s: float = 60.0) -> None:

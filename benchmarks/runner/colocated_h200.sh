@@ -141,7 +141,7 @@ EOF
 )
     stamp "pilot: $(tr -d '\n ' < "$out/pilot/pilot.json") -> rollout.pause_mode=$pause_mode"
 fi
-pause_mode=${pause_mode:-retract}
+pause_mode=${pause_mode:-in_place}  # the H200 recipes' own mode (the pilot skipped, PAUSE_MODE unset)
 
 if [[ $skip != *" warmup "* ]]; then
     # Untimed, before any timed run: the machine's own state (the engine's kernel tuning in TANDEM_HOME, Triton's

@@ -70,13 +70,11 @@ class Run:
             _, stderr = self.proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             os.kill(self.proc.pid, signal.SIGABRT)  # faulthandler writes every thread's stack to stderr
-            try:
-                _, stderr = self.proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                _, stderr = self.proc.communicate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.communicate(timeout=30)  # reads stderr while the stacks are written
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # what the run started in its session
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the run, if still there, and what it started
+            _, stderr = self.proc.communicate()  # all of stderr, the part read above included
             pytest.fail(f"the run did not stop within {timeout_s:.0f} s; its stacks then:\n{stderr[-12000:]}")
         return self.proc.returncode, stderr
 

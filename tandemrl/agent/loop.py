@@ -45,7 +45,7 @@ from tandemrl.agent.prompt import (
     encode_text,
 )
 from tandemrl.agent.reward import em_check
-from tandemrl.agent.tools import AgentEnv
+from tandemrl.agent.tools import AgentEnv, ToolOutput
 
 if TYPE_CHECKING:
     from tandemrl.agent.search_tool import SearchTool
@@ -201,7 +201,7 @@ async def run_trajectory(
             traj.finish_reason = FINISH_ABORT
             break
         message = await _respond(traj, parse_action(turn_text, env.tags), is_grace_turn, env, tokenizer, cfg)
-        is_grace_turn = message == ANSWER_NOW_TEXT
+        is_grace_turn = message is not None and message.text == ANSWER_NOW_TEXT
         if message is not None and not _append_tool_text(traj, message, tokenizer, cfg):
             traj.finish_reason = FINISH_LENGTH
     traj.wall_s = time.monotonic() - start_s
@@ -211,7 +211,7 @@ async def run_trajectory(
 
 async def _respond(
     traj: Trajectory, action: Action, is_grace_turn: bool, env: AgentEnv, tokenizer, cfg: AgentLoopConfig
-) -> str | None:
+) -> ToolOutput | None:
     """The tool text that answers the turn's action, or None with `finish_reason` set when it ends."""
     if action.kind == ANSWER:
         traj.finish_reason = FINISH_ANSWER
@@ -222,14 +222,14 @@ async def _respond(
         traj.finish_reason = FINISH_MAX_TURNS
         return None
     if is_tool and is_last_turn:
-        return ANSWER_NOW_TEXT  # the grace turn follows
+        return ToolOutput(ANSWER_NOW_TEXT)  # the grace turn follows
     if is_tool:
         message = await _call_tool(traj, action, env, tokenizer, cfg)
         if message is None:
             traj.finish_reason = FINISH_LENGTH
         return message
     traj.num_invalid_actions += 1
-    return INVALID_ACTION_TEXT
+    return ToolOutput(INVALID_ACTION_TEXT)
 
 
 def sampling_params(
@@ -277,9 +277,11 @@ def _append_model_turn(traj: Trajectory, result: GenerateResult, tokenizer) -> s
     return turn_text
 
 
-def _append_tool_text(traj: Trajectory, text: str, tokenizer, cfg: AgentLoopConfig) -> bool:
-    """Append masked tool text; False (nothing appended) when it would leave no token for the model."""
-    ids = encode_text(tokenizer, text)
+def _append_tool_text(traj: Trajectory, message: ToolOutput, tokenizer, cfg: AgentLoopConfig) -> bool:
+    """Append masked tool text (its ids as the tool encoded them, or encoded here); False (nothing
+    appended) when it would leave no token for the model."""
+    text = message.text
+    ids = message.ids if message.ids is not None else encode_text(tokenizer, text)
     if len(ids) >= _remaining(traj, cfg):
         return False
     traj.response_ids.extend(ids)
@@ -292,7 +294,7 @@ def _append_tool_text(traj: Trajectory, text: str, tokenizer, cfg: AgentLoopConf
 
 async def _call_tool(
     traj: Trajectory, action: Action, env: AgentEnv, tokenizer, cfg: AgentLoopConfig
-) -> str | None:
+) -> ToolOutput | None:
     """The tool's block for the action's input (or an error text in one); None when no block fits."""
     tool = env.tools[action.kind]
     budget = min(tool.max_tokens, _remaining(traj, cfg) - 1)
@@ -310,7 +312,7 @@ async def _call_tool(
         traj.num_search_errors += 1
     elif output.is_error:
         traj.num_tool_errors += 1
-    return output.text
+    return output
 
 
 def _score(traj: Trajectory, tokenizer, env: AgentEnv) -> None:

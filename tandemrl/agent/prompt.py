@@ -66,18 +66,25 @@ def format_information(docs: list[dict], tokenizer=None, max_info_tokens: int | 
     cut more than the others); titles stay, and the lowest-ranked documents are dropped only when
     the titles alone do not fit.
     """
-    block = _render(docs)
     if tokenizer is None or max_info_tokens is None:
-        return block
-    if _num_tokens(tokenizer, block) <= max_info_tokens:
-        return block
+        return _render(docs)
+    return information_block(docs, tokenizer, max_info_tokens)[0]
+
+
+def information_block(docs: list[dict], tokenizer, max_info_tokens: int) -> tuple[str, list[int]]:
+    """`format_information`'s block with its token ids (`encode_text` of the block), so the agent loop
+    appends the block without encoding it a second time (tokenizing runs on the driver's event loop)."""
+    block = _render(docs)
+    ids = encode_text(tokenizer, block)
+    if len(ids) <= max_info_tokens:
+        return block, ids
     parts = [_split_contents(doc) for doc in docs]
     parts = [(title, encode_text(tokenizer, text)) for title, text in parts]
     for num_docs in range(len(parts), -1, -1):
-        if _num_tokens(tokenizer, _render_capped(parts[:num_docs], 0, tokenizer)) <= max_info_tokens:
-            return _render_capped(
-                parts[:num_docs], _largest_cap(parts[:num_docs], tokenizer, max_info_tokens), tokenizer
-            )
+        titles_only = _render_capped(parts[:num_docs], 0, tokenizer)
+        titles_ids = encode_text(tokenizer, titles_only)
+        if len(titles_ids) <= max_info_tokens:
+            return _largest_fit(parts[:num_docs], tokenizer, max_info_tokens, (titles_only, titles_ids))
     raise AssertionError(f"an empty information block does not fit into {max_info_tokens} tokens")
 
 
@@ -95,10 +102,6 @@ def _render(docs: list[dict]) -> str:
     return INFO_OPEN + format_documents(docs).strip() + INFO_CLOSE
 
 
-def _num_tokens(tokenizer, text: str) -> int:
-    return len(encode_text(tokenizer, text))
-
-
 def _split_contents(doc: dict) -> tuple[str, str]:
     title, _, text = doc["document"]["contents"].partition("\n")
     return title, text
@@ -112,13 +115,18 @@ def _render_capped(parts: list[tuple[str, list[int]]], cap: int, tokenizer) -> s
     return _render(docs)
 
 
-def _largest_cap(parts: list[tuple[str, list[int]]], tokenizer, max_info_tokens: int) -> int:
-    """Binary search for the largest per-document token cap whose block fits (cap 0 is known to fit)."""
-    fits, too_big = 0, max((len(ids) for _, ids in parts), default=0) + 1
+def _largest_fit(
+    parts: list[tuple[str, list[int]]], tokenizer, max_info_tokens: int, titles_only: tuple[str, list[int]]
+) -> tuple[str, list[int]]:
+    """Binary search for the largest per-document token cap whose block fits; the block and its ids
+    (cap 0, `titles_only`, is known to fit)."""
+    best, fits, too_big = titles_only, 0, max((len(ids) for _, ids in parts), default=0) + 1
     while too_big - fits > 1:
         cap = (fits + too_big) // 2
-        if _num_tokens(tokenizer, _render_capped(parts, cap, tokenizer)) <= max_info_tokens:
-            fits = cap
+        block = _render_capped(parts, cap, tokenizer)
+        ids = encode_text(tokenizer, block)
+        if len(ids) <= max_info_tokens:
+            best, fits = (block, ids), cap
         else:
             too_big = cap
-    return fits
+    return best

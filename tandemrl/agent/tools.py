@@ -26,8 +26,8 @@ from tandemrl.agent.prompt import (
     INFO_OPEN,
     STOP_STRINGS,
     encode_text,
-    format_information,
     format_message,
+    information_block,
 )
 from tandemrl.agent.reward import RewardFunction, load_reward
 from tandemrl.agent.search_tool import SearchError
@@ -47,6 +47,7 @@ SEARCH_TAG = "search"
 class ToolOutput:
     text: str  # the whole block inserted after the model's turn (masked), within the budget
     is_error: bool = False
+    ids: list[int] | None = None  # the block's ids when the tool encoded it already (else the loop does)
 
 
 class Tool(Protocol):
@@ -75,7 +76,8 @@ class SearchCall:
             docs = (await self.search_tool.search([content]))[0]
         except SearchError as error:  # "search failed: ..." after the tool's retries
             return ToolOutput(format_message(f"{INFO_OPEN}{error}{INFO_CLOSE}", tokenizer, max_tokens), True)
-        return ToolOutput(format_information(docs, tokenizer, max_tokens))
+        text, ids = information_block(docs, tokenizer, max_tokens)
+        return ToolOutput(text, ids=ids)
 
 
 class FunctionTool:

@@ -341,3 +341,31 @@ def test_group_failure_cancels_the_siblings(tokenizer):
 
     assert asyncio.run(main()) == []  # no sibling left running
     assert len(engine.requests) < 8  # the siblings never reached their second turn
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the texts it encodes (the agent loop tokenizes on the driver's event loop)."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.encoded = tokenizer, []
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(text)
+        return self._tokenizer.encode(text, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+@pytest.mark.parametrize("max_info_tokens", [512, 40])  # the block as retrieved, and cut to its budget
+def test_information_block_is_encoded_once(tokenizer, max_info_tokens):
+    counting = CountingTokenizer(tokenizer)
+    cfg = AgentLoopConfig(max_turns=2, max_info_tokens=max_info_tokens)
+    search = FakeSearch(text="word " * 30)
+    traj, _, _ = run(counting, ["<search> q </search>", "<answer> Paris </answer>"], cfg=cfg, search=search)
+    info = masked_segments(traj, tokenizer)[1][1]
+    assert info.startswith(INFO_OPEN) and (len(encode_text(tokenizer, info)) <= 40) == (max_info_tokens == 40)
+    assert counting.encoded.count(info) == 1
+    # the ids the tool handed on are the block's own
+    start, info_ids = len(encode_text(tokenizer, "<search> q </search>")), encode_text(tokenizer, info)
+    assert traj.response_ids[start : start + len(info_ids)] == info_ids

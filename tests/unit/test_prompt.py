@@ -107,3 +107,13 @@ def test_format_message_keeps_the_closing_tag(tokenizer):
     cut = format_message(text, tokenizer, 25)
     assert len(encode_text(tokenizer, cut)) <= 25 and cut.startswith(INFO_OPEN) and cut.endswith(INFO_CLOSE)
     assert format_message("short", tokenizer, 25) == "short"
+
+
+def test_information_block_ids_are_the_blocks(tokenizer):
+    from tandemrl.agent.prompt import information_block
+
+    long = docs("alpha " * 300, "beta " * 50, "short")
+    for budget in (10_000, 120, 20):
+        block, ids = information_block(long, tokenizer, budget)
+        assert block == format_information(long, tokenizer, budget)
+        assert ids == encode_text(tokenizer, block) and len(ids) <= budget

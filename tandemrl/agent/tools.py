@@ -111,19 +111,24 @@ class FunctionTool:
         if is_error and not self._warned:
             self._warned = True  # once per run: the count is in the trajectories (num_tool_errors)
             log.warning("tools.%s: %s (further failures are counted, not logged)", self.name, text)
-        return ToolOutput(self._block(text, tokenizer, max_tokens), is_error)
+        block, ids = self._block(text, tokenizer, max_tokens)
+        return ToolOutput(block, is_error, ids)
 
-    def _block(self, text: str, tokenizer, max_tokens: int) -> str:
-        """The result block, its text cut by tokens so that the block fits `max_tokens`."""
+    def _block(self, text: str, tokenizer, max_tokens: int) -> tuple[str, list[int]]:
+        """The result block, its text cut by tokens so that the block fits `max_tokens`; and its ids."""
         block = self.opening + text + self.closing
-        if len(encode_text(tokenizer, block)) <= max_tokens:
-            return block
-        room = max(0, max_tokens - self.min_tokens(tokenizer) - 1)
-        cut = tokenizer.decode(encode_text(tokenizer, text)[:room])
-        while room > 0 and len(encode_text(tokenizer, self.opening + cut + self.closing)) > max_tokens:
-            room -= 1  # decoding and re-encoding may merge tokens differently at the edges
-            cut = tokenizer.decode(encode_text(tokenizer, text)[:room])
-        return self.opening + (cut if room > 0 else "") + self.closing
+        ids = encode_text(tokenizer, block)
+        if len(ids) <= max_tokens:
+            return block, ids
+        text_ids = encode_text(tokenizer, text)
+        for room in range(max(0, max_tokens - self.min_tokens(tokenizer) - 1), 0, -1):
+            # decoding and re-encoding may merge tokens differently at the edges: one token less, until it fits
+            block = self.opening + tokenizer.decode(text_ids[:room]) + self.closing
+            ids = encode_text(tokenizer, block)
+            if len(ids) <= max_tokens:
+                return block, ids
+        block = self.opening + self.closing
+        return block, encode_text(tokenizer, block)
 
 
 class AgentEnv:

@@ -310,3 +310,23 @@ def test_async_tools_non_text_results_and_timeouts(tokenizer):
     )
     stuck = asyncio.run(call(never_returns, timeout_s=0.01))
     assert stuck.is_error and stuck.text == "\n\n<result>tool t timed out after 0.01 s</result>\n\n"
+
+
+@pytest.mark.parametrize("budget", [64, 20, 12, 3])
+def test_a_tool_block_is_cut_to_its_budget_and_carries_its_ids(tokenizer, budget):
+    """The block the loop appends: within the budget, its ids the block's own (the loop does not encode it
+    again), the text cut by tokens; a budget that leaves no room for text gives the empty block."""
+    from tandemrl.agent.tools import FunctionTool
+
+    def echo(text: str) -> str:
+        return text * 40
+
+    tool = FunctionTool("t", echo, "t", "result", budget, 10.0)
+    output = asyncio.run(tool.call("word ", tokenizer, budget))
+    ids = tokenizer.encode(output.text, add_special_tokens=False)
+    assert output.ids == ids and not output.is_error
+    assert output.text.startswith("\n\n<result>") and output.text.endswith("</result>\n\n")
+    if budget > tool.min_tokens(tokenizer) + 1:
+        assert len(ids) <= budget and "word" in output.text
+    else:
+        assert output.text == "\n\n<result></result>\n\n"

@@ -1,7 +1,7 @@
 """Where the second search goes, across the 40-step colocated runs already made (no new run):
 
-    python -m benchmarks.learning.search_drift [--runs-glob 'benchmarks/results/runner/colocated_h200_*/*']
-        [--first 1 10] [--last 26 40] [--out benchmarks/results/learning/search_drift_h200.json]
+    python -m benchmarks.learning.search_drift [--runs-glob 'benchmarks/results/runner/colocated_h[12]00*/*']
+        [--first 1 10] [--last 26 40] [--out benchmarks/results/learning/search_drift_h100_h200.json]
 
 For each run directory with a metrics.jsonl of at least `--last`'s end steps and its config.yaml: the mode and
 the keys that set staleness (runner.async_mode, cluster.colocated_policy, the staleness bound, the correction,
@@ -120,10 +120,10 @@ def summarize(runs: list[dict]) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs-glob", default=str(ROOT / "benchmarks/results/runner/colocated_h200_*/*"))
+    parser.add_argument("--runs-glob", default=str(ROOT / "benchmarks/results/runner/colocated_h[12]00*/*"))
     parser.add_argument("--first", type=int, nargs=2, default=(1, 10), metavar=("FROM", "TO"))
     parser.add_argument("--last", type=int, nargs=2, default=(26, 40), metavar=("FROM", "TO"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning/search_drift_h200.json"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning/search_drift_h100_h200.json"))
     args = parser.parse_args(argv)
     runs = [
         run

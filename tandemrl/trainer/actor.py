@@ -128,6 +128,9 @@ class Actor:
         self.num_updates = 0
         self.num_skipped_updates = 0
         self._probe = StepProbe(torch.device(self.device))  # what the current train step waited on
+        if cfg.compile_layers:
+            self.warm_up()
+            mark("actor: compiled layers warmed up")
 
     def _load(
         self, hf_model: torch.nn.Module | None, attn: str
@@ -161,6 +164,38 @@ class Actor:
         if self.world_size > 1:
             materialize(policy, policy.hf, source, self.device)
         return policy
+
+    def warm_up(self) -> None:
+        """One forward and backward of the train step's own path on two made-up trajectories, then the
+        gradients are dropped: the weights, the optimizer, the schedule, the counters and the RNG are as
+        before. With `actor.compile_layers` the layers' compile (Dynamo's trace, Inductor's compile or its
+        cache) then happens here, while the actor is built and before any rollout, in sync and async runs
+        alike, rather than inside the first train step's clock, where it took 3.9 to 19.7 s on the H200 and
+        H100 recipes and varied more between runs than the steps it was compared with
+        (benchmarks/results/runner/colocated_h100/COMMAND.md). Every rank calls it (FSDP's collectives)."""
+        vocab = int(self.policy.hf.config.vocab_size)
+        length = max(8, min(64, self.micro_batch_tokens // 8))
+        generator = torch.Generator().manual_seed(0)  # not the global RNG: nothing later draws differently
+        # Three lengths, all of them in one packed row, or (padded rows) a row alone and two rows together:
+        # Dynamo specializes a size of 1, so both kinds of padded micro-batch must be seen here.
+        samples = []
+        for n, advantage in ((length, 1.0), (length + length // 8, -1.0), (2 * length, 0.5)):
+            ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
+            mask = [0] * (n // 4) + [1] * (n - n // 4)
+            samples.append(TrainSample(ids, mask, [-1.0 * m for m in mask], advantage, lags=[0] * n))
+        num_tokens = sum(s.num_loss_tokens for s in samples)
+        sums: dict[str, float] = defaultdict(float)
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            micros = [micro.to(self.device) for micro in self._plan(samples)]
+            for micro in micros:
+                self._ppo_micro_step(micro, num_tokens, sums, is_first=True, is_own_proximal=True)
+            if self.recomputes:  # the no-grad forward of the old logprobs' recompute: a graph of its own
+                with torch.no_grad():
+                    for micro in micros:
+                        self._forward(self.policy, micro)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @property
     def hf_model(self) -> torch.nn.Module:

@@ -126,6 +126,57 @@ def test_compiled_layers_give_the_same_step(tiny_llama_dir):
     assert _max_diff(plain, compiled) < 1e-4
 
 
+def test_warm_up_leaves_the_update_as_it_was(tiny_llama_dir):
+    """Actor.warm_up runs the step's forward and backward on made-up data, then drops it all: the next
+    train step, the weights after it and the RNG are bit for bit those of an actor that never warmed up."""
+    torch.set_num_threads(1)
+    overrides = ("actor.optim.lr=0.001", "algorithm.recompute_logprobs=true")
+    samples = make_samples(seed=3, num_samples=6)
+    cold, warm = (
+        Actor(cpu_actor_setup(tiny_llama_dir, *overrides)),
+        Actor(cpu_actor_setup(tiny_llama_dir, *overrides)),
+    )
+    rng_before = torch.get_rng_state()
+    warm.warm_up()
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert all(p.grad is None for p in warm.policy.parameters())
+    assert (warm.num_updates, warm.weight_version, len(warm.optimizer.state)) == (0, 0, 0)
+    m_cold, m_warm = cold.train_step(samples), warm.train_step(samples)
+    for key in ("loss", "entropy", "grad_norm", "lr", "rollout_train_logprob_gap"):
+        assert m_warm[f"train/actor/{key}"] == m_cold[f"train/actor/{key}"], key
+    weights_cold = dict(cold.iter_full_weights())
+    assert all(torch.equal(t, weights_cold[n]) for n, t in warm.iter_full_weights())
+
+
+def test_compiled_actor_is_traced_at_build_not_in_its_first_step(tiny_llama_dir, monkeypatch):
+    """With actor.compile_layers the actor warms up as it is built: Dynamo traces the layers' graphs then
+    (the train step's and the no-grad recompute's), and the first train step traces nothing new. Dynamo's
+    eager backend here: which graphs are traced, and when, is Dynamo's doing, not Inductor's."""
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    compile_module = torch.nn.Module.compile
+    monkeypatch.setattr(
+        torch.nn.Module, "compile", lambda self, **kw: compile_module(self, backend="eager", **kw)
+    )
+    torch._dynamo.reset()
+    counters.clear()
+    actor = Actor(
+        cpu_actor_setup(
+            tiny_llama_dir,
+            "actor.compile_layers=true",
+            "algorithm.recompute_logprobs=true",
+            "algorithm.n_minibatches=2",
+        )
+    )
+    traced_at_build = counters["stats"]["unique_graphs"]
+    assert traced_at_build >= 2  # the grad and no-grad forwards at least
+    metrics = actor.train_step(make_samples(seed=4, num_samples=8))
+    assert counters["stats"]["unique_graphs"] == traced_at_build
+    assert metrics["train/actor/num_updates"] == 2.0
+    torch._dynamo.reset()
+
+
 def test_kl_to_reference_starts_at_zero_then_grows(tiny_llama_dir):
     actor, metrics, _ = _run(
         tiny_llama_dir,

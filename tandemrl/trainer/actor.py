@@ -174,25 +174,31 @@ class Actor:
         H100 recipes and varied more between runs than the steps it was compared with
         (benchmarks/results/runner/colocated_h100/COMMAND.md). Every rank calls it (FSDP's collectives)."""
         vocab = int(self.policy.hf.config.vocab_size)
-        length = max(8, min(64, self.micro_batch_tokens // 8))
+        unit = max(8, min(64, self.micro_batch_tokens // 8))
         generator = torch.Generator().manual_seed(0)  # not the global RNG: nothing later draws differently
-        # Three lengths, all of them in one packed row, or (padded rows) a row alone and two rows together:
-        # Dynamo specializes a size of 1, so both kinds of padded micro-batch must be seen here.
-        samples = []
-        for n, advantage in ((length, 1.0), (length + length // 8, -1.0), (2 * length, 0.5)):
+
+        def made_up(n: int, advantage: float) -> TrainSample:
             ids = torch.randint(0, vocab, (n,), generator=generator).tolist()
             mask = [0] * (n // 4) + [1] * (n - n // 4)
-            samples.append(TrainSample(ids, mask, [-1.0 * m for m in mask], advantage, lags=[0] * n))
-        num_tokens = sum(s.num_loss_tokens for s in samples)
-        sums: dict[str, float] = defaultdict(float)
+            return TrainSample(ids, mask, [-1.0 * m for m in mask], advantage, lags=[0] * n)
+
+        # Each kind of micro-batch the plans make, twice at different sizes, since Dynamo specializes a
+        # size it has seen once (and always a size of 1): padded rows come as one row, as rows of unequal
+        # lengths (an attention mask) and as rows of one length (none); packed rows are always one row.
+        kinds = [(2 * unit,), (3 * unit,), (unit, unit + unit // 8), (3 * unit // 2, 7 * unit // 4)]
+        kinds += [(5 * unit // 4,) * 2, (2 * unit,) * 2]
+        plans = [[made_up(n, (-1.0) ** i) for i, n in enumerate(lengths)] for lengths in kinds]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            micros = [micro.to(self.device) for micro in self._plan(samples)]
-            for micro in micros:
-                self._ppo_micro_step(micro, num_tokens, sums, is_first=True, is_own_proximal=True)
-            if self.recomputes:  # the no-grad forward of the old logprobs' recompute: a graph of its own
-                with torch.no_grad():
-                    for micro in micros:
-                        self._forward(self.policy, micro)
+            for samples in plans:
+                num_tokens = sum(s.num_loss_tokens for s in samples)
+                sums: dict[str, float] = defaultdict(float)
+                micros = [micro.to(self.device) for micro in self._plan(samples)]
+                for micro in micros:
+                    self._ppo_micro_step(micro, num_tokens, sums, is_first=True, is_own_proximal=True)
+                if self.recomputes:  # the no-grad forward of the old logprobs' recompute: graphs of its own
+                    with torch.no_grad():
+                        for micro in micros:
+                            self._forward(self.policy, micro)
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

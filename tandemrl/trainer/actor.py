@@ -166,8 +166,8 @@ class Actor:
         return policy
 
     def warm_up(self) -> None:
-        """One forward and backward of the train step's own path on two made-up trajectories, then the
-        gradients are dropped: the weights, the optimizer, the schedule, the counters and the RNG are as
+        """Forwards and backwards of the train step's own path on made-up trajectories (every kind and size
+        of micro-batch a step makes, below), then the gradients are dropped: the weights, the optimizer, the schedule, the counters and the RNG are as
         before. With `actor.compile_layers` the layers' compile (Dynamo's trace, Inductor's compile or its
         cache) then happens here, while the actor is built and before any rollout, in sync and async runs
         alike, rather than inside the first train step's clock, where it took 3.9 to 19.7 s on the H200 and
@@ -187,6 +187,13 @@ class Actor:
         # lengths (an attention mask) and as rows of one length (none); packed rows are always one row.
         kinds = [(2 * unit,), (3 * unit,), (unit, unit + unit // 8), (3 * unit // 2, 7 * unit // 4)]
         kinds += [(5 * unit // 4,) * 2, (2 * unit,) * 2]
+        # Then micro-batches as large as the budget allows: Inductor guards its fusions on size ranges
+        # (on the H100, 576 x row length < 5,242,880: rows over 9,102 tokens compiled again in the first
+        # step, benchmarks/results/actor/first_step_h100.json), so the large rows of real steps are seen too.
+        budget = self.micro_batch_tokens
+        cap = min(budget // 2, getattr(self.policy.hf.config, "max_position_embeddings", None) or budget)
+        if cap > 8 * unit:  # rows of about the budget, a little less, and half of it
+            kinds += [(cap,) * (budget // cap), (cap, cap - unit), (cap // 2, cap // 2 - unit)]
         plans = [[made_up(n, (-1.0) ** i) for i, n in enumerate(lengths)] for lengths in kinds]
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             for samples in plans:
@@ -202,6 +209,7 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the made-up activations' blocks go back to the shared GPU
 
     @property
     def hf_model(self) -> torch.nn.Module:

@@ -130,7 +130,8 @@ def test_warm_up_leaves_the_update_as_it_was(tiny_llama_dir):
     """Actor.warm_up runs the step's forward and backward on made-up data, then drops it all: the next
     train step, the weights after it and the RNG are bit for bit those of an actor that never warmed up."""
     torch.set_num_threads(1)
-    overrides = ("actor.optim.lr=0.001", "algorithm.recompute_logprobs=true")
+    # a 2,048-token budget: the warm-up's largest rows (the budget's) stay quick on the CPU
+    overrides = ("actor.optim.lr=0.001", "algorithm.recompute_logprobs=true", "actor.micro_batch_tokens=2048")
     samples = make_samples(seed=3, num_samples=6)
     cold, warm = (
         Actor(cpu_actor_setup(tiny_llama_dir, *overrides)),
@@ -165,6 +166,7 @@ def test_compiled_actor_is_traced_at_build_not_in_its_first_step(tiny_llama_dir,
         cpu_actor_setup(
             tiny_llama_dir,
             "actor.compile_layers=true",
+            "actor.micro_batch_tokens=2048",
             "algorithm.recompute_logprobs=true",
             "algorithm.n_minibatches=2",
         )

@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--runs-glob", default=str(ROOT / "benchmarks/results/runner/colocated_h[12]00*/*"))
     parser.add_argument("--first", type=int, nargs=2, default=(1, 10), metavar=("FROM", "TO"))
     parser.add_argument("--last", type=int, nargs=2, default=(26, 40), metavar=("FROM", "TO"))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/learning/search_drift_h100_h200.json"))
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks/results/learning/search_drift_h100_h200.json")
+    )
     args = parser.parse_args(argv)
     runs = [
         run

@@ -7,6 +7,7 @@ sync_vs_async.py and colocated.py both import it; neither imports the other at m
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
 
 
 WARM_CACHE_ENV = "TANDEM_BENCH_WARM_INDUCTOR_CACHE"
+PROCESS_WALL_FILE = "process_wall.json"  # the whole `tandem train` process's wall time, start-up included
 
 
 def run_env(output_dir: Path) -> dict[str, str]:
@@ -44,8 +46,10 @@ def run_env(output_dir: Path) -> dict[str, str]:
 def run_train(
     config: str, output_dir: Path, steps: int | None, overrides: list[str], monitor: bool = False
 ) -> float:
-    """One `tandem train` in its own process (`run_env`); returns its wall time. `monitor`: CPU per role and
-    the GPU's utilization sampled into the run's directory meanwhile (benchmarks/runner/run_monitor.py)."""
+    """One `tandem train` in its own process (`run_env`); returns its wall time, also written to the run's
+    `process_wall.json` (PROCESS_WALL_FILE), so a later summary of runs made by other invocations has it.
+    `monitor`: CPU per role and the GPU's utilization sampled into the run's directory meanwhile
+    (benchmarks/runner/run_monitor.py)."""
     from contextlib import nullcontext
 
     from benchmarks.runner.run_monitor import RunMonitor
@@ -58,7 +62,16 @@ def run_train(
     start_s = time.monotonic()
     with RunMonitor(output_dir) if monitor else nullcontext():
         subprocess.run(command, check=True, cwd=ROOT, env=env)
-    return time.monotonic() - start_s
+    wall_s = time.monotonic() - start_s
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / PROCESS_WALL_FILE).write_text(json.dumps({"process_wall_s": wall_s}) + "\n")
+    return wall_s
+
+
+def process_wall(run_dir: Path) -> float | None:
+    """The wall time of the `tandem train` process that made `run_dir` (`run_train`), None if unknown."""
+    path = run_dir / PROCESS_WALL_FILE
+    return json.loads(path.read_text())["process_wall_s"] if path.is_file() else None
 
 
 def read_rows(run_dir: Path) -> list[dict]:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.runner.runs import WARM_CACHE_ENV, run_env
+from benchmarks.runner import runs
+from benchmarks.runner.runs import WARM_CACHE_ENV, process_wall, run_env, run_train
 
 
 def test_each_run_gets_an_empty_inductor_cache_of_its_own(tmp_path: Path, monkeypatch):
@@ -39,3 +40,23 @@ def test_each_run_starts_from_its_own_copy_of_the_warm_up_cache(tmp_path: Path, 
         "a run never sees another's additions"
     )
     assert not (warm / "sync_only").exists(), "the snapshot itself is left as the warm-up wrote it"
+
+
+def test_a_run_keeps_its_process_wall_for_a_later_summary(tmp_path: Path, monkeypatch):
+    """The benchmark runs one part per invocation (colocated_h200.sh), so the summary that compares them is
+    made by a later one: each run's whole-process wall time is kept in its directory."""
+    import time
+
+    commands = []
+
+    def fake_tandem_train(command, check, cwd, env):  # a fake at the process boundary: no real run
+        commands.append(command)
+        time.sleep(0.05)
+
+    monkeypatch.delenv(WARM_CACHE_ENV, raising=False)
+    monkeypatch.setattr(runs.subprocess, "run", fake_tandem_train)
+    wall = run_train("recipe.yaml", tmp_path / "sync", 3, ["runner.val_interval=10"])
+    assert "runner.max_steps=3" in commands[0] and commands[0][-1] == "runner.val_interval=10"
+    assert wall >= 0.05
+    assert process_wall(tmp_path / "sync") == wall
+    assert process_wall(tmp_path / "never_ran") is None

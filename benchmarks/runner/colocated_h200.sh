@@ -35,6 +35,7 @@
 # variant's buffer sizes; async_concurrent's default is the concurrent runner as issue 35 found it: no correction,
 # staleness bound 1). A part named async_defaults_<label> is the recipe with its PART_EXTRA, sync_<label> the sync
 # recipe with its PART_EXTRA (ratios are always against the run named sync).
+# FIRST_STEP=1 adds, before the warm-up, where the actor's compile goes (benchmarks/actor/first_step.py).
 # SPEC=1 adds issue 39's part after the benchmark: the sync recipe without and with n-gram speculation (SPEC_STEPS, SPEC_EXTRA).
 # SKIP="gputests pilot ..." leaves parts out; PAUSE_MODE skips the pilot's choice; MAX_RUNNING=N. SYNC_CFG, ASYNC_CFG, EXTRA
 # (key=value for every run), PILOT_STEPS and PROFILE_STEPS let the script run on the CPU configs.
@@ -143,6 +144,18 @@ EOF
 fi
 pause_mode=${pause_mode:-in_place}  # the H200 recipes' own mode (the pilot skipped, PAUSE_MODE unset)
 
+if [[ ${FIRST_STEP:-0} = 1 ]]; then
+    # opt-in, before anything else compiles: the async recipe's actor alone in a cold Inductor cache, its build
+    # (with the compile of trainer/actor.py warm_up) and first steps timed, without and with the warm-up
+    # (benchmarks/actor/first_step.py): whether step 1 still traces a graph
+    stamp "first step: the recipe's actor without and with its warm-up"
+    for variant in no_warm_up warm_up; do
+        flag=(); [ $variant = no_warm_up ] && flag=(--no-warm-up)
+        timeout 300 python3 -m benchmarks.actor.first_step --config "$async_cfg" "${flag[@]}" \
+            --out "$out/first_step_$variant.json" >> "$out/first_step.log" 2>&1 || stamp "first step $variant failed (see first_step.log)"
+    done
+    pack
+fi
 if [[ $skip != *" warmup "* ]]; then
     # Untimed, before any timed run: the machine's own state (the engine's kernel tuning in TANDEM_HOME, Triton's
     # kernel cache, the files a first compile reads) is then the same for every timed run. In the sixth

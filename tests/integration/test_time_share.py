@@ -3,7 +3,7 @@ engines, end to end on CPU (real engine process, real retrieval server, tiny act
 
 time_share must stand the engines down for the whole train step: the engine's own step counter does
 not move between the moment `actor.train_step` starts and the moment it returns, in every step, while
-the engines still generate in every step window; and no prompt is lost or trained twice. To make the
+the engines still generate between the steps; and no prompt is lost or trained twice. To make the
 check able to fail, the train step is held open for a while (or, under concurrent, until the engine has
 stepped): a paused engine cannot step however long training takes, a running one does.
 """
@@ -72,7 +72,10 @@ def test_time_share_never_generates_while_the_actor_trains(
     assert [row["step"] for row in rows] == [1, 2, 3, 4] and len(seen) == 4
     during = [row["rollout/engine_steps_during_train"] for row in rows]
     decoded = [row["rollout/engine_busy_fraction"] for row in rows[1:]]  # step 1 has no earlier read
-    assert all(busy > 0 for busy in decoded), decoded  # the engine generated in every step window
+    # The engine generated between train steps, so the checks below are live. Not in every window: once the
+    # groups the run still needs are all done (the last window's, often), a window has nothing to generate,
+    # and when that happens depends on the machine's speed (a CI run under load saw 0.0 in the last one).
+    assert any(busy > 0 for busy in decoded), decoded
     if policy == "time_share":
         assert all(end == start for start, end in seen), seen  # not one engine step inside train_step
         assert during == [0.0] * 4, during

@@ -26,6 +26,7 @@ from benchmarks.runner.runs import (
     CONFIG_DIR,
     ROOT,
     gpu_name,
+    process_wall,
     read_rows,
     run_train,
     summarize_run,
@@ -124,13 +125,12 @@ def main(argv: list[str] | None = None) -> int:
         "without": args.overrides,
         "with": [*args.overrides, "rollout.engine.speculative=ngram", *args.spec],
     }
-    walls = {}
     if not args.summarize_only:
         for name in RUNS:
-            walls[name] = run_train(args.config, runs_dir / name, args.steps, plan[name], args.monitor)
+            run_train(args.config, runs_dir / name, args.steps, plan[name], args.monitor)
     summaries = {name: spec_summary(read_rows(runs_dir / name), args.warmup) for name in RUNS}
     for name in RUNS:
-        summaries[name]["process_wall_s"] = walls.get(name)
+        summaries[name]["process_wall_s"] = process_wall(runs_dir / name)
     gpu = gpu_name()
     result = {
         "clock": "wall",

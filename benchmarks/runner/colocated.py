@@ -161,7 +161,7 @@ def loop_stall_sites(run_dir: Path, top: int = 10) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: -item[1])[:top])
 
 
-def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: float | None) -> dict:
+def summarize(run_dir: Path, warmup: int, slow_above_s: float | None) -> dict:
     profiled = profiled_steps(run_dir)
     rows = [row for row in read_rows(run_dir) if row["step"] not in profiled]
     summary = summarize_run(rows, warmup)
@@ -189,8 +189,7 @@ def summarize(run_dir: Path, warmup: int, wall_s: float | None, slow_above_s: fl
             "actor_train_step_p90_s": percentile(actor, 0.9),
             "time_to_first_step_s": time_to_first_step(run_dir),
             "run_dir": str(run_dir),
-            # the whole `tandem train` process, start-up included (this invocation's, else the run's file)
-            "process_wall_s": wall_s if wall_s is not None else process_wall(run_dir),
+            "process_wall_s": process_wall(run_dir),  # the whole `tandem train`, start-up included
             "wall_s": next((r["time/wall"] for r in reversed(rows) if "time/wall" in r), None),
             # how long the validations ran (one beside the next step included), and how much of the
             # clock waited for them (runner.overlap_validation: only the part the next step did not cover)
@@ -291,20 +290,19 @@ def run_plan(name: str, args) -> tuple[str, list[str]]:
 def run_colocated(args) -> int:
     runs_dir = Path(args.runs_dir)
     wanted = args.runs.split(",") if args.runs else ["sync", *(f"async_{p}" for p in POLICIES)]
-    walls: dict[str, float] = {}
     if not args.summarize_only:
         for name in wanted:
             config, extra = run_plan(name, args)
-            walls[name] = run_train(config, runs_dir / name, args.steps, args.overrides + extra, args.monitor)
+            run_train(config, runs_dir / name, args.steps, args.overrides + extra, args.monitor)
     if not (runs_dir / "sync" / "metrics.jsonl").is_file():
         print(f"no sync run in {runs_dir} yet")
         return 0
-    sync = summarize(runs_dir / "sync", args.warmup, walls.get("sync"), None)
+    sync = summarize(runs_dir / "sync", args.warmup, None)
     slow_above_s = 2.0 * sync["train_step_p50_s"]
     runs = {"sync": sync}
     variants = [*runs_dir.glob("sync_*/metrics.jsonl"), *runs_dir.glob("async_*/metrics.jsonl")]
     for run_dir in sorted(p.parent for p in variants):
-        runs[run_dir.name] = summarize(run_dir, args.warmup, walls.get(run_dir.name), slow_above_s)
+        runs[run_dir.name] = summarize(run_dir, args.warmup, slow_above_s)
     async_runs = [name for name in runs if name.startswith("async_")]
     if not async_runs:  # a part of the benchmark run on its own (benchmarks/runner/colocated_h200.sh)
         print(f"only sync in {runs_dir} so far: {sync['mean_step_time_s']} s per step")

@@ -167,8 +167,8 @@ class Actor:
 
     def warm_up(self) -> None:
         """Forwards and backwards of the train step's own path on made-up trajectories (every kind and size
-        of micro-batch a step makes, below), then the gradients are dropped: the weights, the optimizer, the schedule, the counters and the RNG are as
-        before. With `actor.compile_layers` the layers' compile (Dynamo's trace, Inductor's compile or its
+        of micro-batch a step makes, below), then the gradients are dropped: the weights, the optimizer, the
+        schedule, the counters and the RNG are as before. With `actor.compile_layers` the layers' compile (Dynamo's trace, Inductor's compile or its
         cache) then happens here, while the actor is built and before any rollout, in sync and async runs
         alike, rather than inside the first train step's clock, where it took 3.9 to 19.7 s on the H200 and
         H100 recipes and varied more between runs than the steps it was compared with
@@ -202,10 +202,8 @@ class Actor:
                 micros = [micro.to(self.device) for micro in self._plan(samples)]
                 for micro in micros:
                     self._ppo_micro_step(micro, num_tokens, sums, is_first=True, is_own_proximal=True)
-                if self.recomputes:  # the no-grad forward of the old logprobs' recompute: graphs of its own
-                    with torch.no_grad():
-                        for micro in micros:
-                            self._forward(self.policy, micro)
+                if self.recomputes:  # the old logprobs' no-grad recompute: graphs of its own
+                    self._recompute_proximal([micros], sums)
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -85,7 +85,7 @@ def prepare_default_index(kb_dir: Path) -> Path:
     index_dir.parent.mkdir(parents=True, exist_ok=True)
     # "minilm" resolves to prepare_retriever()'s directory and matches retrieval.encoder's default;
     # BM25 next to the dense vectors makes hybrid search (the served default) possible: recall@3 0.970
-    # against 0.943 for dense alone on the KB's test split (benchmarks/retrieval.py, docs/RETRIEVAL.md)
+    # against 0.943 for dense alone on the KB's test split (benchmarks/retrieval/retrieval.py, docs/RETRIEVAL.md)
     stats = build_index(kb_dir / "corpus.jsonl", index_dir, encoder="minilm", sparse="bm25")
     log.info("index at %s: %s", index_dir, stats)
     return index_dir

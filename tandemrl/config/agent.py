@@ -20,7 +20,7 @@ class AgentLoopConfig:
     max_response_tokens: int = 2048
     max_new_tokens_per_turn: int = 256
     # per information block; documents are truncated to fit. 512 cut no answer-bearing real-text block
-    # (256 lost 12 % of them); KB blocks are under 160 (benchmarks/results/info_budget.json)
+    # (256 lost 12 % of them); KB blocks are under 160 (benchmarks/results/retrieval/info_budget.json)
     max_info_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0

@@ -5,7 +5,7 @@ hold the longest stop string, as SGLang does. Invariant: a request stops at the 
 completes a stop condition, and that token stays in `output_ids`.
 
 This runs for every row of every decode step, on the engine's one host thread, so its cost per row sets
-how the step time grows with the batch (benchmarks/engine_decode_steps.py). Decoding the tail costs a
+how the step time grows with the batch (benchmarks/engine/engine_decode_steps.py). Decoding the tail costs a
 tokenizer call per row; instead the tail is decoded only when the new token can complete a stop string:
 a stop string completed by the last token ends inside that token's text, so the token's own text holds
 the stop string's last character. A token whose text alone is not whole (a piece of a multi-byte

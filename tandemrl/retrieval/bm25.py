@@ -18,7 +18,7 @@ from dataclasses import dataclass
 TOKEN_RE = re.compile(r"\w+", re.UNICODE)
 # A crude suffix stripper, so that "founded", "founder" and "founding" (or "published" and "publisher")
 # share a term. Stop words are kept: IDF already makes them nearly free, and on the generated KB dropping
-# them lowered recall (measured with benchmarks/retrieval.py's questions).
+# them lowered recall (measured with benchmarks/retrieval/retrieval.py's questions).
 SUFFIXES = ("ing", "ed", "er", "s")
 MIN_STEM_LENGTH = 4
 

@@ -33,7 +33,7 @@ METHODS = ("zscore", "rrf")
 class FusionParams:
     """How `hybrid` merges its two lists; each list is fetched `prefetch` deep (at least topk).
 
-    The default (z-score, BM25 weighted 0.2 against dense 1.0) was chosen by benchmarks/retrieval_fusion.py
+    The default (z-score, BM25 weighted 0.2 against dense 1.0) was chosen by benchmarks/retrieval/retrieval_fusion.py
     on the dev splits of the generated KB and of a real-text set (FanOutQA questions over Wikipedia
     summaries), and is reported on their test splits: see docs/RETRIEVAL.md.
     """

@@ -1,6 +1,6 @@
 """A vLLM server as a child process, started so that `rollout.backend=vllm` can drive it: by tandem for
 each rollout instance (`VllmServer.from_rollout`, on the instance's GPUs, or on CPU), by `make
-test-vllm` and benchmarks/vllm_cpu.py, or by hand.
+test-vllm` and benchmarks/engine/vllm_cpu.py, or by hand.
 
 What every start has: VLLM_SERVER_DEV_MODE=1 (vLLM's /pause, /resume, /collective_rpc and
 weight-version routes exist only then) and our worker extension (rollout/vllm_worker.py: the weight

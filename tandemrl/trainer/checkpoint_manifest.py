@@ -5,7 +5,7 @@ so every byte a checkpoint holds is covered by a hash taken while nothing else c
 Before a resume or an export uses the checkpoint, every file is read back, streamed (1 MiB at a time,
 never whole in memory), and its hash compared: a damaged byte anywhere, inside a multi-GB tensor
 included, is refused with a line that names the file. The cost is one sequential read of the
-checkpoint at SHA-256 speed (benchmarks/checkpoint_hash.py).
+checkpoint at SHA-256 speed (benchmarks/actor/checkpoint_hash.py).
 
 Invariant: a checkpoint is a tree of regular files and real directories only. `list_files` walks it
 without following anything and refuses a symbolic link, FIFO, socket or device wherever it sits, so

@@ -1,6 +1,6 @@
 """benchmarks/ keeps its layout (benchmarks/README.md): every script in a group named by what it measures,
 run as `python -m benchmarks.<group>.<script>` with no `sys.path` edits and no import of `tests/`, results
-under `results/<group>/`, and every benchmark path the README and docs/ quote still there."""
+under `results/<group>/`, and every benchmark path the README, docs/ and the code's comments quote still there."""
 
 from __future__ import annotations
 
@@ -116,6 +116,23 @@ def missing(text: str) -> list[str]:
 @pytest.mark.parametrize("doc", docs(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_quoted_benchmark_path_exists(doc):
     assert missing(doc.read_text()) == [], doc.relative_to(ROOT)
+
+
+def sources() -> list[Path]:
+    """Code and configs whose comments point into benchmarks/ (the scripts themselves name results they
+    have yet to write, and this file quotes paths that are gone on purpose)."""
+    code = [*(ROOT / "tandemrl").rglob("*.py"), *(ROOT / "tests").rglob("*.py")]
+    examples = [p for p in (ROOT / "examples").rglob("*") if p.suffix in (".py", ".yaml", ".sh", ".md")]
+    return sorted(
+        p
+        for p in [*code, *examples, ROOT / "Makefile", ROOT / "pyproject.toml"]
+        if p != Path(__file__).resolve()
+    )
+
+
+def test_every_benchmark_path_quoted_in_code_exists():
+    gone = {str(p.relative_to(ROOT)): missing(p.read_text()) for p in sources()}
+    assert {path: paths for path, paths in gone.items() if paths} == {}
 
 
 def test_the_path_check_finds_what_is_gone():

@@ -138,11 +138,18 @@ class OptimConfig:
             "Use 0 for no warm-up.",
         )
         _check(
-            len(self.betas) == 2,
+            len(self.betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas),
             "actor.optim.betas",
             self.betas,
-            "must hold two numbers",
+            "must hold two numbers in [0, 1) (AdamW's decay rates of its two moments)",
             "Use e.g. [0.9, 0.999].",
+        )
+        _check(
+            self.min_lr_ratio <= 1,
+            "actor.optim.min_lr_ratio",
+            self.min_lr_ratio,
+            "must be <= 1 (the cosine schedule's last learning rate as a fraction of actor.optim.lr)",
+            "Use e.g. 0.1, or 0 to decay to zero.",
         )
 
 

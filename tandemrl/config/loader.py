@@ -42,6 +42,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         raw = read_yaml(path)
     for override in overrides:
+        _refuse_whole_section(override)
         apply_override(raw, override)
     config = build(TandemConfig, raw, prefix="")
     derive_and_validate(config)
@@ -188,6 +189,27 @@ def _check_bounds(text: str, where: str) -> None:
                 "YAML aliases (*name) repeating anchors (&name) this can grow exponentially. A tandem "
                 "config has a few hundred; remove the aliases or the long lists."
             )
+
+
+def _refuse_whole_section(override: str) -> None:
+    """`runner=` or `runner={name: x}` would replace the file's whole section (its other keys back to their
+    defaults, silently): a section is overridden key by key. Sections of named entries (`tools.<name>`)
+    and mapping-valued keys (`cluster.component_placement`) are values, not sections, and pass."""
+    key = override.split("=", 1)[0].strip().lstrip("+")
+    cls: Any = TandemConfig
+    for part in key.split("."):
+        if not (
+            dataclasses.is_dataclass(cls) and part in {f.name for f in dataclasses.fields(cls) if f.init}
+        ):
+            return  # not a schema key: build() names it
+        cls = typing.get_type_hints(cls)[part]
+    if dataclasses.is_dataclass(cls):
+        example = next(f.name for f in dataclasses.fields(cls) if f.init)
+        raise ConfigError(
+            f"override {value_summary(override)}: {key} is a section, and this would reset every key of it "
+            f"that the override does not name to its default. Override its keys one by one, e.g. "
+            f"{key}.{example}=..."
+        )
 
 
 def apply_override(raw: dict[str, Any], override: str) -> None:

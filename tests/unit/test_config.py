@@ -167,6 +167,10 @@ def test_async_requires_server_backend():
         ("rollout_buffer.max_head_offpolicyness=-1", "rollout_buffer.max_head_offpolicyness"),
         ("rollout_buffer.handoff_order=random", "rollout_buffer.handoff_order"),
         ("cluster.component_placement={critic: '0-1'}", "cluster.component_placement"),
+        ("actor.optim.betas=[2, 3]", "actor.optim.betas"),  # torch's AdamW would raise at the first step
+        ("actor.optim.betas=[-1, 0.5]", "actor.optim.betas"),
+        ("actor.optim.betas=[0.9, 1.0]", "actor.optim.betas"),
+        ("actor.optim.min_lr_ratio=5", "actor.optim.min_lr_ratio"),
     ],
 )
 def test_bad_values_name_key_and_fix(override, key):
@@ -364,3 +368,25 @@ def test_cpu_offload_is_for_a_gpu_actor():
     assert load_config(None, ["actor.device=cuda", "actor.cpu_offload=true"]).actor.cpu_offload is True
     with pytest.raises(ValueError, match="actor.cpu_offload=true with the actor on cpu"):
         shard_policy(torch.nn.Module(), torch.device("cpu"), torch.float32, cpu_offload=True)
+
+
+@pytest.mark.parametrize(
+    "override, by_key",
+    [
+        ("runner=", "runner.name=x"),
+        ("runner={name: x}", "runner.name=x"),
+        ("actor.optim={lr: 0.1}", "actor.optim.lr=0.1"),
+        ("rollout.engine=", "rollout.engine.block_size=16"),
+    ],
+)
+def test_a_section_is_overridden_key_by_key(override, by_key):
+    """Replacing a whole section would silently put the file's other keys of it back to their defaults."""
+    with pytest.raises(ConfigError, match="is a section"):
+        load_config(ASYNC, [override])
+    config = load_config(ASYNC, [by_key])
+    assert config.runner.async_mode is load_config(ASYNC).runner.async_mode is True  # the file's key kept
+
+
+def test_mapping_valued_keys_and_named_entries_still_take_a_mapping():
+    config = load_config(ASYNC, ["cluster.mps_sm_percent={rollout: 30}", "cluster.mps=true"])
+    assert config.cluster.mps_sm_percent == {"rollout": 30}

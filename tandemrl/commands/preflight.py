@@ -10,9 +10,10 @@ Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths live on
 checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 
 `check_before_services` (run by `tandem train` after its placement plan, and by `tandem config show
---check`): every other check `train` makes before it starts anything: placeholder paths, the model
-directory the driver reads its tokenizer from (on node 0 also for a cluster), the retrieval index a
-launched server would open, and every question file read whole (data/dataset.py). Plain `config show`
+--check`): every other check `train` makes before it starts anything: placeholder paths, the external
+engines of `rollout.server_addrs` accepting a connection, the model directory the driver reads its
+tokenizer from (on node 0 also for a cluster), the retrieval index a launched server would open (its
+index.json), and every question file read whole (data/dataset.py). Plain `config show`
 leaves these out on purpose: it shows a config for another machine (a cluster's paths) and the defaults,
 and reading a large training set takes seconds.
 """
@@ -129,11 +130,33 @@ def check_before_services(config: TandemConfig) -> None:
     from tandemrl.runner.services import index_dir, model_path
 
     _check_placeholders(config)
+    _check_external_engines(config)
     if config.retrieval.launch:
         index_dir(config)
     if config.rollout.backend != "sglang" or config.rollout.model.model_path is not None:
         model_path(config)  # the driver's tokenizer, on this node
     _check_data_files(config)
+
+
+ENGINE_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_external_engines(config: TandemConfig) -> None:
+    """Each engine in `rollout.server_addrs` accepts a connection: the run talks to them from its first
+    step, after Ray and the actor have started, and an address nothing answers at is a typo or a server
+    not started yet. A connection only (no request), so an engine that is busy still passes."""
+    import socket
+
+    for index, addr in enumerate(config.rollout.server_addrs):
+        host, _, port = addr.removeprefix("http://").removeprefix("https://").rstrip("/").rpartition(":")
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=ENGINE_CONNECT_TIMEOUT_S).close()
+        except OSError as error:
+            raise ConfigError(
+                f"rollout.server_addrs[{index}]={addr!r}: nothing accepts a connection there "
+                f"({error.strerror or error}). Start the {config.rollout.backend} server first, or fix the "
+                "address (or leave rollout.server_addrs empty and let tandem launch the servers)."
+            ) from None
 
 
 def _check_placeholders(config: TandemConfig) -> None:

@@ -148,6 +148,14 @@ class RolloutConfig:
         _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("rollout.max_context_len", self.max_context_len)
         _check_positive("rollout.sync_bucket_mb", self.sync_bucket_mb)
+        for index, addr in enumerate(self.server_addrs):
+            _check(
+                _is_host_port(addr),
+                f"rollout.server_addrs[{index}]",
+                addr,
+                "must be host:port (or http(s)://host:port) with a port from 1 to 65535",
+                "Use e.g. 127.0.0.1:30000.",
+            )
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -183,6 +191,15 @@ class RolloutConfig:
             "tokens in a trie of every request's tokens)",
             "Leave them at 1/3 and put SGLang's own --speculative-ngram-* flags in rollout.sglang.extra_args.",
         )
+
+
+def _is_host_port(addr: object) -> bool:
+    """`host:port` or `http(s)://host:port` (an IPv6 host in brackets), a port in 1..65535."""
+    if not isinstance(addr, str):
+        return False
+    rest = addr.removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, _, port = rest.rpartition(":")
+    return bool(host) and "/" not in rest and port.isdigit() and 1 <= int(port) <= 65535
 
 
 @dataclass

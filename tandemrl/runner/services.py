@@ -90,6 +90,12 @@ def index_dir(config: TandemConfig) -> str:
             "(embedded KB) or `tandem index build`, or set retrieval.launch=false and "
             "tools.search.server_addr to a running retrieval server."
         )
+    if not (path / "index.json").is_file():  # retrieval/retriever.py META_FILE, written by every build
+        raise ConfigError(
+            f"retrieval.index_dir={str(path)!r} is not a retrieval index: it holds no index.json (what "
+            "`tandem index build` writes). Point it at a built index, or build one there with "
+            "`tandem index build --corpus CORPUS --index DIR`."
+        )
     return str(path)
 
 

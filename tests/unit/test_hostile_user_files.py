@@ -167,6 +167,7 @@ def test_train_checks_refuse_bad_question_files_and_directories(tmp_path, capsys
     """`tandem config show --check` runs what `train` checks before it starts a service (the driver reads
     the question files only after the services are up)."""
     (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index.json").write_text("{}")  # what makes a directory an index
     model = tmp_path / "model"
     model.mkdir()
     base = [str(CONFIG), f"retrieval.index_dir={tmp_path / 'index'}", f"rollout.model.model_path={model}"]

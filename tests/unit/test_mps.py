@@ -154,6 +154,7 @@ def test_train_stops_its_daemon_and_gives_the_environment_back_on_error(fake_con
         monkeypatch.delenv(key, raising=False)
     index = tmp_path / "index"  # present, so that the check after it (the model's) is the one that fails
     index.mkdir()
+    (index / "index.json").write_text("{}")
     config = _async_mps_config(
         "cluster.mps_sm_percent.actor=60",
         f"retrieval.index_dir={index}",

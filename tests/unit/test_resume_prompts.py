@@ -88,6 +88,7 @@ def test_launched_engines_share_the_runs_fresh_key(tmp_path, monkeypatch):
 
     (tmp_path / "model").mkdir()
     (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index.json").write_text("{}")  # what makes a directory an index
     config = load_config(
         None,
         [

@@ -89,6 +89,7 @@ def _prepared(tmp_path: Path) -> list[str]:
     """Overrides naming a model directory, an index directory and a small question file."""
     (tmp_path / "model").mkdir()
     (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index.json").write_text("{}")  # what makes a directory an index
     questions = tmp_path / "train.jsonl"
     questions.write_text('{"id": 1, "question": "a?", "golden_answers": ["b"]}\n')
     return [
@@ -107,6 +108,8 @@ def test_config_show_check_runs_trains_start_up_checks(capsys, tmp_path):
         capsys, "config", "show", "--check", ASYNC, *good, f"retrieval.index_dir={tmp_path}/no"
     )
     _refused(code, err, "retrieval.index_dir", "does not exist")
+    code, _, err = _run(capsys, "config", "show", "--check", ASYNC, *good, f"retrieval.index_dir={tmp_path}")
+    _refused(code, err, "retrieval.index_dir", "is not a retrieval index", "index.json")
     code, _, err = _run(
         capsys, "config", "show", "--check", ASYNC, *good, "data.train_data_paths=[/no/q.jsonl]"
     )
@@ -231,3 +234,25 @@ def test_config_show_docstring_no_longer_promises_more_than_it_checks():
 
     assert "a config that shows is one that starts" not in show.__doc__
     assert "--check" in show.__doc__
+
+
+def test_external_engines_that_nothing_answers_at_are_refused_before_a_service(capsys, tmp_path):
+    """An address with no server behind it failed the run with aiohttp's traceback after Ray and the actor
+    had started; `--check` and `train` now refuse it first, naming the entry."""
+    import socket
+
+    good = _prepared(tmp_path)
+    with socket.socket() as listener:  # a port that accepts connections: the check passes
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        external = ["rollout.backend=sglang", f"rollout.server_addrs=[127.0.0.1:{port}]"]
+        code, _, err = _run(capsys, "config", "show", "--check", ASYNC, *good, *external)
+        assert code == 0, err
+    # closed now: nothing accepts a connection at that port
+    code, _, err = _run(capsys, "config", "show", "--check", ASYNC, *good, *external)
+    _refused(code, err, "rollout.server_addrs[0]", f"127.0.0.1:{port}", "nothing accepts a connection")
+    code, _, err = _run(
+        capsys, "config", "show", ASYNC, "rollout.backend=sglang", "rollout.server_addrs=[h:99999]"
+    )
+    _refused(code, err, "rollout.server_addrs[0]", "port from 1 to 65535")

@@ -10,11 +10,34 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import math
 import sys
 
 from tandemrl.config.engine import add_engine_flags
 from tandemrl.config.schema import ConfigError
 from tandemrl.host.files import InputFileError
+
+
+def _number(kind: type, low: float, high: float = math.inf):
+    """An argparse type: a finite `kind` within [low, high] (a server flag's NaN, inf or 0 refused in one
+    line by argparse, not met later as a traceback or a server that never answers)."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
+        if not (math.isfinite(value) and low <= value <= high):
+            bound = f"from {low:g} to {high:,.0f}" if math.isfinite(high) else f">= {low:g}"
+            word = "an integer" if kind is int else "a finite number"
+            raise argparse.ArgumentTypeError(f"{text!r}: must be {word} {bound}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names the type in its messages
+    return parse
+
+
+MAX_REQUEST_MB = 1_000_000  # a request body limit beyond a TB is no limit
 
 
 def _add_config_args(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +52,7 @@ def _add_servers(sub) -> None:
     serve_retrieval = sub.add_parser("serve-retrieval", help="the Search-R1 /retrieve HTTP server")
     serve_retrieval.add_argument("--index", required=True)
     serve_retrieval.add_argument("--host", default="127.0.0.1")
-    serve_retrieval.add_argument("--port", type=int, default=8000)
+    serve_retrieval.add_argument("--port", type=_number(int, 0, 65535), default=8000)
     serve_retrieval.add_argument("--mode", default=None, choices=["dense", "bm25", "hybrid"])
     serve_retrieval.add_argument(
         "--fusion",
@@ -44,10 +67,15 @@ def _add_servers(sub) -> None:
         help="require 'Authorization: Bearer <key>' on /retrieve (default: $TANDEM_RETRIEVAL_API_KEY); "
         "needed when --host is not a loopback address",
     )
-    serve_retrieval.add_argument("--max-request-mb", type=float, default=4.0, help="larger bodies get 413")
+    serve_retrieval.add_argument(
+        "--max-request-mb",
+        type=_number(float, 1e-3, MAX_REQUEST_MB),
+        default=4.0,
+        help="larger bodies get 413",
+    )
     serve_retrieval.add_argument(
         "--num-threads",
-        type=int,
+        type=_number(int, 0),
         default=0,
         help="cap the BLAS, OpenMP and torch thread pools (0: their default, one thread per core)",
     )
@@ -56,11 +84,11 @@ def _add_servers(sub) -> None:
     serve_engine = sub.add_parser("serve-engine", help="the embedded rollout engine (SGLang HTTP protocol)")
     serve_engine.add_argument("--model", required=True)
     serve_engine.add_argument("--host", default="127.0.0.1")
-    serve_engine.add_argument("--port", type=int, required=True)
-    serve_engine.add_argument("--device", default="auto")
-    serve_engine.add_argument("--dtype", default="auto")
-    serve_engine.add_argument("--max-running-requests", type=int, default=64)
-    serve_engine.add_argument("--max-context-len", type=int, default=4096)
+    serve_engine.add_argument("--port", type=_number(int, 0, 65535), required=True)
+    serve_engine.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    serve_engine.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    serve_engine.add_argument("--max-running-requests", type=_number(int, 1), default=64)
+    serve_engine.add_argument("--max-context-len", type=_number(int, 1), default=4096)
     serve_engine.add_argument("--seed", type=int, default=0)
     add_engine_flags(serve_engine)  # one flag per rollout.engine key, same name (tandemrl/config/engine.py)
     serve_engine.add_argument(
@@ -69,16 +97,21 @@ def _add_servers(sub) -> None:
         help="require 'Authorization: Bearer <key>' on every endpoint but /health, as SGLang's --api-key "
         "(default: $TANDEM_ENGINE_API_KEY; prefer the variable: a flag shows in the process list)",
     )
-    serve_engine.add_argument("--max-request-mb", type=float, default=16.0, help="larger bodies get 413")
+    serve_engine.add_argument(
+        "--max-request-mb",
+        type=_number(float, 1e-3, MAX_REQUEST_MB),
+        default=16.0,
+        help="larger bodies get 413",
+    )
     serve_engine.add_argument(
         "--health-stall-s",
-        type=float,
+        type=_number(float, 1e-3),
         default=60.0,
         help="/health answers 503 once the engine loop is stuck this long in one step or command",
     )
     serve_engine.add_argument(
         "--weight-update-timeout-s",
-        type=float,
+        type=_number(float, 1e-3),
         default=600.0,
         help="a weight-group join or an announced update whose tensors do not arrive in time is aborted",
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass
 
@@ -59,9 +60,9 @@ class EngineOptions:
     def __post_init__(self):
         for name in ("kv_cache_gb", "block_size", "max_prefill_tokens"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
+            if value is not None and not (value > 0 and math.isfinite(value)):  # NaN compares False
                 raise ConfigError(
-                    f"rollout.engine.{name}={value!r}: must be > 0. Set a positive number"
+                    f"rollout.engine.{name}={value!r}: must be a finite number > 0. Set a positive number"
                     + (
                         " (max_prefill_tokens: prompt tokens one prefill step forwards)."
                         if "prefill" in name

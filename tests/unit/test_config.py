@@ -171,6 +171,7 @@ def test_async_requires_server_backend():
         ("actor.optim.betas=[-1, 0.5]", "actor.optim.betas"),
         ("actor.optim.betas=[0.9, 1.0]", "actor.optim.betas"),
         ("actor.optim.min_lr_ratio=5", "actor.optim.min_lr_ratio"),
+        ("rollout.engine.kv_cache_gb=.nan", "rollout.engine.kv_cache_gb"),  # NaN <= 0 is False
     ],
 )
 def test_bad_values_name_key_and_fix(override, key):

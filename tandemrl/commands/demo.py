@@ -139,11 +139,12 @@ def run_demo(args: argparse.Namespace) -> int:
     from tandemrl.metrics.trackers import check_installed
 
     mode = getattr(args, "cold_start", "auto")
-    ensure_prepared()
     serve = [] if mode == "never" else [f"rollout.model.model_path={COLDSTART}"]
+    # the overrides and plug-ins first: `prepare all` and the cold start take minutes on an empty home
     config = load_config(demo_config_path(), serve + list(getattr(args, "overrides", []) or []))
-    check_plugins(config.agentloop, config.tools, config.reward)  # before the cold start's minutes
+    check_plugins(config.agentloop, config.tools, config.reward)
     check_installed(config.metrics.trackers)
+    ensure_prepared()
     ensure_cold_start(config, mode)
     ctx = train(config)
     output_dir = Path(config.runner.output_dir).resolve()

@@ -269,18 +269,20 @@ def test_tandem_eval_refuses_a_broken_reward_before_starting_anything(plugins, c
 
 def test_tandem_demo_refuses_a_broken_reward_before_the_cold_start(plugins, capsys, monkeypatch):
     """`tandem demo reward.function=...`: the demo scores with the same function, so it checks it before
-    its cold start and RL run (preparing the embedded defaults is skipped here; it is idempotent)."""
+    its cold start and RL run, and before it prepares the embedded defaults (minutes on an empty home)."""
     import tandemrl.commands.demo as demo
 
-    cold_starts = []
-    monkeypatch.setattr(demo, "ensure_prepared", lambda: None)
+    cold_starts, prepared = [], []
+    monkeypatch.setattr(demo, "ensure_prepared", lambda: prepared.append(True))
     monkeypatch.setattr(demo, "ensure_cold_start", lambda config, mode: cold_starts.append(mode))
     code = main(
         ["demo", "--cold-start", "never", f"reward.function={plugins / 'my_rewards.py'}:not_a_number"]
     )
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "reward.function=" in err and "returned nan" in err, err
-    assert cold_starts == []
+    assert cold_starts == [] and prepared == []
+    code = main(["demo", "--cold-start", "never", "data.rollout_batch_size=0"])  # a bad override, the same
+    assert code == 2 and "data.rollout_batch_size" in capsys.readouterr().err and prepared == []
 
 
 def test_async_tools_non_text_results_and_timeouts(tokenizer):

@@ -7,6 +7,7 @@ Invariant: every record comes out as {"id", "question", "golden_answers" (non-em
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,9 @@ def normalize_record(raw: dict, path: Path, row: int, where: str | None = None) 
 
 
 def _is_answer(value: Any) -> bool:
+    """A string, or a number written as one (`42`); not NaN or infinity, which no answer text matches."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return False
     return isinstance(value, (str, int, float)) and not isinstance(value, bool) and str(value).strip() != ""
 
 

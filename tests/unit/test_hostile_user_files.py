@@ -130,6 +130,7 @@ BAD_QUESTIONS = {
     "answers that are a dict": ("q.jsonl", b'{"question": "a?", "golden_answers": {"b": 1}}\n', ["line 1"]),
     "answers that are empty": ("q.jsonl", b'{"question": "a?", "golden_answers": []}\n', ["line 1"]),
     "answers that are lists": ("q.jsonl", b'{"question": "a?", "golden_answers": [["b"]]}\n', ["line 1"]),
+    "an answer that is NaN": ("q.jsonl", b'{"question": "a?", "golden_answers": [NaN]}\n', ["line 1", "nan"]),
     "an id that is a list": (
         "q.jsonl",
         b'{"id": [1], "question": "a?", "golden_answers": ["b"]}\n',

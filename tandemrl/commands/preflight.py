@@ -10,7 +10,8 @@ Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths live on
 checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 
 `check_before_services` (run by `tandem train` after its placement plan, and by `tandem config show
---check`): every other check `train` makes before it starts anything: placeholder paths, the external
+--check`): every other check `train` makes before it starts anything: placeholder paths, an output
+directory that can be one, the external
 engines of `rollout.server_addrs` accepting a connection, the model directory the driver reads its
 tokenizer from (on node 0 also for a cluster), the retrieval index a launched server would open (its
 index.json), and every question file read whole (data/dataset.py). Plain `config show`
@@ -130,6 +131,7 @@ def check_before_services(config: TandemConfig) -> None:
     from tandemrl.runner.services import index_dir, model_path
 
     _check_placeholders(config)
+    _check_output_dir(config)
     _check_external_engines(config)
     if config.retrieval.launch:
         index_dir(config)
@@ -139,6 +141,23 @@ def check_before_services(config: TandemConfig) -> None:
 
 
 ENGINE_CONNECT_TIMEOUT_S = 5.0
+
+
+def _check_output_dir(config: TandemConfig) -> None:
+    """`runner.output_dir` is a directory, or can become one: its nearest existing ancestor is a directory
+    (train creates and locks it, runner/output_lock.py; nothing is created here)."""
+    path = Path(config.runner.output_dir or ".")
+    nearest = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), Path("."))
+    if not nearest.is_dir():
+        what = (
+            "is not a directory"
+            if nearest == path
+            else f"lies under {str(nearest)!r}, which is not a directory"
+        )
+        raise ConfigError(
+            f"runner.output_dir={str(path)!r} {what}, so the run could not write there; give a directory "
+            "this user can create and write."
+        )
 
 
 def _check_external_engines(config: TandemConfig) -> None:

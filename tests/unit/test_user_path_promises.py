@@ -256,3 +256,20 @@ def test_external_engines_that_nothing_answers_at_are_refused_before_a_service(c
         capsys, "config", "show", ASYNC, "rollout.backend=sglang", "rollout.server_addrs=[h:99999]"
     )
     _refused(code, err, "rollout.server_addrs[0]", "port from 1 to 65535")
+
+
+def test_config_show_check_refuses_an_output_dir_that_cannot_be_a_directory(capsys, tmp_path):
+    """`train` refuses these when it takes the directory; `--check` now says so first, creating nothing."""
+    good = _prepared(tmp_path)
+    a_file = tmp_path / "a_file"
+    a_file.write_text("not a run\n")
+    for output_dir, said in ((a_file, "is not a directory"), (a_file / "run", "lies under")):
+        code, _, err = _run(
+            capsys, "config", "show", "--check", ASYNC, *good, f"runner.output_dir={output_dir}"
+        )
+        _refused(code, err, "runner.output_dir", said)
+    assert a_file.read_text() == "not a run\n"
+    code, _, err = _run(
+        capsys, "config", "show", "--check", ASYNC, *good, f"runner.output_dir={tmp_path}/new/run"
+    )
+    assert code == 0 and not (tmp_path / "new").exists(), err

@@ -391,3 +391,9 @@ def test_a_section_is_overridden_key_by_key(override, by_key):
 def test_mapping_valued_keys_and_named_entries_still_take_a_mapping():
     config = load_config(ASYNC, ["cluster.mps_sm_percent={rollout: 30}", "cluster.mps=true"])
     assert config.cluster.mps_sm_percent == {"rollout": 30}
+
+
+def test_a_repeated_override_takes_its_last_value():
+    """README, Configuring: benchmark scripts append a run's own override to a list of shared ones."""
+    config = load_config(ASYNC, ["rollout.pause_mode=in_place", "rollout.pause_mode=retract"])
+    assert config.rollout.pause_mode == "retract"

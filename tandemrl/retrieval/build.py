@@ -4,10 +4,15 @@ Invariant: a build is all or nothing. The corpus is checked whole first (retriev
 record valid, ids unique and present, or all absent and numbered by line), then encoded into a staging
 directory beside the index (`.<name>.building`), which is moved in only once the count of indexed
 passages equals the corpus's. A failed or interrupted build therefore leaves whatever was at `--index`
-before; a rebuild replaces the old contents whole. The staging directory of an interrupted build is
-resumed by the same command with the same corpus file and settings (its `index.json`, written before
-the first vector, names the corpus digest, the encoder and BM25's statistics); with anything else it
-is discarded. An index already built from the same file with the same settings is left as it is.
+before; a rebuild replaces the old contents whole. The staging directory of an interrupted build (Ctrl-C,
+a kill) is resumed by the same command with the same corpus file and settings (its `index.json`, written
+before the first vector, names the corpus digest, the encoder and BM25's statistics); with anything else
+it is discarded, and a build that fails removes it. An index already built from the same file with the
+same settings is left as it is.
+
+Since the swap replaces `--index` whole, it may only replace a directory that holds nothing but what a
+build writes there (`index.json`, `qdrant/`); anything else, the corpus itself included, is refused
+before the encoder loads, as is an `--index` beside which the staging directory cannot be made.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 from tandemrl.retrieval import bm25
 from tandemrl.retrieval.corpus import CorpusScan, read_corpus, scan_corpus
+from tandemrl.retrieval.index_place import check_index_place, is_within, refuse_foreign_entries, staging_dir
 from tandemrl.retrieval.retriever import META_FILE, IndexMeta
 from tandemrl.retrieval.store import COLLECTION, QdrantStore, point_id
 
@@ -61,16 +67,45 @@ def build_index(
     _check_inputs(corpus, index_dir, sparse, batch_size)
     scan = scan_corpus(corpus)  # every record checked before anything is encoded
     log.info("corpus %s: %d passages, ids unique", corpus, scan.num_passages)
+    if sparse == "bm25" and scan.mean_length <= 0:
+        raise ValueError(
+            f"corpus {corpus}: no record has a word BM25 can index (letters or digits), so BM25 has nothing "
+            "to score. Build without --sparse bm25, or check that it is the corpus you meant."
+        )
     current = _built_from(index_dir, scan, encoder, sparse, qdrant_url)
     if current is not None:
         return _stats(scan, current, 0, 0.0, index_dir, encoder, sparse, num_skipped=scan.num_passages)
     model = Encoder.from_name(encoder, device=device, batch_size=min(batch_size, 128))
-    staging = index_dir.parent / f".{index_dir.name}.building"
-    meta = _open_staging(staging, scan, encoder, model.dim, sparse, qdrant_url)
-    store = QdrantStore(staging, qdrant_url, meta.collection)
+    staging = staging_dir(index_dir)
+    try:
+        meta = _open_staging(staging, scan, encoder, model.dim, sparse, qdrant_url)
+        num_indexed, num_skipped, seconds = _fill(
+            staging, corpus, meta, model, scan, batch_size, show_progress
+        )
+        _swap_in(staging, index_dir, qdrant_url)
+    except Exception:  # a failed build leaves nothing behind; an interrupted one stays to be resumed
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    stats = _stats(scan, meta, num_indexed, seconds, index_dir, encoder, sparse, num_skipped)
+    log.info("indexed %d passages (%d resumed); %d in the index", num_indexed, num_skipped, meta.num_passages)
+    return stats
+
+
+def _fill(
+    staging: Path,
+    corpus: Path,
+    meta: IndexMeta,
+    model,
+    scan: CorpusScan,
+    batch_size: int,
+    show_progress: bool,
+) -> tuple[int, int, float]:
+    """Index every passage into the staging directory and record the count in its `index.json`:
+    (passages encoded now, passages resumed, seconds)."""
+    store = QdrantStore(staging, meta.qdrant_url, meta.collection)
     try:
         if not store.exists():
-            store.create(meta.dim, has_sparse=sparse == "bm25")
+            store.create(meta.dim, has_sparse=meta.sparse == "bm25")
         start = time.perf_counter()
         num_indexed, num_skipped = _index_batches(corpus, store, model, meta, scan, batch_size, show_progress)
         seconds = time.perf_counter() - start
@@ -78,17 +113,13 @@ def build_index(
     finally:
         store.close()
     if num_in_store != scan.num_passages:  # never moved in: the old index stays
-        shutil.rmtree(staging, ignore_errors=True)
         raise ValueError(
-            f"indexed {num_in_store} passages but the corpus {corpus} has {scan.num_passages}; the index at "
-            f"{index_dir} was left as it was. Rebuild it."
+            f"indexed {num_in_store} passages but the corpus {corpus} has {scan.num_passages}; the index was "
+            "left as it was. Rebuild it."
         )
     meta.num_passages = num_in_store
     meta.save(staging)
-    _swap_in(staging, index_dir, qdrant_url)
-    stats = _stats(scan, meta, num_indexed, seconds, index_dir, encoder, sparse, num_skipped)
-    log.info("indexed %d passages (%d resumed); %d in the index", num_indexed, num_skipped, meta.num_passages)
-    return stats
+    return num_indexed, num_skipped, seconds
 
 
 def _stats(
@@ -131,13 +162,16 @@ def _check_inputs(corpus: Path, index_dir: Path, sparse: str | None, batch_size:
         ) from None
     if not corpus.is_file():
         raise ValueError(f'corpus {corpus} is not a file (expected a jsonl of {{"id", "contents"}}).')
-    if index_dir.exists() and not index_dir.is_dir():
-        raise ValueError(f"--index {index_dir} is a file; an index is a directory.")
-    if index_dir.is_dir() and any(index_dir.iterdir()) and not (index_dir / META_FILE).is_file():
-        raise ValueError(
-            f"--index {index_dir} holds other files and no index.json; a build replaces its directory whole, "
-            "so give a new or empty directory, or one that holds an index to replace."
-        )
+    check_index_place(index_dir)
+    staging = staging_dir(index_dir)
+    for replaced in (index_dir, staging):  # both are removed whole by a build
+        if is_within(corpus, replaced):
+            raise ValueError(
+                f"corpus {corpus} is inside {replaced}, which the build replaces whole: the corpus would be "
+                "lost. Move the corpus out of it, or choose another --index (a new or empty folder)."
+            )
+    refuse_foreign_entries(index_dir)
+    refuse_foreign_entries(staging, f"the staging folder of --index {index_dir},")
 
 
 def _meta_matches(
@@ -201,6 +235,7 @@ def _swap_in(staging: Path, index_dir: Path, url: str | None) -> None:
             old_meta = IndexMeta.load(index_dir)
         except ValueError:
             pass
+    refuse_foreign_entries(index_dir)  # again: something may have been put there while encoding
     if index_dir.is_dir() and not any(index_dir.iterdir()):
         index_dir.rmdir()
     if index_dir.exists():
@@ -263,6 +298,12 @@ def _index_batches(
 def run_build(args) -> int:
     from tandemrl.retrieval.store import server_errors
 
+    if not args.index:
+        print(
+            "tandem index build: --index is empty; name the folder for the index, e.g. --index indexes/wiki.",
+            file=sys.stderr,
+        )
+        return 2
     try:
         stats = build_index(
             Path(args.corpus),

@@ -8,26 +8,32 @@ takes its 0-based line number (blank lines count); a corpus that mixes the two i
 line number could equal another record's id. `scan_corpus` reads the file once more to refuse
 duplicate ids, count the passages and fingerprint the file before anything is encoded.
 
-It reads lines itself rather than through `host.files.iter_json_lines`, which is made for the small files
-a user names: it bounds the whole file (a corpus of 21M passages runs to many GB, and is bounded per line
-only), refuses a line that starts with a byte-order mark (a corpus may carry one), and words its errors
+The file is opened as the files a user names are (`host.files.open_regular`: a regular file, never a FIFO
+or a device), but its lines are read here rather than through `host.files.iter_json_lines`, which bounds
+the whole file (a corpus of 21M passages runs to many GB, and is bounded per line only) and words its errors
 `<what> '<path>' line N ...`, where every corpus error, the record checks below included, reads `<path>:N:`.
+JSON is read as strictly as there: a byte-order mark is refused as it is in a question file, and so are
+what Python's `json` would otherwise let through, a key given twice in one object (the last would silently
+win) and NaN or Infinity (stored in the payload, it would make every answer that holds it invalid JSON).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from tandemrl.host.files import open_regular
 from tandemrl.retrieval import bm25
 
 MAX_ID_CHARS = 1024
 MAX_LINE_BYTES = 16 << 20  # wiki-18's passages are ~100 words
+MAX_CORPUS_BYTES = 1 << 50  # no bound on the whole file: only on each line
 
 
 @dataclass
@@ -47,7 +53,7 @@ def read_corpus(path: Path) -> Iterator[dict]:
 def numbered_records(path: Path) -> Iterator[tuple[int, dict]]:
     """(1-based line number, record) of every record of `read_corpus`."""
     has_ids: bool | None = None  # decided by the first record
-    with open(path, "rb") as handle:
+    with open_regular(path, "corpus", MAX_CORPUS_BYTES) as handle:
         for line_no, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b"")):
             where = f"{path}:{line_no + 1}"
             if len(raw) > MAX_LINE_BYTES:  # never hold a line without end (a file of one huge line)
@@ -71,17 +77,57 @@ def numbered_records(path: Path) -> Iterator[tuple[int, dict]]:
             yield line_no + 1, record
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+class _NonFinite:
+    """What NaN, Infinity or a number beyond float range parses to, so its field can be named."""
+
+    def __init__(self, literal: str):
+        self.literal = literal
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    record = dict(pairs)
+    if len(record) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(key for key, _ in pairs if key in seen or seen.add(key)))
+    return record
+
+
+def _finite_float(text: str) -> float | _NonFinite:
+    value = float(text)
+    return value if math.isfinite(value) else _NonFinite(text)
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_unique_keys, parse_constant=_NonFinite, parse_float=_finite_float
+)
+
+
 def _parse_line(raw: bytes, where: str) -> dict | None:
     try:
-        line = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark some editors write
+        line = raw.decode("utf-8")
     except UnicodeDecodeError as error:
         raise ValueError(
             f"{where}: not UTF-8 text (byte {error.start} of the line); save the corpus as UTF-8."
         ) from None
+    if line.startswith("\ufeff"):  # refused in a question file too (host/files.py)
+        raise ValueError(
+            f"{where}: the line starts with a byte-order mark (U+FEFF); save the corpus as UTF-8 without "
+            "one (e.g. `sed -i '1s/^\\xEF\\xBB\\xBF//' FILE`)."
+        )
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        record = _DECODER.decode(line)
+    except _DuplicateKey as error:
+        raise ValueError(
+            f"{where}: key {_summary(error.key)} appears twice in one object; JSON would keep only the last "
+            "value. Give each key once."
+        ) from None
     except RecursionError:
         raise ValueError(f"{where}: nested too deeply; a corpus record is a flat JSON object.") from None
     except ValueError as error:  # JSONDecodeError, or an integer too long to convert
@@ -91,7 +137,24 @@ def _parse_line(raw: bytes, where: str) -> dict | None:
             f'{where}: a corpus record is a JSON object such as {{"id": "1", "contents": "..."}}, '
             f"not a JSON {type(record).__name__}."
         )
+    _refuse_non_finite(record, where)
     return record
+
+
+def _refuse_non_finite(record: dict, where: str) -> None:
+    """Refuse the first NaN or infinite number, named by its path in the record (`'score'`, `'m'['x'][2]`)."""
+    stack: list[tuple[str, object]] = [(_summary(key), value) for key, value in reversed(record.items())]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, _NonFinite):
+            raise ValueError(
+                f"{where}: field {path} is {value.literal[:20]}, which JSON has no number for (the retrieval "
+                "server could not send it back). Use a finite number, a string or null."
+            )
+        if isinstance(value, dict):
+            stack += [(f"{path}[{_summary(k)}]", v) for k, v in reversed(value.items())]
+        elif isinstance(value, list):
+            stack += [(f"{path}[{i}]", v) for i, v in reversed(list(enumerate(value)))]
 
 
 def _check_id(value, where: str) -> str:
@@ -156,7 +219,7 @@ def scan_corpus(path: Path) -> CorpusScan:
     """Check every record and refuse duplicate ids, before anything is encoded. Ids are kept as 8-byte
     hashes (wiki-18's 21M ids fit in 170 MB); a hash seen twice is confirmed on the ids themselves."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path, "corpus", MAX_CORPUS_BYTES) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     hashes = bytearray()

@@ -6,14 +6,19 @@ Invariant: the exported directory loads with `AutoModelForCausalLM.from_pretrain
 equal the actor's full (unsharded) weights at the checkpoint. The weights are written as they arrive, one
 safetensors shard (`SHARD_BYTES`) at a time, so no process holds the whole model: the actor's ranks gather
 one tensor at a time and only rank 0 keeps it, until its shard is written. It is written beside its place and moved
-in whole: an export that fails or is interrupted leaves the model that was there before.
+in whole: an export that fails or is interrupted leaves the model that was there before. Since the move replaces
+the directory whole, it replaces only one that holds nothing but what an export writes (`EXPORT_FILES`, the
+shards and their index); any other file there is refused before anything is loaded, and so is an `--out`
+inside the checkpoint being exported (a file the save did not write makes the checkpoint refused for resume).
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 from collections.abc import Iterable, Iterator, Mapping
@@ -24,6 +29,12 @@ import torch
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 * 2**30  # fp32 bytes of one safetensors file of an export, held on the host while it fills
+# what `_write_hf_dir` writes (and `save_pretrained`'s names for the same): an export replaces only these
+EXPORT_FILES = frozenset(
+    {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
+)
+SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+MAX_NAMES_SHOWN = 5
 
 
 def save_hf_dir(
@@ -53,21 +64,74 @@ def save_hf_dir(
 
 
 def check_replaceable(out: Path) -> Path:
-    """`out` when an export may replace it: new, empty, or a model directory (a file or a folder of other
-    things is never replaced)."""
-    if out.exists() and not out.is_dir():
+    """`out` when an export may replace it: new, empty, or a directory of only what an export writes (a file,
+    or a folder holding anything else, is never replaced: it would be lost)."""
+    from tandemrl.trainer.checkpoint import TOKENIZER_FILES
+
+    try:
+        is_dir = out.is_dir()
+        exists = is_dir or out.exists()
+    except (OSError, ValueError) as error:  # a name too long, a NUL byte
+        raise FileExistsError(f"{out}: cannot be used as the export's directory ({error}).") from None
+    if exists and not is_dir:
         raise FileExistsError(f"{out}: exists and is not a directory; cannot write a model there.")
-    if out.is_dir() and any(out.iterdir()) and not (out / "config.json").is_file():
+    _check_place(out)
+    if not is_dir:
+        return out
+    names, num_foreign = [], 0
+    with os.scandir(out) as entries:
+        for entry in entries:
+            if entry.name not in EXPORT_FILES and entry.name not in TOKENIZER_FILES:
+                if not SHARD_NAME.fullmatch(entry.name):
+                    num_foreign += 1
+                    names = heapq.nsmallest(MAX_NAMES_SHOWN, [*names, entry.name])  # the first by name
+    if num_foreign:
+        more = f" and {num_foreign - len(names)} more" if num_foreign > len(names) else ""
         raise FileExistsError(
-            f"{out}: a directory with other files and no model in it; the export replaces its directory "
-            "whole, so give a new or empty directory, or one that holds a model to replace."
+            f"{out}: holds files an export does not write ({', '.join(map(repr, names))}{more}); the "
+            "export replaces its directory whole, so they would be lost. Give a new or empty directory, or "
+            "move them out."
         )
     return out
+
+
+def _check_place(out: Path) -> None:
+    """`out` can be written beside and renamed: a folder of its own, not the current directory or one
+    holding it, under a folder rather than a file."""
+    try:
+        resolved, cwd = out.resolve(), Path.cwd().resolve()
+    except (OSError, RuntimeError) as error:  # a symlink loop, a removed current directory
+        raise FileExistsError(f"{out}: cannot be resolved ({error}); give another directory.") from None
+    if out.name in ("", ".", "..") or resolved == cwd or resolved in cwd.parents:
+        raise FileExistsError(
+            f"{str(out)!r}: is the current directory or holds it, which an export cannot replace (it writes "
+            "beside the directory and moves it in). Give a new or empty directory, e.g. exported/model."
+        )
+    ancestor = out.parent
+    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
+        ancestor = ancestor.parent  # made by the export
+    if not ancestor.is_dir():
+        raise FileExistsError(f"{out}: {ancestor} is not a directory, so nothing can be written under it.")
+
+
+def check_outside_checkpoint(out: Path, ckpt: Path) -> None:
+    """Refuse an `out` inside the checkpoint (or holding it): the export would change the checkpoint."""
+    try:
+        out_path, ckpt_path = out.resolve(), ckpt.resolve()
+    except (OSError, RuntimeError):  # a symlink loop: named by the checks that follow
+        return
+    if out_path == ckpt_path or ckpt_path in out_path.parents or out_path in ckpt_path.parents:
+        where = "is" if out_path == ckpt_path else "holds" if out_path in ckpt_path.parents else "is inside"
+        raise FileExistsError(
+            f"--out {out} {where} the checkpoint {ckpt} being exported; writing there would change the "
+            "checkpoint (a resume refuses files its save did not write). Give a directory outside it."
+        )
 
 
 def _swap_in(staging: Path, out: Path) -> None:
     """Put the finished `staging` directory at `out`, the old `out` kept until the new one is in place."""
     previous = out.with_name(f".{out.name}.previous-{os.getpid()}")
+    check_replaceable(out)  # again: something may have been put there while the weights were written
     if out.exists():
         os.replace(out, previous)
     try:
@@ -229,7 +293,8 @@ def run_export(args) -> int:
     from tandemrl.trainer.checkpoint_check import CheckpointError
 
     ckpt = Path(args.checkpoint)
-    check_replaceable(Path(args.out))  # before the weights are loaded
+    check_outside_checkpoint(Path(args.out), ckpt)  # before the weights are loaded
+    check_replaceable(Path(args.out))
     try:
         weights, hf_config = load_checkpoint_weights(ckpt)
     except CheckpointError as error:

@@ -26,11 +26,11 @@ def test_an_export_replaces_the_old_model_whole(tiny_llama_dir, tmp_path):
     out = tmp_path / "coldstart"
     state, config = _state_and_config(tiny_llama_dir)
     save_hf_dir({k: v * 0 for k, v in state.items()}, config, None, out)  # an older export
-    (out / "stale.txt").write_text("from an older export")
+    (out / "model-00002-of-00002.safetensors").write_text("from an older export")
     save_hf_dir(state, config, tiny_llama_dir, out)
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     assert all(torch.equal(loaded[k], state[k]) for k in loaded)
-    assert not (out / "stale.txt").exists() and (out / "tokenizer.json").exists()
+    assert not (out / "model-00002-of-00002.safetensors").exists() and (out / "tokenizer.json").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["coldstart"]  # no staging left behind
 
 
@@ -57,7 +57,7 @@ def test_an_export_never_replaces_a_directory_that_holds_no_model(tiny_llama_dir
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     state, config = _state_and_config(tiny_llama_dir)
-    with pytest.raises(FileExistsError, match="no model in it"):
+    with pytest.raises(FileExistsError, match="holds files an export does not write"):
         save_hf_dir(state, config, tiny_llama_dir, out)
     assert [p.name for p in out.iterdir()] == ["notes.txt"]
 
@@ -70,7 +70,7 @@ def test_sft_refuses_a_directory_it_would_wipe_before_any_work(tmp_path, capsys)
     (mine / "notes.txt").write_text("not a model")
     config = Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml"
     assert cli.main(["sft", str(config), f"actor.sft.out_dir={mine}"]) == 2
-    assert "no model in it" in capsys.readouterr().err
+    assert "'notes.txt'" in capsys.readouterr().err
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]
 
 

@@ -9,10 +9,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import stat
 from pathlib import Path
 
+from tandemrl.config.errors import ConfigError
 from tandemrl.trainer.batching import TrainSample
-from tandemrl.trainer.sft import read_rendered, sft_init_model_path, sft_out_dir, train_sft, write_rendered
+from tandemrl.trainer.sft import (
+    read_rendered,
+    sample_limits,
+    sample_problem,
+    sft_init_model_path,
+    sft_out_dir,
+    train_sft,
+    write_rendered,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +35,11 @@ def run_sft(args) -> int:
     from tandemrl.trainer.export import check_replaceable
 
     config = load_config(args.config, args.overrides)
-    check_replaceable(sft_out_dir(config))  # before any work: the model replaces that directory whole
+    # before any work: the model replaces that directory whole, and training must not be lost to a path
+    # that cannot be written
+    out_dir = check_replaceable(sft_out_dir(config))
+    check_creatable(out_dir.parent, "actor.sft.out_dir", out_dir)
+    check_creatable(Path(config.runner.output_dir) / "sft", "runner.output_dir", config.runner.output_dir)
     samples = load_sft_samples(config)
     out_dir, metrics = train_sft(config, samples)
     print(
@@ -34,20 +49,46 @@ def run_sft(args) -> int:
     return 0
 
 
+def check_creatable(path: Path, key: str, value: str | Path) -> None:
+    """Refuse (a `ConfigError` naming `key`) a directory `path` that cannot be created or written into:
+    its nearest existing ancestor is not a directory, or is not writable."""
+    for ancestor in [path, *path.parents]:
+        try:
+            info = os.stat(ancestor)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        except (OSError, ValueError) as error:
+            raise ConfigError(f"{key}={str(value)!r} cannot be used: {error}. Choose another path.") from None
+        if not stat.S_ISDIR(info.st_mode):
+            raise ConfigError(
+                f"{key}={str(value)!r} cannot be created: {str(ancestor)!r} is a file, not a directory. "
+                "Choose a path under a directory."
+            )
+        if not os.access(ancestor, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"{key}={str(value)!r} cannot be created: the directory {str(ancestor)!r} is not writable. "
+                "Choose a path you can write to."
+            )
+        return
+
+
 def load_sft_samples(config) -> list[TrainSample]:
-    """Pre-rendered samples (`actor.sft.rendered_path`) or demos rendered now against the retriever."""
+    """Pre-rendered samples (`actor.sft.rendered_path`) or demos rendered now against the retriever; each
+    checked against the model's vocabulary and context before any training (or retrieval) starts."""
     sft = config.actor.sft
+    limits = sample_limits(config)
     if sft.rendered_path is not None:
-        return read_rendered(sft.rendered_path)
+        return read_rendered(sft.rendered_path, limits)
     from tandemrl.data.demos import load_demos
     from tandemrl.host.home import default_kb_dir
 
-    demos = load_demos(
-        sft.demos_path or default_kb_dir() / "demos.jsonl",
-        sft.num_demos,
-        seed=config.data.seed,
-        per_source=sft.num_demos_per_source,
-    )
+    demos_path = sft.demos_path or default_kb_dir() / "demos.jsonl"
+    demos = load_demos(demos_path, sft.num_demos, seed=config.data.seed, per_source=sft.num_demos_per_source)
+    if not demos:  # the file holds some (load_demos refuses an empty one): the selection picked none
+        raise ConfigError(
+            f"actor.sft.num_demos_per_source={sft.num_demos_per_source!r} selects no demonstration of "
+            f"{str(demos_path)!r}; give at least one data_source a count above 0."
+        )
     rendered = render_demos(config, demos)
     kept = [TrainSample(ids, mask, [0.0] * len(ids)) for ids, mask in rendered if ids]
     log.info(
@@ -59,11 +100,18 @@ def load_sft_samples(config) -> list[TrainSample]:
         kept_per_source(demos, rendered),
     )
     if not kept:
-        raise ValueError(
-            "sft: no demonstration survived rendering (every search missed its fact). Check that "
-            "the retrieval index was built from the same knowledge base as the demos, or set "
-            "actor.sft.skip_on_miss=false."
+        raise ConfigError(
+            f"actor.sft.skip_on_miss=true: none of the {len(demos)} demonstrations of {str(demos_path)!r} "
+            "survived rendering (every one had a search that missed its fact). Check that the retrieval "
+            "index was built from the same knowledge base as the demos, or set actor.sft.skip_on_miss=false."
         )
+    for demo, (ids, mask) in zip(demos, rendered, strict=True):
+        problem = sample_problem(ids, mask, limits) if ids else None
+        if problem is not None:
+            raise ConfigError(
+                f"actor.sft.demos_path {str(demos_path)!r}: demonstration {demo.get('id')!r} renders to a "
+                f"sample the model cannot train on: {problem}."
+            )
     write_rendered(Path(config.runner.output_dir) / "sft" / "rendered.jsonl", kept)
     return kept
 

@@ -18,6 +18,7 @@ import random
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tandemrl.config.errors import ConfigError
 from tandemrl.data.kb_templates import FOUND, NEEDS, fact_key
 
 if TYPE_CHECKING:
@@ -79,20 +80,64 @@ def load_demos(
 ) -> list[dict]:
     """Demo plans from a demos.jsonl; `num_demos` picks a seeded random subset (the cold-start size knob,
     kept small so that RL still has room to improve). `per_source` ({data_source: count}) picks a seeded
-    subset of each named source instead and leaves the others out; the result is shuffled."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
-    from tandemrl.host.files import iter_json_lines  # bounded, each bad line named (host/files.py)
+    subset of each named source instead and leaves the others out; the result is shuffled.
+    Every plan is checked (`plan_problem`) and an empty file refused, before any retrieval starts."""
+    from tandemrl.host.files import InputFileError, is_missing, iter_json_lines  # bounded, lines named
 
-    demos = [demo for _, demo in iter_json_lines(path, "demonstrations file")]
+    path = Path(path)
+    if is_missing(path):
+        raise FileNotFoundError(f"demonstrations file {path} does not exist; run `tandem prepare kb` first.")
+    where = f"demonstrations file {str(path)!r}"
+    numbered = list(iter_json_lines(path, "demonstrations file"))
+    if not numbered:
+        raise InputFileError(
+            f"{where} is empty: it holds no demonstration. Run `tandem prepare kb` to write one, or point "
+            "actor.sft.demos_path at a demos.jsonl with one plan per line."
+        )
+    for line_number, demo in numbered:
+        problem = plan_problem(demo)
+        if problem is not None:
+            raise InputFileError(
+                f"{where} line {line_number}: {problem}; each line must be a plan as `tandem prepare kb` "
+                "writes it (data/demos.py)."
+            )
+    demos = [demo for _, demo in numbered]
     if per_source:
         return _per_source(demos, per_source, random.Random(seed), path)
     if num_demos is not None:
         if num_demos < 0:
-            raise ValueError(f"num_demos={num_demos} must be >= 0 (or None for all demonstrations).")
+            raise ConfigError(f"num_demos={num_demos} must be >= 0 (or None for all demonstrations).")
         demos = random.Random(seed).sample(demos, min(num_demos, len(demos)))
     return demos
+
+
+PLAN_TEXTS = ("question", "final_think", "answer")  # what rendering reads (agent/demos.py), besides steps
+STEP_TEXTS = ("think", "query", "entity", "expect")
+
+
+def plan_problem(demo: dict) -> str | None:
+    """What keeps one plan from rendering (a missing or mistyped field), or None."""
+    steps = demo.get("steps")
+    if not isinstance(steps, list):
+        return _field_problem(demo, "steps", "a list of {think, query, entity, expect}")
+    for index, step in enumerate(steps):
+        if not isinstance(step, dict):
+            return f"`steps[{index}]` is not an object with {', '.join(STEP_TEXTS)}"
+        for key in STEP_TEXTS:
+            if not isinstance(step.get(key), str):
+                return _field_problem(step, key, "a string", f"steps[{index}].")
+    for key in PLAN_TEXTS:
+        if not isinstance(demo.get(key), str):
+            return _field_problem(demo, key, "a string")
+    if "data_source" in demo and not isinstance(demo["data_source"], str):
+        return _field_problem(demo, "data_source", "a string")
+    return None
+
+
+def _field_problem(record: dict, key: str, expected: str, prefix: str = "") -> str:
+    if key not in record:
+        return f"missing `{prefix}{key}` ({expected})"
+    return f"`{prefix}{key}` is {type(record[key]).__name__}, not {expected}"
 
 
 def _per_source(demos: list[dict], per_source: dict[str, int], rng: random.Random, path: Path) -> list[dict]:
@@ -101,16 +146,16 @@ def _per_source(demos: list[dict], per_source: dict[str, int], rng: random.Rando
         by_source.setdefault(demo.get("data_source", ""), []).append(demo)
     unknown = sorted(set(per_source) - set(by_source))
     if unknown:
-        raise ValueError(
-            f"num_demos_per_source names data_source(s) {unknown} that {path} does not hold; "
-            f"its sources are {sorted(by_source)}."
+        raise ConfigError(
+            f"actor.sft.num_demos_per_source names data_source(s) {unknown} that {str(path)!r} does not "
+            f"hold; its sources are {sorted(by_source)}."
         )
     picked = []
     for source in sorted(per_source):  # sorted: the subset does not depend on the mapping's order
         pool = by_source[source]
         count = per_source[source]
         if count < 0:
-            raise ValueError(f"num_demos_per_source.{source}={count} must be >= 0.")
+            raise ConfigError(f"actor.sft.num_demos_per_source.{source}={count} must be >= 0.")
         picked += rng.sample(pool, min(count, len(pool)))
     rng.shuffle(picked)
     return picked

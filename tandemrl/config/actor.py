@@ -98,6 +98,9 @@ class AlgorithmConfig:
         )
 
 
+MAX_LR = 1.0  # AdamW moves each weight by about lr a step: beyond 1 no model survives a step
+
+
 @dataclass
 class OptimConfig:
     lr: float = 1e-6
@@ -113,10 +116,10 @@ class OptimConfig:
 
     def __post_init__(self):
         _check(
-            math.isfinite(self.lr) and self.lr >= 0,
+            math.isfinite(self.lr) and 0 <= self.lr <= MAX_LR,
             "actor.optim.lr",
             self.lr,
-            "must be a finite number >= 0",
+            f"must be a finite number from 0 to {MAX_LR:g} (AdamW's step is about lr per weight)",
             "Set a non-negative learning rate, e.g. 1e-6.",
         )
         for key in ("weight_decay", "min_lr_ratio", "max_grad_norm"):
@@ -192,10 +195,10 @@ class SftConfig:
         _check_positive("actor.sft.num_epochs", self.num_epochs)
         _check_positive("actor.sft.batch_size", self.batch_size)
         _check(
-            math.isfinite(self.lr) and self.lr >= 0,
+            math.isfinite(self.lr) and 0 <= self.lr <= MAX_LR,
             "actor.sft.lr",
             self.lr,
-            "must be finite and >= 0",
+            f"must be a finite number from 0 to {MAX_LR:g} (AdamW's step is about lr per weight)",
             "Use e.g. 1e-5.",
         )
 

@@ -171,6 +171,8 @@ def test_async_requires_server_backend():
         ("actor.optim.betas=[-1, 0.5]", "actor.optim.betas"),
         ("actor.optim.betas=[0.9, 1.0]", "actor.optim.betas"),
         ("actor.optim.min_lr_ratio=5", "actor.optim.min_lr_ratio"),
+        ("actor.optim.lr=1e30", "actor.optim.lr"),  # trained without error into a useless model
+        ("actor.sft.lr=1e38", "actor.sft.lr"),  # overflowed inside the optimizer, a traceback
         ("rollout.engine.kv_cache_gb=.nan", "rollout.engine.kv_cache_gb"),  # NaN <= 0 is False
     ],
 )
@@ -283,7 +285,7 @@ def test_rollout_engine_keys_reach_the_engine_process(tmp_path):
     assert process.startup_timeout_s == 12
     defaults = build_parser().parse_args(["serve-engine", "--model", "m", "--port", "1"])
     assert EngineConfig("m", **options_from_args(defaults)) == EngineConfig("m")
-    with pytest.raises(ConfigError, match="rollout.engine.max_prefill_tokens=0: must be > 0"):
+    with pytest.raises(ConfigError, match="rollout.engine.max_prefill_tokens=0: must be a finite number > 0"):
         load_config(None, ["rollout.engine.max_prefill_tokens=0"])
     with pytest.raises(
         ConfigError, match="rollout.chunked_prefill_size is now rollout.engine.max_prefill_tokens"

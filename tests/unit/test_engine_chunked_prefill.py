@@ -226,7 +226,7 @@ def test_prefix_reuse_with_chunks(tiny_llama_dir):
 
 
 def test_the_prefill_budget_must_be_positive(tiny_llama_dir):
-    with pytest.raises(ValueError, match="rollout.engine.max_prefill_tokens=0: must be > 0"):
+    with pytest.raises(ValueError, match="rollout.engine.max_prefill_tokens=0: must be a finite number > 0"):
         EngineConfig(str(tiny_llama_dir), max_prefill_tokens=0)
 
 

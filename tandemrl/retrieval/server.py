@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import sys
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -189,8 +190,23 @@ def refusal(request: RetrieveRequest, topk: int) -> JSONResponse | None:
 
 def _render(hits: list[list[Hit]], return_scores: bool) -> list[list]:
     if return_scores:
-        return [[{"document": hit.document, "score": hit.score} for hit in query_hits] for query_hits in hits]
-    return [[hit.document for hit in query_hits] for query_hits in hits]
+        return [
+            [{"document": _json_safe(hit.document), "score": _json_safe(hit.score)} for hit in query_hits]
+            for query_hits in hits
+        ]
+    return [[_json_safe(hit.document) for hit in query_hits] for query_hits in hits]
+
+
+def _json_safe(value):
+    """NaN and infinity as null: JSON has neither, and one in a passage's payload (an index built before
+    `tandem index build` refused them) made every answer that hit the passage a 500."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _json_safe(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(item) for item in value]
+    return value
 
 
 def create_app(

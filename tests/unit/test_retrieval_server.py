@@ -160,3 +160,18 @@ def test_a_failing_batch_fails_only_its_requests(retriever):
     assert failed.status_code == 500 and "injected failure" in failed.json()["error"]
     assert ok.status_code == 200 and ok.json()["result"][0][0]["id"] == "p1"
     assert num_batches == 1  # the failed batch is not counted, the server kept going
+
+
+def test_a_payload_with_nan_or_infinity_is_answered_with_nulls_not_a_500():
+    """An index built before `tandem index build` refused non-finite numbers may still hold one."""
+    import json as json_module
+
+    from tandemrl.retrieval.server import _render
+    from tandemrl.retrieval.store import Hit
+
+    hits = [[Hit({"id": "a", "contents": "x", "score": float("nan"), "m": [float("inf"), 1.5]}, 0.5)]]
+    rendered = _render(hits, return_scores=True)
+    assert json_module.loads(json_module.dumps(rendered, allow_nan=False)) == [
+        [{"document": {"id": "a", "contents": "x", "score": None, "m": [None, 1.5]}, "score": 0.5}]
+    ]
+    assert _render(hits, return_scores=False)[0][0]["m"] == [None, 1.5]

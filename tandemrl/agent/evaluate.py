@@ -1,12 +1,17 @@
 """Greedy Search-R1 evaluation of prompts against engines: one trajectory per question, summarized per
 data source and overall (exact match, mean searches and turns). The run's validation (runner/step.py)
 and `tandem eval` (commands/evaluate.py, which starts the services) both use it.
+
+A prompt fits when the engine's context holds it and the whole response budget after it
+(`prompt_room`): `tandem eval` sets aside the questions that do not (`split_overlong`), as verl's
+`filter_overlong_prompts` does, since the engine would refuse them, at once or in a later turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,16 +26,63 @@ OVERALL = "overall"
 
 
 async def evaluate_prompts(
-    prompts: list, engine, search, tokenizer, cfg: AgentLoopConfig, max_concurrency: int = 64
+    prompts: list,
+    engine,
+    search,
+    tokenizer,
+    cfg: AgentLoopConfig,
+    max_concurrency: int = 64,
+    prompt_ids: list[list[int]] | None = None,
 ) -> list[Trajectory]:
-    """One greedy trajectory per prompt, at most `max_concurrency` at a time; results in prompt order."""
+    """One greedy trajectory per prompt, at most `max_concurrency` at a time; results in prompt order.
+    `prompt_ids`, when given, are the prompts' token ids already built (`split_overlong`)."""
     semaphore = asyncio.Semaphore(max_concurrency)
+    ids = prompt_ids if prompt_ids is not None else [None] * len(prompts)
 
-    async def one(prompt) -> Trajectory:
+    async def one(prompt, ids) -> Trajectory:
         async with semaphore:
-            return await run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=True)
+            return await run_trajectory(prompt, engine, search, tokenizer, cfg, greedy=True, prompt_ids=ids)
 
-    return await gather_or_cancel([one(prompt) for prompt in prompts])
+    return await gather_or_cancel([one(prompt, i) for prompt, i in zip(prompts, ids, strict=True)])
+
+
+@dataclass(frozen=True)
+class Overlong:
+    """A question whose prompt does not fit the engine's context with the response budget after it."""
+
+    prompt_id: str
+    path: str  # the question file it came from
+    num_tokens: int
+
+
+def prompt_room(max_context_len: int, cfg: AgentLoopConfig) -> int:
+    """The longest prompt (tokens) that never makes the engine refuse a turn: every turn sends the prompt
+    and the response so far (below `max_response_tokens`), and the engine takes fewer tokens than its
+    context."""
+    return max_context_len - cfg.max_response_tokens
+
+
+def split_overlong(
+    prompts: list, paths: list[str], tokenizer, room: int
+) -> tuple[list, list[list[int]], list[Overlong]]:
+    """The prompts that fit in `room` tokens with their token ids, and the ones that do not, in file order.
+    `paths` are the question files the prompts were loaded from (`load_prompts`'s argument)."""
+    from tandemrl.agent.prompt import build_prompt_ids
+    from tandemrl.data.loader import file_keys  # the loader's "<file key>:<record id>" prefixes
+
+    keys = file_keys([Path(path) for path in paths])
+    fitting, fitting_ids, overlong = [], [], []
+    for prompt in prompts:
+        ids = build_prompt_ids(tokenizer, prompt.question)
+        if len(ids) <= room:
+            fitting.append(prompt)
+            fitting_ids.append(ids)
+            continue
+        path = next(
+            (p for p, k in zip(paths, keys, strict=True) if prompt.prompt_id.startswith(f"{k}:")), "?"
+        )
+        overlong.append(Overlong(prompt.prompt_id, str(path), len(ids)))
+    return fitting, fitting_ids, overlong
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, dict[str, float]]:

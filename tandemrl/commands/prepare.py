@@ -30,12 +30,15 @@ def run_prepare_retriever(args) -> int:
     return 0
 
 
-def prepare_kb(out_dir: str | Path, seed: int = 0, num_entities: int = 5000) -> dict:
-    """Generate a KB and return its sizes and the generation time."""
+def prepare_kb(
+    out_dir: str | Path, seed: int = 0, num_entities: int = 5000, is_partial_ok: bool = False
+) -> dict:
+    """Generate a KB and return its sizes and the generation time (`generate_kb` says which folders it
+    refuses)."""
     from tandemrl.data.kb import generate_kb
 
     start = time.perf_counter()
-    out_dir = generate_kb(out_dir, seed=seed, num_entities=num_entities)
+    out_dir = generate_kb(out_dir, seed=seed, num_entities=num_entities, is_partial_ok=is_partial_ok)
     seconds = time.perf_counter() - start
     meta = json.loads((out_dir / "kb_meta.json").read_text())
     meta.update(
@@ -47,10 +50,20 @@ def prepare_kb(out_dir: str | Path, seed: int = 0, num_entities: int = 5000) -> 
 
 
 def run_prepare_kb(args) -> int:
+    """`--out` must be a new or empty folder, or one an earlier `tandem prepare kb` wrote (data/kb.py)."""
     try:
+        if not args.out.strip():  # Path("") is the working directory: never a place chosen on purpose
+            raise ValueError("--out is empty; pass the folder to write the knowledge base to, e.g. --out kb.")
         stats = prepare_kb(args.out, seed=args.seed, num_entities=args.num_entities)
     except ValueError as error:
         print(f"tandem prepare kb: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # a parent that is a file, no permission, a full disk
+        where = f" ({error.filename})" if error.filename else ""
+        print(
+            f"tandem prepare kb: cannot write --out {args.out!r}: {error.strerror or error}{where}.",
+            file=sys.stderr,
+        )
         return 2
     print(json.dumps(stats, indent=2))
     return 0
@@ -64,7 +77,7 @@ def prepare_default_kb() -> Path:
     if kb_is_complete(kb_dir):
         log.info("knowledge base already at %s", kb_dir)
         return kb_dir
-    stats = prepare_kb(kb_dir, seed=0)
+    stats = prepare_kb(kb_dir, seed=0, is_partial_ok=True)  # the folder is ours: an interrupted KB is redone
     log.info(
         "knowledge base generated in %.1f s: %d passages, questions %s",
         stats["seconds"],

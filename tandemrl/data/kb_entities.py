@@ -77,7 +77,11 @@ class NameBook:
             name = make()
             if self.claim(name):
                 return name
-        raise RuntimeError("name space exhausted; lower num_entities")
+        # build_world's MAX_ENTITIES keeps every name space far from full; reaching this is a generator bug
+        raise ValueError("the knowledge-base generator ran out of unique names; lower --num-entities.")
+
+    def is_taken(self, name: str) -> bool:
+        return normalize(name) in self.used
 
 
 def mutate(word: str, rng: random.Random) -> str:
@@ -91,6 +95,26 @@ def mutate(word: str, rng: random.Random) -> str:
         return word + rng.choice(["e", "s", "a", "en"])
     i = rng.randrange(1, len(word))
     return word[:i] + word[i - 1] + word[i:]
+
+
+MIN_ENTITIES = 20  # every kind needs a few entities for relations and look-alikes
+# Entity ids are numbered with five digits per kind ("person-00042"; people are 52% of the budget), and at
+# this size a KB takes about 35 s and 0.6 GiB to generate on one CPU core (the default 5,000: about 4 s);
+# past it the generation time and memory grow with no new kind of question (the splits stay 20,000/500/500).
+MAX_ENTITIES = 100_000
+
+
+def check_num_entities(num_entities: int) -> None:
+    """Refuse an entity budget the generator cannot turn into a knowledge base."""
+    if num_entities < MIN_ENTITIES:
+        raise ValueError(
+            f"num_entities={num_entities} is too small for a knowledge base; use at least {MIN_ENTITIES}."
+        )
+    if num_entities > MAX_ENTITIES:
+        raise ValueError(
+            f"num_entities={num_entities} is over the generator's limit of {MAX_ENTITIES:,} entities (ids have "
+            f"five digits per kind; {MAX_ENTITIES:,} takes about 35 s and 0.6 GiB); use at most {MAX_ENTITIES}."
+        )
 
 
 def entity_counts(num_entities: int) -> dict[str, int]:
@@ -185,6 +209,10 @@ def _make_orgs(book: NameBook, num: int, people: list[Entity], cities: list[Enti
         else:
             core = rng.choice(ORG_WORDS) if rng.random() < 0.35 else book.syllables(2)
             core = f"{core} {rng.choice(ORG_WORDS)}" if rng.random() < 0.2 else core
+        # a popular core can hold every suffix already (the look-alike draw favours popular cores): it then
+        # gets a new core; a core with a suffix left draws exactly as before, so existing KBs are unchanged
+        while all(book.is_taken(f"{core} {suffix}") for suffix in ORG_SUFFIXES):
+            core = book.syllables(2)
         name = book.fresh(lambda core=core: f"{core} {rng.choice(ORG_SUFFIXES)}")
         founder = rng.choice(people)
         year = min(2020, int(founder.facts["birth_year"]) + rng.randint(22, 60))
@@ -255,8 +283,7 @@ def _make_works(book: NameBook, num: int, people: list[Entity], orgs: list[Entit
 
 def build_world(seed: int, num_entities: int) -> dict[str, Entity]:
     """All entities by id, in a fixed generation order (countries, cities, people, orgs, works)."""
-    if num_entities < 20:
-        raise ValueError(f"num_entities={num_entities} is too small for a knowledge base; use at least 20.")
+    check_num_entities(num_entities)
     book = NameBook(random.Random(seed))
     counts = entity_counts(num_entities)
     countries = _make_countries(book, counts["country"])

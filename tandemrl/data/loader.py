@@ -28,7 +28,7 @@ class Prompt:
     data_source: str
 
 
-def _file_keys(paths: list[Path]) -> list[str]:
+def file_keys(paths: list[Path]) -> list[str]:
     """The id prefix of each file: its stem, or parent/stem where two files share a stem."""
     stems = [path.stem for path in paths]
     return [f"{path.parent.name}/{path.stem}" if stems.count(path.stem) > 1 else path.stem for path in paths]
@@ -44,7 +44,7 @@ def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prom
     paths = [Path(path) for path in paths]
     prompts: list[Prompt] = []
     seen: set[str] = set()
-    for path, key in zip(paths, _file_keys(paths), strict=True):
+    for path, key in zip(paths, file_keys(paths), strict=True):
         for record in read_records(path):
             prompt_id = f"{key}:{record['id']}"
             if prompt_id in seen:

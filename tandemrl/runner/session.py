@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
+from tandemrl.config.errors import ConfigError
 from tandemrl.runner.context import RunContext
 from tandemrl.runner.prompt_feed import PromptFeed
 from tandemrl.runner.records import write_ledger
@@ -50,6 +51,33 @@ class PreparedSession:
     val_prompts: list[Prompt]
 
 
+def _fitting_val_prompts(config: TandemConfig, tokenizer, prompts: list) -> list:
+    """The validation prompts the engine can take with the response budget after them; the others are set
+    aside with a warning, as `tandem eval` does (agent/evaluate.py `split_overlong`), not left to end the
+    run at its first validation."""
+    from tandemrl.agent.evaluate import prompt_room, split_overlong
+
+    room = prompt_room(config.rollout.max_context_len, config.agentloop)
+    fitting, _, overlong = split_overlong(prompts, train_paths(config, "val"), tokenizer, room)
+    for item in overlong[:10]:
+        log.warning(
+            "validation prompt %s (%s) set aside: %d tokens, more than the %d that rollout.max_context_len leaves "
+            "after agentloop.max_response_tokens",
+            item.prompt_id,
+            item.path,
+            item.num_tokens,
+            room,
+        )
+    if len(overlong) > 10:
+        log.warning("%d validation prompts set aside in all for their length", len(overlong))
+    if prompts and not fitting:
+        raise ConfigError(
+            f"no validation prompt fits in {room} tokens, what rollout.max_context_len leaves after "
+            "agentloop.max_response_tokens. Raise rollout.max_context_len or lower agentloop.max_response_tokens."
+        )
+    return fitting
+
+
 def prepare_session(config: TandemConfig) -> PreparedSession:
     """Load the tokenizer and the prompts, and import what the runner will (TensorBoard's writer, the
     clients, the agent loop), so none of it stands between the services' readiness and step 1."""
@@ -64,7 +92,7 @@ def prepare_session(config: TandemConfig) -> PreparedSession:
     data, runner = config.data, config.runner
     loader = PromptLoader(train_paths(config, "train"), seed=data.seed, shuffle=data.shuffle)
     val_prompts = (
-        load_prompts(train_paths(config, "val"), data.val_limit)
+        _fitting_val_prompts(config, tokenizer, load_prompts(train_paths(config, "val"), data.val_limit))
         if runner.val_interval or runner.val_before_train
         else []
     )
@@ -89,9 +117,15 @@ def build_driver(
     resume_state: dict | None,
     loader: PromptLoader,
 ) -> RolloutDriver:
+    from tandemrl.agent.evaluate import prompt_room
     from tandemrl.runner.checkpoint import resume_prompts
 
-    feed = PromptFeed(loader, prefetch=config.data.rollout_batch_size)
+    feed = PromptFeed(
+        loader,
+        prefetch=config.data.rollout_batch_size,
+        tokenizer=tokenizer,
+        max_prompt_tokens=prompt_room(config.rollout.max_context_len, config.agentloop),
+    )
     if resume_state is not None:
         loader.load_state_dict(resume_state["loader"])
         by_id = {prompt.prompt_id: prompt for prompt in loader.prompts}

@@ -230,11 +230,7 @@ def load_checkpoint_weights(ckpt_dir: str | Path) -> tuple[dict[str, torch.Tenso
     from tandemrl.trainer.policy import PolicyModel
 
     actor_dir = Path(ckpt_dir) / "actor"
-    if not (actor_dir / "hf" / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
-            "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10."
-        )
+    check_is_checkpoint(ckpt_dir)
     verify_checkpoint(ckpt_dir, need_data=False)  # whole and safe, before anything is unpickled
     config_path = actor_dir / "hf" / "config.json"
     try:
@@ -289,10 +285,21 @@ def _check_config_matches_weights(expected: dict[str, tuple], actor_dir: Path) -
         )
 
 
+def check_is_checkpoint(ckpt_dir: str | Path) -> None:
+    """FileNotFoundError unless `ckpt_dir` looks like an actor checkpoint (its `actor/hf/config.json`);
+    `verify_checkpoint` checks the rest before anything is read."""
+    if not (Path(ckpt_dir) / "actor" / "hf" / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{str(ckpt_dir)!r} is not an actor checkpoint (no actor/hf/config.json). Pass "
+            "a global_step_N directory, e.g. runs/<name>/checkpoints/global_step_10."
+        )
+
+
 def run_export(args) -> int:
     from tandemrl.trainer.checkpoint_check import CheckpointError
 
     ckpt = Path(args.checkpoint)
+    check_is_checkpoint(ckpt)  # first: a wrong source is named as such, whatever --out is
     check_outside_checkpoint(Path(args.out), ckpt)  # before the weights are loaded
     check_replaceable(Path(args.out))
     try:

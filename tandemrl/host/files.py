@@ -10,10 +10,11 @@ error is an `InputFileError` whose message names the path (and the line, where t
 from __future__ import annotations
 
 import errno
+import heapq
 import json
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -205,3 +206,22 @@ def _json_type(value: Any) -> str:
     if value is None:
         return "null"
     return "number"
+
+
+MAX_NAMES_SHOWN = 5  # foreign entries named in a refusal; the rest are counted
+
+
+def foreign_entries(directory: str | Path, is_ours: Callable[[str], bool]) -> str | None:
+    """The entries of `directory` that `is_ours` does not accept, as `'a', 'b' and 3 more` (the first
+    MAX_NAMES_SHOWN by name), or None when every entry is ours: what a command that replaces a directory
+    whole (index build, export) names before it refuses to."""
+    names, num_foreign = [], 0
+    with os.scandir(directory) as entries:
+        for entry in entries:
+            if not is_ours(entry.name):
+                num_foreign += 1
+                names = heapq.nsmallest(MAX_NAMES_SHOWN, [*names, entry.name])
+    if not num_foreign:
+        return None
+    more = f" and {num_foreign - len(names)} more" if num_foreign > len(names) else ""
+    return ", ".join(map(repr, names)) + more

@@ -9,16 +9,15 @@ line naming `--index`, never replaced.
 
 from __future__ import annotations
 
-import heapq
 import os
 import stat
 from pathlib import Path
 
+from tandemrl.host.files import foreign_entries
 from tandemrl.retrieval.retriever import META_FILE
 from tandemrl.retrieval.store import LOCAL_DIR
 
 INDEX_ENTRIES = frozenset({META_FILE, LOCAL_DIR})  # all that a build writes in an index directory
-MAX_NAMES_SHOWN = 5
 
 
 def staging_dir(index_dir: Path) -> Path:
@@ -97,16 +96,10 @@ def refuse_foreign_entries(directory: Path, what: str = "--index") -> None:
             f"{what} {directory} is a file where the build puts a folder. Move it away, or choose another "
             "--index."
         )
-    names, num_foreign = [], 0
-    with os.scandir(directory) as entries:
-        for entry in entries:
-            if entry.name not in INDEX_ENTRIES:
-                num_foreign += 1
-                names = heapq.nsmallest(MAX_NAMES_SHOWN, [*names, entry.name])  # the first by name
-    if num_foreign:
-        more = f" and {num_foreign - len(names)} more" if num_foreign > len(names) else ""
+    foreign = foreign_entries(directory, INDEX_ENTRIES.__contains__)
+    if foreign:
         raise ValueError(
-            f"{what} {directory} holds files a build does not write ({', '.join(map(repr, names))}{more}); a "
+            f"{what} {directory} holds files a build does not write ({foreign}); a "
             "build replaces that folder whole, so they would be lost. Choose an empty or new folder for "
             "--index, or move them out."
         )

@@ -14,7 +14,6 @@ inside the checkpoint being exported (a file the save did not write makes the ch
 
 from __future__ import annotations
 
-import heapq
 import json
 import logging
 import os
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tandemrl.host.files import foreign_entries
+
 log = logging.getLogger(__name__)
 
 SHARD_BYTES = 2 * 2**30  # fp32 bytes of one safetensors file of an export, held on the host while it fills
@@ -34,7 +35,6 @@ EXPORT_FILES = frozenset(
     {"config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"}
 )
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-MAX_NAMES_SHOWN = 5
 
 
 def save_hf_dir(
@@ -66,7 +66,6 @@ def save_hf_dir(
 def check_replaceable(out: Path) -> Path:
     """`out` when an export may replace it: new, empty, or a directory of only what an export writes (a file,
     or a folder holding anything else, is never replaced: it would be lost)."""
-    from tandemrl.trainer.checkpoint import TOKENIZER_FILES
 
     try:
         is_dir = out.is_dir()
@@ -78,21 +77,20 @@ def check_replaceable(out: Path) -> Path:
     _check_place(out)
     if not is_dir:
         return out
-    names, num_foreign = [], 0
-    with os.scandir(out) as entries:
-        for entry in entries:
-            if entry.name not in EXPORT_FILES and entry.name not in TOKENIZER_FILES:
-                if not SHARD_NAME.fullmatch(entry.name):
-                    num_foreign += 1
-                    names = heapq.nsmallest(MAX_NAMES_SHOWN, [*names, entry.name])  # the first by name
-    if num_foreign:
-        more = f" and {num_foreign - len(names)} more" if num_foreign > len(names) else ""
+    foreign = foreign_entries(out, _is_export_file)
+    if foreign:
         raise FileExistsError(
-            f"{out}: holds files an export does not write ({', '.join(map(repr, names))}{more}); the "
+            f"{out}: holds files an export does not write ({foreign}); the "
             "export replaces its directory whole, so they would be lost. Give a new or empty directory, or "
             "move them out."
         )
     return out
+
+
+def _is_export_file(name: str) -> bool:
+    from tandemrl.trainer.checkpoint import TOKENIZER_FILES
+
+    return name in EXPORT_FILES or name in TOKENIZER_FILES or SHARD_NAME.fullmatch(name) is not None
 
 
 def _check_place(out: Path) -> None:

@@ -10,6 +10,7 @@ A prompt fits when the engine's context holds it and the whole response budget a
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,12 @@ from typing import TYPE_CHECKING
 from tandemrl.agent.loop import Trajectory, gather_or_cancel, run_trajectory
 from tandemrl.agent.reward import reward_extra_means
 from tandemrl.config.agent import AgentLoopConfig
+from tandemrl.config.errors import ConfigError
 
 if TYPE_CHECKING:
     from tandemrl.config.schema import DataConfig, RetrievalConfig
+
+log = logging.getLogger(__name__)
 
 OVERALL = "overall"
 
@@ -146,3 +150,41 @@ def split_paths(data: DataConfig, retrieval: RetrievalConfig, split: str) -> lis
             "default knowledge base, or set retrieval.corpus_path next to your split files."
         )
     return [str(path)]
+
+
+MAX_OVERLONG_WARNINGS = 10  # one warning line each; the rest are counted
+
+
+def warn_overlong(
+    overlong: list[Overlong],
+    num_fitting: int,
+    room: int,
+    max_context_len: int,
+    cfg: AgentLoopConfig,
+    what: str = "question",
+) -> None:
+    """One warning per `what` set aside by `split_overlong` (the first few, then a count); ConfigError when
+    none is left (`tandem eval`'s questions, a run's validation set)."""
+    if not overlong:
+        return
+    bound = f"rollout.max_context_len={max_context_len} minus agentloop.max_response_tokens={cfg.max_response_tokens}"
+    if num_fitting == 0:
+        first = overlong[0]
+        raise ConfigError(
+            f"no {what} fits the engine's context: {first.prompt_id} in {first.path} has a prompt of "
+            f"{first.num_tokens} tokens (and {len(overlong) - 1} more are too long), over the {room} that "
+            f"{bound} leaves for a prompt. Raise rollout.max_context_len, or shorten the questions."
+        )
+    for item in overlong[:MAX_OVERLONG_WARNINGS]:
+        log.warning(
+            "skipping %s %s of %s: its prompt has %d tokens, over the %d that %s leaves for a prompt; "
+            "raise rollout.max_context_len to evaluate it",
+            what,
+            item.prompt_id,
+            item.path,
+            item.num_tokens,
+            room,
+            bound,
+        )
+    if len(overlong) > MAX_OVERLONG_WARNINGS:
+        log.warning("... and %d more %ss skipped as too long", len(overlong) - MAX_OVERLONG_WARNINGS, what)

@@ -35,13 +35,12 @@ from tandemrl.agent.evaluate import (
     split_overlong,
     split_paths,
     summarize,
+    warn_overlong,
 )
 from tandemrl.agent.loop import Trajectory
 from tandemrl.config.schema import ConfigError, TandemConfig
 
 log = logging.getLogger(__name__)
-
-MAX_OVERLONG_WARNINGS = 10  # one warning line each; the summary lists them all
 
 
 def run_eval(args) -> int:
@@ -67,7 +66,7 @@ def run_eval(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(model_path(config))
     room = prompt_room(config.rollout.max_context_len, config.agentloop)
     prompts, prompt_ids, overlong = split_overlong(prompts, paths, tokenizer, room)
-    warn_overlong(overlong, len(prompts), room, config)
+    warn_overlong(overlong, len(prompts), room, config.rollout.max_context_len, config.agentloop)
     start_s = time.monotonic()
     with Services(config) as services:
         urls, addr = services.engine_urls, services.search_addr
@@ -158,38 +157,6 @@ def _is_same_file(a: Path, b: Path) -> bool:
         return a.exists() and b.exists() and os.path.samefile(a, b)
     except (OSError, ValueError):  # a name the system refuses: load_prompts or the write reports it
         return False
-
-
-def warn_overlong(overlong: list[Overlong], num_fitting: int, room: int, config: TandemConfig) -> None:
-    """One warning per question set aside (the first few); refuse when none is left to evaluate."""
-    if not overlong:
-        return
-    bound = (
-        f"rollout.max_context_len={config.rollout.max_context_len} minus "
-        f"agentloop.max_response_tokens={config.agentloop.max_response_tokens}"
-    )
-    if num_fitting == 0:
-        first = overlong[0]
-        raise ConfigError(
-            f"no question fits the engine's context: {first.prompt_id} in {first.path} has a prompt of "
-            f"{first.num_tokens} tokens (and {len(overlong) - 1} more are too long), over the {room} that "
-            f"{bound} leaves for a prompt. Raise rollout.max_context_len, or shorten the questions."
-        )
-    for item in overlong[:MAX_OVERLONG_WARNINGS]:
-        log.warning(
-            "skipping question %s of %s: its prompt has %d tokens, over the %d that %s leaves for a prompt; "
-            "raise rollout.max_context_len to evaluate it",
-            item.prompt_id,
-            item.path,
-            item.num_tokens,
-            room,
-            bound,
-        )
-    if len(overlong) > MAX_OVERLONG_WARNINGS:
-        log.warning(
-            "... and %d more questions skipped as too long (the summary lists them all)",
-            len(overlong) - MAX_OVERLONG_WARNINGS,
-        )
 
 
 def check_out_path(out: Path, what: str | None = None) -> None:

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandemrl.buffer.rollout_buffer import BufferLimits, RolloutBuffer
-from tandemrl.config.errors import ConfigError
 from tandemrl.runner.context import RunContext
 from tandemrl.runner.prompt_feed import PromptFeed
 from tandemrl.runner.records import write_ledger
@@ -55,26 +54,13 @@ def _fitting_val_prompts(config: TandemConfig, tokenizer, prompts: list) -> list
     """The validation prompts the engine can take with the response budget after them; the others are set
     aside with a warning, as `tandem eval` does (agent/evaluate.py `split_overlong`), not left to end the
     run at its first validation."""
-    from tandemrl.agent.evaluate import prompt_room, split_overlong
+    from tandemrl.agent.evaluate import prompt_room, split_overlong, warn_overlong
 
     room = prompt_room(config.rollout.max_context_len, config.agentloop)
     fitting, _, overlong = split_overlong(prompts, train_paths(config, "val"), tokenizer, room)
-    for item in overlong[:10]:
-        log.warning(
-            "validation prompt %s (%s) set aside: %d tokens, more than the %d that rollout.max_context_len leaves "
-            "after agentloop.max_response_tokens",
-            item.prompt_id,
-            item.path,
-            item.num_tokens,
-            room,
-        )
-    if len(overlong) > 10:
-        log.warning("%d validation prompts set aside in all for their length", len(overlong))
-    if prompts and not fitting:
-        raise ConfigError(
-            f"no validation prompt fits in {room} tokens, what rollout.max_context_len leaves after "
-            "agentloop.max_response_tokens. Raise rollout.max_context_len or lower agentloop.max_response_tokens."
-        )
+    warn_overlong(
+        overlong, len(fitting), room, config.rollout.max_context_len, config.agentloop, "validation question"
+    )
     return fitting
 
 

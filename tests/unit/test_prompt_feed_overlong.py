@@ -69,5 +69,5 @@ def test_validation_prompts_that_do_not_fit_are_set_aside(tmp_path, tokenizer):
     )
     prompts = load_prompts([str(path)])
     assert [p.question for p in _fitting_val_prompts(config, tokenizer, prompts)] == ["Who?", "Where?"]
-    with pytest.raises(ConfigError, match="no validation prompt fits"):
+    with pytest.raises(ConfigError, match="no validation question fits"):
         _fitting_val_prompts(config, tokenizer, prompts[1:2])

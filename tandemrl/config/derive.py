@@ -309,6 +309,13 @@ def _validate_sync_runner_keys(config: TandemConfig) -> None:
             "(staleness 0), so this admission limit never binds and would be ignored. Remove it, or set "
             "runner.async_mode=true."
         )
+    staleness = config.agentloop.max_actor_accept_staleness
+    if staleness is not None:
+        raise ConfigError(
+            f"agentloop.max_actor_accept_staleness={staleness} with runner.async_mode=false: the sync runner "
+            "trains each batch under the weights that generated it (staleness 0), so no group is ever dropped "
+            "as stale and the key would be ignored. Remove it, or set runner.async_mode=true."
+        )
 
 
 def _validate_runner_steps(config: TandemConfig) -> None:

@@ -67,6 +67,8 @@ def test_derived_limits_from_config():
             "algorithm.group_size=4",
             "rollout.max_running_requests=10",
             "rollout.instances=2",
+            "runner.async_mode=true",
+            "agentloop.task_name=t",
             "agentloop.max_actor_accept_staleness=2",
             "down_sampling.down_sampling_config.reject_equal_reward=true",
         ],

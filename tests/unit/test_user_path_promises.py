@@ -46,6 +46,11 @@ def _refused(code: int, err: str, *needles: str) -> None:
             ["cluster.colocated_policy=time_share", "async_mode"],
         ),
         (SYNC, ["rollout_buffer.max_head_offpolicyness=2"], ["rollout_buffer.max_head_offpolicyness=2"]),
+        (
+            SYNC,
+            ["agentloop.max_actor_accept_staleness=1"],
+            ["agentloop.max_actor_accept_staleness=1", "async_mode=false"],
+        ),
         (ASYNC, ["runner.max_steps=4", "runner.profile_steps=[2,9]"], ["runner.profile_steps", "[9]"]),
         (ASYNC, ["cluster.mps=true"], ["cluster.mps=true", "rollout.device=cpu"]),
     ],

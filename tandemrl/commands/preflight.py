@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tandemrl.config.errors import ConfigError
+from tandemrl.host.files import creatable_problem
 
 if TYPE_CHECKING:
     from tandemrl.config.rollout import RolloutConfig
@@ -143,19 +144,14 @@ ENGINE_CONNECT_TIMEOUT_S = 5.0
 
 
 def _check_output_dir(config: TandemConfig) -> None:
-    """`runner.output_dir` is a directory, or can become one: its nearest existing ancestor is a directory
-    (train creates and locks it, runner/output_lock.py; nothing is created here)."""
-    path = Path(config.runner.output_dir or ".")
-    nearest = next((p for p in (path, *path.parents) if p.exists() or p.is_symlink()), Path("."))
-    if not nearest.is_dir():
-        what = (
-            "is not a directory"
-            if nearest == path
-            else f"lies under {str(nearest)!r}, which is not a directory"
-        )
+    """`runner.output_dir` is a directory this user can write, or can become one (train creates and locks
+    it, runner/output_lock.py; nothing is created here)."""
+    path = config.runner.output_dir or "."
+    problem = creatable_problem(path)
+    if problem:
         raise ConfigError(
-            f"runner.output_dir={str(path)!r} {what}, so the run could not write there; give a directory "
-            "this user can create and write."
+            f"runner.output_dir={str(path)!r} cannot be used: {problem}, so the run could not write there; "
+            "give a directory this user can create and write."
         )
 
 

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import stat
 from pathlib import Path
 
 from tandemrl.config.errors import ConfigError
+from tandemrl.host.files import creatable_problem
 from tandemrl.trainer.batching import TrainSample
 from tandemrl.trainer.sft import (
     read_rendered,
@@ -50,26 +49,13 @@ def run_sft(args) -> int:
 
 
 def check_creatable(path: Path, key: str, value: str | Path) -> None:
-    """Refuse (a `ConfigError` naming `key`) a directory `path` that cannot be created or written into:
-    its nearest existing ancestor is not a directory, or is not writable."""
-    for ancestor in [path, *path.parents]:
-        try:
-            info = os.stat(ancestor)
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        except (OSError, ValueError) as error:
-            raise ConfigError(f"{key}={str(value)!r} cannot be used: {error}. Choose another path.") from None
-        if not stat.S_ISDIR(info.st_mode):
-            raise ConfigError(
-                f"{key}={str(value)!r} cannot be created: {str(ancestor)!r} is a file, not a directory. "
-                "Choose a path under a directory."
-            )
-        if not os.access(ancestor, os.W_OK | os.X_OK):
-            raise ConfigError(
-                f"{key}={str(value)!r} cannot be created: the directory {str(ancestor)!r} is not writable. "
-                "Choose a path you can write to."
-            )
-        return
+    """Refuse (a `ConfigError` naming `key`) a directory `path` that cannot be created or written into."""
+    problem = creatable_problem(path)
+    if problem:
+        raise ConfigError(
+            f"{key}={str(value)!r} cannot be created: {problem}. Choose a path under a directory you can "
+            "write to."
+        )
 
 
 def load_sft_samples(config) -> list[TrainSample]:

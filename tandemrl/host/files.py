@@ -225,3 +225,23 @@ def foreign_entries(directory: str | Path, is_ours: Callable[[str], bool]) -> st
         return None
     more = f" and {num_foreign - len(names)} more" if num_foreign > len(names) else ""
     return ", ".join(map(repr, names)) + more
+
+
+def creatable_problem(path: str | Path) -> str | None:
+    """Why nothing could be made at or under `path`, or None when it can: the nearest thing that exists
+    along `path` and its parents must be a directory this user can write to. What every command that
+    creates an output folder (train, sft, index build, export) checks before it starts work."""
+    for place in (Path(path), *Path(path).parents):
+        try:
+            info = os.stat(place)
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # made by the command
+        except (OSError, ValueError) as error:  # ValueError: a NUL byte in the name
+            reason = error.strerror if isinstance(error, OSError) else str(error)
+            return f"{str(place)!r} cannot be used ({reason})"
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{str(place)!r} is a file, not a directory, so nothing can be made inside it"
+        if not os.access(place, os.W_OK | os.X_OK):
+            return f"the directory {str(place)!r} is not writable"
+        return None
+    return None

@@ -13,7 +13,7 @@ import os
 import stat
 from pathlib import Path
 
-from tandemrl.host.files import foreign_entries
+from tandemrl.host.files import creatable_problem, foreign_entries
 from tandemrl.retrieval.retriever import META_FILE
 from tandemrl.retrieval.store import LOCAL_DIR
 
@@ -49,19 +49,9 @@ def check_index_place(index_dir: Path) -> None:
         raise ValueError(
             f"--index {index_dir} is a file; an index is a directory. Choose a new or empty folder."
         )
-    ancestor = index_dir.parent
-    while (info := _stat(ancestor, index_dir)) is None and ancestor != ancestor.parent:
-        ancestor = ancestor.parent  # made by the build
-    if info is None or not stat.S_ISDIR(info.st_mode):
-        raise ValueError(
-            f"--index {index_dir}: {ancestor} is a file, not a folder, so nothing can be made inside it. "
-            "Choose --index inside a folder."
-        )
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"--index {index_dir}: {ancestor} cannot be written to, and the build makes its staging folder "
-            "there. Choose --index inside a folder you can write to."
-        )
+    problem = creatable_problem(index_dir.parent)  # where the staging folder is made
+    if problem:
+        raise ValueError(f"--index {index_dir}: {problem}. Choose --index inside a folder you can write to.")
 
 
 def _stat(path: Path, index_dir: Path) -> os.stat_result | None:

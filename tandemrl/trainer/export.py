@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tandemrl.host.files import foreign_entries
+from tandemrl.host.files import creatable_problem, foreign_entries
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,9 @@ def _check_place(out: Path) -> None:
             f"{str(out)!r}: is the current directory or holds it, which an export cannot replace (it writes "
             "beside the directory and moves it in). Give a new or empty directory, e.g. exported/model."
         )
-    ancestor = out.parent
-    while not os.path.lexists(ancestor) and ancestor != ancestor.parent:
-        ancestor = ancestor.parent  # made by the export
-    if not ancestor.is_dir():
-        raise FileExistsError(f"{out}: {ancestor} is not a directory, so nothing can be written under it.")
+    problem = creatable_problem(out.parent)  # the export writes beside `out`, then moves it in
+    if problem:
+        raise FileExistsError(f"{out}: {problem}. Give a directory under one you can write to.")
 
 
 def check_outside_checkpoint(out: Path, ckpt: Path) -> None:

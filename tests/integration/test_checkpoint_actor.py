@@ -120,5 +120,7 @@ def test_export_writes_a_loadable_hf_directory(tiny_llama_dir, tmp_path):
     mine.mkdir()
     (mine / "notes.txt").write_text("not a model")
     refused = _export(ckpt, mine)
-    assert refused.returncode == 2 and "holds files an export does not write" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "holds files an export does not write" in refused.stderr, (
+        refused.stderr
+    )
     assert [p.name for p in mine.iterdir()] == ["notes.txt"]

@@ -102,7 +102,11 @@ def test_an_out_that_cannot_be_replaced_is_refused_in_one_line(ckpt, tmp_path, c
     monkeypatch.chdir(work)
     code, err = _export(capsys, ckpt, place)
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
-    assert ("current directory" in err) if "a_file" not in place else ("a_file is not a directory" in err)
+    assert (
+        ("current directory" in err)
+        if "a_file" not in place
+        else ("'a_file' is a file, not a directory" in err)
+    )
     assert sorted(p.name for p in work.iterdir()) == ["a_file"] and (work / "a_file").read_text() == "mine"
 
 

@@ -135,8 +135,8 @@ def test_a_build_that_fails_while_encoding_leaves_no_staging_folder(tmp_path, ca
         ("..", "names no folder of its own"),
         ("/", "names no folder of its own"),
         ("{cwd}", "is the current directory or holds it"),
-        ("a_file/sub", "--index a_file/sub: a_file is a file, not a folder"),
-        ("a_file/sub/deeper", "--index a_file/sub/deeper: a_file is a file, not a folder"),
+        ("a_file/sub", "--index a_file/sub: 'a_file' is a file, not a directory"),
+        ("a_file/sub/deeper", "--index a_file/sub/deeper: 'a_file' is a file, not a directory"),
         ("x" * 300 + "/sub", "cannot be used (File name too long)"),
     ],
 )

@@ -268,11 +268,11 @@ def test_config_show_check_refuses_an_output_dir_that_cannot_be_a_directory(caps
     good = _prepared(tmp_path)
     a_file = tmp_path / "a_file"
     a_file.write_text("not a run\n")
-    for output_dir, said in ((a_file, "is not a directory"), (a_file / "run", "lies under")):
+    for output_dir in (a_file, a_file / "run"):
         code, _, err = _run(
             capsys, "config", "show", "--check", ASYNC, *good, f"runner.output_dir={output_dir}"
         )
-        _refused(code, err, "runner.output_dir", said)
+        _refused(code, err, f"runner.output_dir={str(output_dir)!r}", f"{str(a_file)!r} is a file")
     assert a_file.read_text() == "not a run\n"
     code, _, err = _run(
         capsys, "config", "show", "--check", ASYNC, *good, f"runner.output_dir={tmp_path}/new/run"

@@ -189,7 +189,7 @@ class Actor:
         kinds += [(5 * unit // 4,) * 2, (2 * unit,) * 2]
         # Then micro-batches as large as the budget allows: Inductor guards its fusions on size ranges
         # (on the H100, 576 x row length < 5,242,880: rows over 9,102 tokens compiled again in the first
-        # step, benchmarks/results/actor/first_step_h100.json), so the large rows of real steps are seen too.
+        # step, benchmarks/results/actor/first_step_h100_735798f.json), so the large rows of real steps are seen too.
         budget = self.micro_batch_tokens
         cap = min(budget // 2, getattr(self.policy.hf.config, "max_position_embeddings", None) or budget)
         if cap > 8 * unit:  # rows of about the budget, a little less, and half of it

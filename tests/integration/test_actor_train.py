@@ -153,7 +153,7 @@ def test_compiled_actor_is_traced_at_build_not_in_its_first_step(tiny_llama_dir,
     """With actor.compile_layers the actor warms up as it is built: Dynamo traces the layers' graphs then
     (the train step's and the no-grad recompute's), and the first train step traces nothing new. Dynamo's
     eager backend here, so only Dynamo's own guards are tried; the size guards Inductor adds to its fusions
-    show only under Inductor on a GPU (benchmarks/actor/first_step.py, first_step_h100.json)."""
+    show only under Inductor on a GPU (benchmarks/actor/first_step.py, first_step_h100_735798f.json)."""
     from torch._dynamo.utils import counters
 
     torch.set_num_threads(1)

@@ -235,6 +235,8 @@ def creatable_problem(path: str | Path) -> str | None:
         try:
             info = os.stat(place)
         except (FileNotFoundError, NotADirectoryError):
+            if os.path.islink(place):  # a link to nothing: making the folder there would fail
+                return f"{str(place)!r} is a link to {os.readlink(place)!r}, which does not exist"
             continue  # made by the command
         except (OSError, ValueError) as error:  # ValueError: a NUL byte in the name
             reason = error.strerror if isinstance(error, OSError) else str(error)

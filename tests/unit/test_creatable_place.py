@@ -39,6 +39,13 @@ def test_an_unwritable_nearest_directory_is_named(tmp_path, monkeypatch):
     assert creatable_problem(tmp_path / "other") is None
 
 
+def test_a_link_to_nothing_on_the_way_is_named(tmp_path):
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    for path in (tmp_path / "gone", tmp_path / "gone" / "run"):
+        problem = creatable_problem(path)
+        assert problem is not None and "does not exist" in problem and repr(str(tmp_path / "gone")) in problem
+
+
 def test_a_name_the_system_refuses_is_named(tmp_path):
     problem = creatable_problem(tmp_path / ("x" * 300) / "run")
     assert problem is not None and "cannot be used" in problem

@@ -66,7 +66,6 @@ def save_hf_dir(
 def check_replaceable(out: Path) -> Path:
     """`out` when an export may replace it: new, empty, or a directory of only what an export writes (a file,
     or a folder holding anything else, is never replaced: it would be lost)."""
-
     try:
         is_dir = out.is_dir()
         exists = is_dir or out.exists()

@@ -13,6 +13,19 @@ from tandemrl.config.loader import load_config
 from tandemrl.host.files import creatable_problem
 
 
+@pytest.fixture
+def locked(tmp_path, monkeypatch):
+    """A directory this user may not write: `os.access` says so (the suite runs as root, where a mode
+    would not stop it)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode)
+    )
+    return locked
+
+
 def test_a_new_path_under_a_writable_directory_is_fine(tmp_path):
     assert creatable_problem(tmp_path / "a" / "b" / "c") is None
     assert creatable_problem(tmp_path) is None
@@ -27,13 +40,7 @@ def test_a_file_on_the_way_is_named(tmp_path):
     assert (tmp_path / "f").read_text() == "mine"
 
 
-def test_an_unwritable_nearest_directory_is_named(tmp_path, monkeypatch):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(
-        os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode)
-    )
+def test_an_unwritable_nearest_directory_is_named(tmp_path, locked):
     problem = creatable_problem(locked / "run")
     assert problem is not None and repr(str(locked)) in problem and "not writable" in problem
     assert creatable_problem(tmp_path / "other") is None
@@ -51,13 +58,7 @@ def test_a_name_the_system_refuses_is_named(tmp_path):
     assert problem is not None and "cannot be used" in problem
 
 
-def test_train_refuses_an_output_dir_it_could_not_write(tmp_path, monkeypatch):
-    locked = tmp_path / "locked"
-    locked.mkdir()
-    real_access = os.access
-    monkeypatch.setattr(
-        os, "access", lambda p, mode: False if str(p) == str(locked) else real_access(p, mode)
-    )
+def test_train_refuses_an_output_dir_it_could_not_write(locked):
     config = load_config(None, [f"runner.output_dir={locked / 'run'}"])
     with pytest.raises(ConfigError, match=r"runner\.output_dir=.*not writable"):
         _check_output_dir(config)

@@ -49,7 +49,7 @@ def searchr1_answers(raw: dict) -> list[str] | None:
         return None
     if isinstance(target, str):
         return [target]
-    return [str(answer) for answer in target]
+    return list(target)  # checked as answers by normalize_record: a null element must not become "None"
 
 
 def iter_raw_records(path: str | Path) -> Iterator[tuple[str, dict]]:
@@ -114,9 +114,9 @@ def normalize_record(raw: dict, path: Path, row: int, where: str | None = None) 
     where = f"{WHAT} {str(path)!r} {where or f'row {row + 1}'}"
     try:
         question = raw.get("question") or searchr1_question(raw)
-        answers = raw.get("golden_answers")
-        if answers is None:
-            answers = searchr1_answers(raw)
+        answers, answers_field = raw.get("golden_answers"), "golden_answers"
+        if answers is None and "reward_model" in raw:
+            answers, answers_field = searchr1_answers(raw), "reward_model.ground_truth.target"
     except (AttributeError, TypeError):  # a Search-R1 field of the wrong shape
         raise InputFileError(
             f"{where}: `prompt` / `reward_model.ground_truth.target` do not have Search-R1's layout."
@@ -131,7 +131,7 @@ def normalize_record(raw: dict, path: Path, row: int, where: str | None = None) 
         )
     if not isinstance(answers, list) or not answers or not all(_is_answer(a) for a in answers):
         raise InputFileError(
-            f"{where}: {_what_is_wrong('golden_answers', answers)}; it must be a non-empty list of strings "
+            f"{where}: {_what_is_wrong(answers_field, answers)}; it must be a non-empty list of strings "
             "(or one string)."
         )
     record_id = raw.get("id")
@@ -159,7 +159,9 @@ def _is_answer(value: Any) -> bool:
 
 
 def _what_is_wrong(field: str, value: Any) -> str:
-    return f"no `{field}`" if value in (None, "", []) else f"`{field}` is {_summary(value)}"
+    if value is None:
+        return f"no `{field}`"
+    return f"`{field}` is empty" if value in ("", []) else f"`{field}` is {_summary(value)}"
 
 
 def _summary(value: Any) -> str:

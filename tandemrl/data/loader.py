@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Prompt:
-    prompt_id: str  # "<file stem>:<record id>", stable across runs and processes
+    prompt_id: str  # "<file stem>:<record key>" (`record_keys`), stable across runs and processes
     question: str
     golden_answers: list[str]
     data_source: str
@@ -32,6 +32,16 @@ def file_keys(paths: list[Path]) -> list[str]:
     """The id prefix of each file: its stem, or parent/stem where two files share a stem."""
     stems = [path.stem for path in paths]
     return [f"{path.parent.name}/{path.stem}" if stems.count(path.stem) > 1 else path.stem for path in paths]
+
+
+def record_keys(records: list[dict]) -> list[str]:
+    """Each record's key within its file: its id, or "<data_source>/<id>" for every record of a file whose
+    ids repeat, as in Search-R1's merged nq_hotpotqa_train, which numbers each source's rows from 0
+    (`extra_info.index`). The rule reads only the file, so a prompt keeps its id across runs and resumes."""
+    ids = [record["id"] for record in records]
+    if len(set(ids)) == len(ids) or len({record["data_source"] for record in records}) == 1:
+        return ids
+    return [f"{record['data_source']}/{record['id']}" for record in records]
 
 
 def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prompt]:
@@ -45,12 +55,14 @@ def load_prompts(paths: list[str | Path], limit: int | None = None) -> list[Prom
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for path, key in zip(paths, file_keys(paths), strict=True):
-        for record in read_records(path):
-            prompt_id = f"{key}:{record['id']}"
+        records = read_records(path)
+        for record, record_key in zip(records, record_keys(records), strict=True):
+            prompt_id = f"{key}:{record_key}"
             if prompt_id in seen:
                 raise InputFileError(
-                    f"duplicate prompt id {prompt_id!r} in {path}: record ids must be unique "
-                    "within a file (and a file must not be listed twice)."
+                    f"duplicate prompt id {prompt_id!r} in {path}: record ids (`id`, or Search-R1's "
+                    "`extra_info.index`) must be unique within a file and data source (and a file must "
+                    "not be listed twice)."
                 )
             seen.add(prompt_id)
             prompts.append(

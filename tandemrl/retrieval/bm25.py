@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import unicodedata
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -31,8 +32,10 @@ def stem(token: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
-    """Case-folded word tokens, stemmed."""
-    return [stem(token) for token in TOKEN_RE.findall(text.casefold())]
+    """Case-folded word tokens, stemmed. NFC first: in decomposed text (NFD: "Côte" as "Co" + U+0302 +
+    "te") a combining accent is no word character, so the word would split in two and never match the
+    composed query."""
+    return [stem(token) for token in TOKEN_RE.findall(unicodedata.normalize("NFC", text.casefold()))]
 
 
 def term_id(term: str) -> int:

@@ -144,12 +144,44 @@ def split_paths(data: DataConfig, retrieval: RetrievalConfig, split: str) -> lis
 
     kb_dir = Path(retrieval.corpus_path).parent if retrieval.corpus_path else default_kb_dir()
     path = kb_dir / f"{split}.jsonl"
+    if not retrieval.corpus_path:
+        _refuse_mixed_questions(data, split, path)
     if is_missing(path):
         raise FileNotFoundError(
             f"{path} does not exist: no {split} questions. Run `tandem prepare all` for the "
             "default knowledge base, or set retrieval.corpus_path next to your split files."
         )
     return [str(path)]
+
+
+def _refuse_mixed_questions(data: DataConfig, split: str, kb_path: Path) -> None:
+    """A split that falls back to the generated knowledge base while `data` names the user's own questions
+    (files outside the KB's folder) is refused: the run would train on NQ and validate, or be evaluated, on
+    made-up KB questions without a word."""
+    own = [
+        (f"data.{name}_data_paths", str(path))
+        for name, paths in (("train", data.train_data_paths), ("val", data.val_data_paths))
+        for path in paths or []
+        if Path(path).resolve().parent != kb_path.parent.resolve()
+    ]
+    if not own:
+        return
+    key, first = own[0]
+    mixed = (
+        f"the {split} questions would come from the generated knowledge base ({kb_path}) while {key} "
+        f"names your own ({first})"
+    )
+    if split == "test":
+        raise ConfigError(
+            f"--split test: {mixed}. Evaluate your own file with `--split val data.val_data_paths=[FILE]`, "
+            "or set retrieval.corpus_path to a corpus with test.jsonl beside it."
+        )
+    off = (
+        ", or turn validation off (runner.val_interval=0 runner.val_before_train=false)"
+        if split == "val"
+        else ""
+    )
+    raise ConfigError(f"data.{split}_data_paths is not set, so {mixed}. Set data.{split}_data_paths{off}.")
 
 
 MAX_OVERLONG_WARNINGS = 10  # one warning line each; the rest are counted

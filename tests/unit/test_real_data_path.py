@@ -109,3 +109,66 @@ def test_bm25_matches_decomposed_text_against_a_composed_query():
     passage = unicodedata.normalize("NFD", "The capital of Côte d'Ivoire; São Paulo")
     assert bm25.tokenize(passage) == bm25.tokenize("The capital of Côte d'Ivoire; São Paulo")
     assert "côte" in bm25.tokenize(passage)
+
+
+CPU_ASYNC = str(Path(__file__).resolve().parents[2] / "examples/searchr1/config/embedded_cpu_async.yaml")
+
+
+def own_questions(tmp_path: Path) -> list[str]:
+    """A model, an index and the user's own train file, outside the generated knowledge base."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "index").mkdir()
+    (tmp_path / "index" / "index.json").write_text("{}")  # what makes a directory an index
+    pq.write_table(pa.Table.from_pylist([searchr1_row("nq", 0, "who?", ["a"])]), tmp_path / "train.parquet")
+    return [
+        f"rollout.model.model_path={tmp_path / 'model'}",
+        f"retrieval.index_dir={tmp_path / 'index'}",
+        f"data.train_data_paths=[{tmp_path / 'train.parquet'}]",
+    ]
+
+
+def test_validation_on_the_knowledge_base_beside_own_train_questions_is_refused(tmp_path, capsys):
+    from tandemrl.cli import main
+
+    base = ["config", "show", "--check", CPU_ASYNC, *own_questions(tmp_path)]
+    assert main([*base, "runner.val_interval=5"]) == 2
+    err = capsys.readouterr().err
+    assert "data.val_data_paths is not set" in err and "generated knowledge base" in err, err
+    assert str(tmp_path / "train.parquet") in err and "runner.val_interval=0" in err
+    pq.write_table(pa.Table.from_pylist([searchr1_row("nq", 0, "what?", ["b"])]), tmp_path / "val.parquet")
+    assert main([*base, "runner.val_interval=5", f"data.val_data_paths=[{tmp_path / 'val.parquet'}]"]) == 0
+    assert main(base) == 0, capsys.readouterr().err  # no validation: nothing falls back
+
+
+def test_eval_of_the_knowledge_base_test_split_beside_own_questions_is_refused(tmp_path, capsys, monkeypatch):
+    from tandemrl.cli import main
+
+    def no_services(config):
+        raise AssertionError("services started")
+
+    monkeypatch.setattr("tandemrl.runner.services.Services", no_services)
+    assert main(["eval", CPU_ASYNC, *own_questions(tmp_path), "--split", "test"]) == 2
+    err = capsys.readouterr().err
+    assert "--split test" in err and "--split val data.val_data_paths=[FILE]" in err, err
+
+
+def test_the_knowledge_base_own_train_file_still_leaves_validation_to_it(tmp_path, monkeypatch):
+    from tandemrl.agent.evaluate import split_paths
+    from tandemrl.config.errors import ConfigError
+    from tandemrl.config.schema import DataConfig, RetrievalConfig
+    from tandemrl.host.home import default_kb_dir
+
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    kb = default_kb_dir()
+    kb.mkdir(parents=True)
+    for split in ("train", "val"):
+        (kb / f"{split}.jsonl").write_text('{"id": 1, "question": "a?", "golden_answers": ["b"]}\n')
+    assert split_paths(DataConfig(train_data_paths=[str(kb / "train.jsonl")]), RetrievalConfig(), "val") == [
+        str(kb / "val.jsonl")
+    ]
+    mine = DataConfig(train_data_paths=[str(tmp_path / "train.jsonl")])
+    with pytest.raises(ConfigError, match="data.val_data_paths is not set"):
+        split_paths(mine, RetrievalConfig(), "val")
+    # a corpus the user names is their own layout: its val.jsonl is read
+    corpus = RetrievalConfig(corpus_path=str(kb / "corpus.jsonl"))
+    assert split_paths(mine, corpus, "val") == [str(kb / "val.jsonl")]

@@ -186,7 +186,7 @@ class RewardFunction:
         }
         try:
             result = self.fn(**{name: values[name] for name in self._arg_names})
-        except Exception as error:
+        except (Exception, SystemExit) as error:  # `sys:exit` would end a run, or `config show` silently
             raise RewardError(
                 f"{self.key} raised {_one_line(error)} (data source {data_source!r})."
             ) from None

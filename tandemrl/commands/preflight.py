@@ -51,6 +51,7 @@ def check_startable(config: TandemConfig) -> None:
     if config.cluster.num_nodes > 1:
         return  # the engines' interpreters and the model paths live on the nodes
     _check_engine_imports(rollout)
+    from tandemrl.config.derive import is_copied_model_path
     from tandemrl.host.home import default_coldstart_dir
 
     coldstart = str(default_coldstart_dir())
@@ -58,6 +59,8 @@ def check_startable(config: TandemConfig) -> None:
         ("rollout.model.model_path", rollout.model.model_path),
         ("actor.model.model_path", config.actor.model.model_path),
     ):
+        if is_copied_model_path(config, key):  # the other key's value: the error names that one
+            continue
         if path is not None and path != coldstart and not Path(path).is_dir():
             raise ConfigError(
                 f"{key}={path!r} is not a directory. Run `tandem prepare model` for the embedded "

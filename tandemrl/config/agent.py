@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.checks import _check, _check_finite_positive, _check_positive
+from tandemrl.config.checks import _check, _check_finite_positive, _check_positive, _is_host_port
 
 
 @dataclass
@@ -107,11 +107,12 @@ class SearchToolConfig:
             "Use 0 to retry at once.",
         )
         _check(1 <= self.topk <= 50, "tools.search.topk", self.topk, "must be in 1..50", "Use e.g. 3.")
+        address = self.server_addr.removeprefix("http://").removeprefix("https://").split("/", 1)[0]
         _check(
-            ":" in self.server_addr,
+            _is_host_port(address),  # ':' or 'h:99999' passed here and failed at the first search
             "tools.search.server_addr",
             self.server_addr,
-            "must be host:port",
+            "must be host:port, http(s)://host:port or a URL ending in /retrieve, with a port from 1 to 65535",
             "Use e.g. 127.0.0.1:8000.",
         )
         _check(

@@ -33,3 +33,19 @@ def _check_finite_positive(key: str, value: float | None, allow_none: bool = Fal
         "must be a finite number > 0",
         f"Set {key} to a positive number of seconds.",
     )
+
+
+def _is_host_port(addr: object) -> bool:
+    """`host:port` or `http(s)://host:port` (an IPv6 host in brackets), a port of ASCII digits in 1..65535
+    (`int` would also read '٣٠' or '3_0')."""
+    if not isinstance(addr, str):
+        return False
+    rest = addr.removeprefix("http://").removeprefix("https://").rstrip("/")
+    host, _, port = rest.rpartition(":")
+    return (
+        bool(host.strip())
+        and "/" not in rest
+        and port.isascii()
+        and port.isdigit()
+        and 1 <= int(port) <= 65535
+    )

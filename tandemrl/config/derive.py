@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
+from collections import Counter
 from pathlib import Path
 
 from tandemrl.config.actor import ActorSetup
@@ -25,6 +27,7 @@ INFLIGHT_HEADROOM = 1.2  # issue slightly more groups than the engines can run, 
 def derive_and_validate(config: TandemConfig) -> list[str]:
     """Fill derived keys, check cross-section rules; returns the warnings (also logged)."""
     config.derived.clear()
+    _check_placement(config)
     _derive_model_paths(config)
     _derive_instances(config)
     _derive_buffer_limits(config)
@@ -96,16 +99,56 @@ def _derive_instances(config: TandemConfig) -> None:
     )
 
 
+# GPU ids, actor ranks and engine instances stay below this: '0-1000000000000' built a list until memory ran
+# out, and actor.num_ranks=1e18 a plan that never finished printing
+MAX_GPUS = 1 << 16
+_GPU_RANGE = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")  # ASCII digits: int() also reads '٣', '1_0'
+
+
 def parse_gpu_range(spec: str, key: str) -> list[int]:
-    """'0-7' -> [0..7]; '0,2,4-5' -> [0, 2, 4, 5]; 'all' -> [] is not allowed here."""
+    """'0-7' -> [0..7]; '0,2,4-5' -> [0, 2, 4, 5]; each GPU once, ranges ascending, ids below MAX_GPUS."""
     gpus: list[int] = []
-    try:
-        for part in str(spec).split(","):
-            lo, _, hi = part.strip().partition("-")
-            gpus.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError as error:
-        raise ConfigError(f"{key}={spec!r}: not a GPU range. Use e.g. '0-7' or '0,1,4-5'.") from error
+    for part in str(spec).split(","):
+        match = _GPU_RANGE.fullmatch(part)
+        if match is None:
+            raise ConfigError(f"{key}={spec!r}: not a GPU range. Use e.g. '0-7' or '0,1,4-5'.")
+        low, high = int(match[1]), int(match[2] or match[1])
+        if not low <= high < MAX_GPUS:
+            raise ConfigError(
+                f"{key}={spec!r}: {part.strip()!r} is not a range of GPU ids: it must go up (low-high) and stay "
+                f"below {MAX_GPUS}. Use e.g. '0-7'."
+            )
+        gpus.extend(range(low, high + 1))
+    twice = sorted(gpu for gpu, count in Counter(gpus).items() if count > 1)
+    if twice:
+        raise ConfigError(
+            f"{key}={spec!r} names GPU {', '.join(map(str, twice[:4]))} more than once: each GPU runs one process of a "
+            "component. List each GPU once (to share a GPU between the actor and the rollout, use the key "
+            "'actor,rollout')."
+        )
     return gpus
+
+
+def _check_placement(config: TandemConfig) -> None:
+    """Every GPU range parses (the actor's too, which only the plan reads), and the process counts stay
+    plannable: ranks without a placement run on node 0's GPUs, so no more of them than the node has."""
+    cluster, actor, rollout = config.cluster, config.actor, config.rollout
+    for key, spec in cluster.component_placement.items():
+        parse_gpu_range(spec, f"cluster.component_placement.{key}")
+    for key, count in (("actor.num_ranks", actor.num_ranks), ("rollout.instances", rollout.instances)):
+        if count is not None and count > MAX_GPUS:
+            raise ConfigError(
+                f"{key}={count}: at most {MAX_GPUS} (one process per GPU). Fix the value of {key}."
+            )
+    has_actor_gpus = any("actor" in key.split(",") for key in cluster.component_placement)
+    per_node = cluster.num_gpus_per_node
+    if actor.device == "cuda" and not has_actor_gpus and per_node and actor.num_ranks > per_node:
+        raise ConfigError(
+            f"actor.num_ranks={actor.num_ranks} with actor.device=cuda and no actor GPUs in "
+            f"cluster.component_placement: the ranks run on node 0, one per GPU, and cluster.num_gpus_per_node="
+            f"{per_node}. Lower actor.num_ranks to at most {per_node}, or place the ranks across nodes with "
+            f"cluster.component_placement.actor (e.g. '0-{actor.num_ranks - 1}')."
+        )
 
 
 def _derive_buffer_limits(config: TandemConfig) -> None:
@@ -258,6 +301,15 @@ def _validate_cross_section(config: TandemConfig) -> None:
             "rollout.backend=sglang."
         )
     _validate_runner_steps(config)
+    cpu_sides = [
+        f"{side}.device=cpu" for side in ("actor", "rollout") if getattr(config, side).device == "cpu"
+    ]
+    if rollout.weight_sync in ("nccl", "cuda_ipc") and cpu_sides:
+        raise ConfigError(
+            f"rollout.weight_sync={rollout.weight_sync} with {' and '.join(cpu_sides)}: NCCL and CUDA IPC move "
+            "CUDA tensors, and a CPU side keeps its weights in host memory, so the first weight push would fail. "
+            "Set rollout.weight_sync=auto (gloo for a CPU side) or gloo, or run both sides on cuda."
+        )
     if config.runner.async_mode and config.rollout.sglang.backend_type != "server":
         raise ConfigError(
             f"rollout.sglang.backend_type={config.rollout.sglang.backend_type!r} with runner.async_mode=true: "
@@ -385,8 +437,16 @@ def _validate_paths(config: TandemConfig) -> None:
         ("rollout.model.model_path", config.rollout.model.model_path),
         ("actor.model.model_path", config.actor.model.model_path),
     ):
-        if path:
+        if path and not is_copied_model_path(config, key):
             check_model_dir(Path(path), key)
+
+
+def is_copied_model_path(config: TandemConfig, key: str) -> bool:
+    """Whether `key` (rollout or actor .model.model_path) holds the other one's value (`_derive_model_paths`):
+    an error about that path names the key the user set."""
+    return config.derived.get(key, "").endswith(
+        ("(= rollout.model.model_path)", "(= actor.model.model_path)")
+    )
 
 
 def check_model_dir(path: Path, key: str) -> None:

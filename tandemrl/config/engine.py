@@ -98,7 +98,8 @@ class EngineOptions:
             )
         if not 1 <= self.spec_ngram_min <= self.spec_ngram_max <= MAX_SPEC_NGRAM:
             raise ConfigError(
-                f"rollout.engine.spec_ngram_min={self.spec_ngram_min!r}, spec_ngram_max={self.spec_ngram_max!r}: "
+                f"rollout.engine.spec_ngram_min={self.spec_ngram_min!r}, "
+                f"rollout.engine.spec_ngram_max={self.spec_ngram_max!r}: "
                 f"need 1 <= spec_ngram_min <= spec_ngram_max <= {MAX_SPEC_NGRAM} (n-gram sizes the draft looks up)."
             )
         if self.speculative != "none" and self.overlap_steps:

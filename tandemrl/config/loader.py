@@ -75,6 +75,11 @@ class _UniqueKeyLoader(_BaseLoader):
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    if not str(path).strip():  # Path("") is ".", which would be named as a directory the user never typed
+        raise ConfigError(
+            f"config file {str(path)!r} is an empty path. Pass the path of a YAML file, "
+            "e.g. examples/searchr1/config/embedded_cpu_async.yaml."
+        )
     path = Path(path)
     where = f"config file {str(path)!r}"
     _check_config_path(path, where)
@@ -368,6 +373,12 @@ def _check_text(key: str, text: str) -> str:
             f"{key}: the value is not valid UTF-8 text ({error.reason} at character {error.start}). Fix the "
             f"value of {key} in the YAML file or the override."
         ) from None
+    nul_at = text.find("\0")  # YAML's "\0": no path, name or argument holds one (mkdir raised ValueError)
+    if nul_at >= 0:
+        raise ConfigError(
+            f"{key}={value_summary(text)}: holds a NUL character (at character {nul_at}), which no path, name or "
+            f"command-line argument can contain. Fix the value of {key}."
+        )
     return text
 
 

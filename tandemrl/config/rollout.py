@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tandemrl.config.checks import _check, _check_choice, _check_finite_positive, _check_positive
+from tandemrl.config.checks import (
+    _check,
+    _check_choice,
+    _check_finite_positive,
+    _check_positive,
+    _is_host_port,
+)
 from tandemrl.config.engine import EngineOptions
 
 PAUSE_MODES = ("retract", "in_place", "drain")
@@ -156,6 +162,13 @@ class RolloutConfig:
                 "must be host:port (or http(s)://host:port) with a port from 1 to 65535",
                 "Use e.g. 127.0.0.1:30000.",
             )
+        _check(
+            len(set(self.server_addrs)) == len(self.server_addrs),
+            "rollout.server_addrs",
+            self.server_addrs,
+            "names an engine twice, so it would get every weight update twice and be counted as two",
+            "List each engine once.",
+        )
         self._check_speculative()
 
     def _check_speculative(self) -> None:
@@ -191,15 +204,6 @@ class RolloutConfig:
             "tokens in a trie of every request's tokens)",
             "Leave them at 1/3 and put SGLang's own --speculative-ngram-* flags in rollout.sglang.extra_args.",
         )
-
-
-def _is_host_port(addr: object) -> bool:
-    """`host:port` or `http(s)://host:port` (an IPv6 host in brackets), a port in 1..65535."""
-    if not isinstance(addr, str):
-        return False
-    rest = addr.removeprefix("http://").removeprefix("https://").rstrip("/")
-    host, _, port = rest.rpartition(":")
-    return bool(host) and "/" not in rest and port.isdigit() and 1 <= int(port) <= 65535
 
 
 @dataclass

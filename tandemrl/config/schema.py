@@ -281,6 +281,26 @@ class ClusterConfig:
                 "names an unknown component",
                 "Use the components actor and rollout.",
             )
+        named = [part for key in self.component_placement for part in key.split(",")]
+        _check(  # the plan reads the first key naming a component; a second would be silently ignored
+            len(set(named)) == len(named),
+            "cluster.component_placement",
+            self.component_placement,
+            "places a component under two keys",
+            "Name each of actor and rollout once, e.g. {actor: 0-3, rollout: 4-7} or {'actor,rollout': 0}.",
+        )
+        if self.retrieval_node >= self.num_nodes:  # also in the plan; here `config show` refuses it too
+            raise ConfigError(
+                f"cluster.retrieval_node={self.retrieval_node} but cluster.num_nodes={self.num_nodes}. "
+                f"Use a node rank in 0-{self.num_nodes - 1}."
+            )
+        _check(
+            self.use_ray or self.ray_address is None,
+            "cluster.ray_address",
+            self.ray_address,
+            "joins a Ray cluster, and cluster.use_ray=false runs without Ray, so it would be ignored",
+            "Remove cluster.ray_address, or set cluster.use_ray=true.",
+        )
 
 
 # keys that moved: old name -> new name (the loader says so instead of "unknown key")

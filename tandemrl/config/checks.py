@@ -23,14 +23,18 @@ def _check_positive(key: str, value: int | float | None, allow_none: bool = Fals
     _check(value is not None and value > 0, key, value, "must be > 0", f"Set {key} to a positive number.")
 
 
+MAX_SECONDS = 365 * 24 * 3600  # a year: far above any wait, far below what `Event.wait` takes (it overflows)
+
+
 def _check_finite_positive(key: str, value: float | None, allow_none: bool = False) -> None:
+    """A number of seconds: finite, > 0, at most MAX_SECONDS (1e18 reached `time.sleep` as an OverflowError)."""
     if value is None and allow_none:
         return
     _check(
-        value is not None and math.isfinite(value) and value > 0,
+        value is not None and math.isfinite(value) and 0 < value <= MAX_SECONDS,
         key,
         value,
-        "must be a finite number > 0",
+        f"must be a number of seconds > 0 and at most {MAX_SECONDS:,} (a year)",
         f"Set {key} to a positive number of seconds.",
     )
 

@@ -168,3 +168,19 @@ def test_an_empty_config_path_is_named_as_typed(capsys):
     """Path('') is '.', and the message said "config file '.' is a directory"."""
     code, out = run_cli(capsys, "config", "show", "")
     assert code == 2 and "config file '' is an empty path" in out
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "runner.engine_health_interval_s",
+        "rollout.startup_timeout_s",
+        "rollout.weight_update_timeout_s",
+        "tools.search.timeout_s",
+    ],
+)
+def test_a_timeout_past_what_a_wait_takes_is_refused(key):
+    """1e18 seconds passed the checks and reached `Event.wait` / `time.sleep` as an OverflowError."""
+    with pytest.raises(ConfigError, match=rf"^{key}=1e\+18: must be a number of seconds > 0 and at most"):
+        load_config(SYNC, [f"{key}=1e18"])
+    load_config(SYNC, [f"{key}=86400"])  # a day is still a timeout

@@ -74,6 +74,34 @@ class _UniqueKeyLoader(_BaseLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+class _SourceInt(int):
+    """A YAML integer that keeps the text it was read from: a key that takes a string gets that text, not the
+    number's (`runner.name: 0123` is YAML 1.1's octal 83, `1:30` its base-60 90)."""
+
+    source: str
+
+
+class _SourceFloat(float):
+    source: str  # `1.10` is 1.1
+
+
+def _keep_source(number_type: type, construct: Any) -> Any:
+    def constructor(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
+        number = number_type(construct(loader, node))
+        number.source = node.value
+        return number
+
+    return constructor
+
+
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:int", _keep_source(_SourceInt, _BaseLoader.construct_yaml_int)
+)
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:float", _keep_source(_SourceFloat, _BaseLoader.construct_yaml_float)
+)
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
     if not str(path).strip():  # Path("") is ".", which would be named as a directory the user never typed
         raise ConfigError(
@@ -337,7 +365,7 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
         _type_error(key, value, "true or false")
     if hint is int:
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) <= MAX_INT:
-            return value
+            return int(value)  # a plain int, not the YAML reader's _SourceInt
         _type_error(
             key, value, "an integer" if not isinstance(value, int) else f"an integer of at most {MAX_INT}"
         )
@@ -355,7 +383,7 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
         _type_error(key, value, "a finite number")
     if hint is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
-            return _check_text(key, str(value))
+            return _check_text(key, getattr(value, "source", None) or str(value))  # the text as typed
         _type_error(key, value, "a string")
     return value
 

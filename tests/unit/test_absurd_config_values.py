@@ -184,3 +184,14 @@ def test_a_timeout_past_what_a_wait_takes_is_refused(key):
     with pytest.raises(ConfigError, match=rf"^{key}=1e\+18: must be a number of seconds > 0 and at most"):
         load_config(SYNC, [f"{key}=1e18"])
     load_config(SYNC, [f"{key}=86400"])  # a day is still a timeout
+
+
+@pytest.mark.parametrize("text", ["0123", "1:30", "1.10", "007", "1e3", "0x1F"])
+def test_a_text_key_keeps_the_number_like_text_as_typed(tmp_path, text):
+    """YAML 1.1 reads 0123 as octal 83, 1:30 as base-60 90 and 1.10 as 1.1: a name was silently another."""
+    config = tmp_path / "config.yaml"
+    config.write_text(f"runner:\n  name: {text}\n  max_steps: 0x10\n")
+    from_file = load_config(config)
+    assert from_file.runner.name == text
+    assert from_file.runner.max_steps == 16 and type(from_file.runner.max_steps) is int
+    assert load_config(SYNC, [f"runner.name={text}"]).runner.name == text

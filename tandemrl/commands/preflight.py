@@ -208,4 +208,5 @@ def _check_data_files(config: TandemConfig) -> None:
         try:
             load_prompts(split_paths(config.data, config.retrieval, split))
         except (ValueError, FileNotFoundError) as error:  # InputFileError is a ValueError
-            raise ConfigError(f"{key}: {' '.join(str(error).split())}") from None
+            message = " ".join(str(error).split())
+            raise ConfigError(message if message.startswith(key) else f"{key}: {message}") from None

@@ -133,7 +133,9 @@ def test_validation_on_the_knowledge_base_beside_own_train_questions_is_refused(
     base = ["config", "show", "--check", CPU_ASYNC, *own_questions(tmp_path)]
     assert main([*base, "runner.val_interval=5"]) == 2
     err = capsys.readouterr().err
-    assert "data.val_data_paths is not set" in err and "generated knowledge base" in err, err
+    assert (
+        "configuration error: data.val_data_paths is not set" in err and "generated knowledge base" in err
+    ), err
     assert str(tmp_path / "train.parquet") in err and "runner.val_interval=0" in err
     pq.write_table(pa.Table.from_pylist([searchr1_row("nq", 0, "what?", ["b"])]), tmp_path / "val.parquet")
     assert main([*base, "runner.val_interval=5", f"data.val_data_paths=[{tmp_path / 'val.parquet'}]"]) == 0

@@ -188,11 +188,6 @@ def plan_placement(config: TandemConfig) -> PlacementPlan:
     """The plan of a derived config; raises `ConfigError` when the placement does not fit."""
     cluster = config.cluster
     actor, engines = _actor_ranks(config), _engines(config)
-    if cluster.retrieval_node >= cluster.num_nodes:
-        raise ConfigError(
-            f"cluster.retrieval_node={cluster.retrieval_node} but cluster.num_nodes={cluster.num_nodes}. "
-            f"Use a node rank in 0-{cluster.num_nodes - 1}."
-        )
     retrieval = (
         ProcessPlacement("retrieval server", cluster.retrieval_node) if config.retrieval.launch else None
     )

@@ -289,7 +289,7 @@ class ClusterConfig:
             "places a component under two keys",
             "Name each of actor and rollout once, e.g. {actor: 0-3, rollout: 4-7} or {'actor,rollout': 0}.",
         )
-        if self.retrieval_node >= self.num_nodes:  # also in the plan; here `config show` refuses it too
+        if self.retrieval_node >= self.num_nodes:  # before any plan, so `config show` refuses it too
             raise ConfigError(
                 f"cluster.retrieval_node={self.retrieval_node} but cluster.num_nodes={self.num_nodes}. "
                 f"Use a node rank in 0-{self.num_nodes - 1}."

@@ -3,7 +3,8 @@ the built-in reward functions (exact match, F1) and the reward plug-in (`reward.
 
 Invariant: the reward depends only on the response text (never the prompt, whose example answer
 would otherwise count) and the gold answers. Normalisation is SQuAD's, as in Search-R1's
-`qa_em.py`: lowercase, drop punctuation, drop the articles a/an/the, collapse whitespace.
+`qa_em.py`: lowercase, drop punctuation, drop the articles a/an/the, collapse whitespace. One addition:
+Unicode NFC first, so text typed composed ("ô") and stored decomposed ("o" + U+0302) is the same answer.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import numbers
 import re
 import string
+import unicodedata
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -47,7 +49,8 @@ _TRANSITIONS = {
 
 
 def normalize_answer(text: str) -> str:
-    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    """The form exact match and F1 compare: NFC, then Search-R1's (ASCII punctuation, as there)."""
+    text = "".join(ch for ch in unicodedata.normalize("NFC", text).lower() if ch not in _PUNCTUATION)
     text = re.sub(r"\b(a|an|the)\b", " ", text)
     return " ".join(text.split())
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import unicodedata
+
 import pytest
 
-from tandemrl.agent.reward import compute_reward, em_check, is_valid_sequence, normalize_answer
+from tandemrl.agent.reward import compute_reward, em_check, f1, is_valid_sequence, normalize_answer
 
 
 @pytest.mark.parametrize(
@@ -30,6 +32,23 @@ def test_em_check_several_golds_and_normalisation():
     assert not em_check("Zorvia", golds)
     assert not em_check(None, golds)
     assert em_check("1912", "1912")  # a single gold string
+
+
+COMPOSED = "C\u00f4te d'Ivoire"  # ô as one code point (NFC), as typed
+DECOMPOSED = "Co\u0302te d'Ivoire"  # o + combining circumflex (NFD), as some sources store it
+
+
+def test_composed_and_decomposed_text_is_the_same_answer():
+    assert COMPOSED != DECOMPOSED and unicodedata.normalize("NFC", DECOMPOSED) == COMPOSED
+    assert normalize_answer(DECOMPOSED) == normalize_answer(COMPOSED) == "c\u00f4te divoire"
+    for prediction, gold in ((COMPOSED, DECOMPOSED), (DECOMPOSED, COMPOSED)):
+        assert em_check(prediction, [gold])
+        assert f1(prediction, [gold]) == 1.0
+        assert compute_reward(f"<answer> {prediction} </answer>", [gold]) == 1.0
+    # other letters stay other answers: the accent is kept, not stripped
+    for prediction in ("Cote d'Ivoire", "C\u00f2te d'Ivoire"):  # no accent; ò, not ô
+        assert not em_check(prediction, [DECOMPOSED])
+        assert f1(prediction, [DECOMPOSED]) == pytest.approx(0.5)  # only "divoire" shared
 
 
 def test_reward_uses_the_last_answer():

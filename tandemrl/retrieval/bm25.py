@@ -4,7 +4,8 @@ Qdrant's `Modifier.IDF` multiplies each query term by the collection's inverse d
 search time, so a passage vector carries only the saturated, length-normalised term frequency
 `tf·(k1+1) / (tf + k1·(1 − b + b·len/avgdl))` and a query vector carries 1.0 per distinct term; the dot
 product is then exactly BM25. Invariant: term ids are a stable hash of the term (no vocabulary file),
-so the builder and the server agree without sharing state beyond `avgdl`.
+so the builder and the server agree without sharing state beyond `avgdl` and TOKENIZER_VERSION, which
+the index records (retrieval/retriever.py refuses BM25 search over vectors another version made).
 """
 
 from __future__ import annotations
@@ -17,6 +18,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 TOKEN_RE = re.compile(r"\w+", re.UNICODE)
+# Han ideographs (CJK Unified Ideographs A-H, compatibility ideographs, 々〆〇 and the Hangzhou
+# numerals), Hiragana and Katakana (halfwidth too): written without spaces, so a run of them is a phrase,
+# not a word. Each becomes a term of its own, as Lucene's standard tokenizer does for ideographs and
+# Hiragana (it keeps a Katakana run whole, but Katakana compounds run together too). Hangul is not here:
+# Korean puts spaces between words.
+CJK_CHAR_RE = re.compile(
+    "[\u3005-\u3007\u3021-\u3029\u3031-\u3035\u3038-\u303b\u3040-\u30ff\u31f0-\u31ff"
+    "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U000323af]"
+)
+# 1: \w+ runs alone (a CJK run was one term); 2: CJK_CHAR_RE characters one term each. Bump it whenever
+# tokenize() changes what a passage's terms are: an index records the version its vectors were made with.
+TOKENIZER_VERSION = 2
 # A crude suffix stripper, so that "founded", "founder" and "founding" (or "published" and "publisher")
 # share a term. Stop words are kept: IDF already makes them nearly free, and on the generated KB dropping
 # them lowered recall (measured with benchmarks/retrieval/retrieval.py's questions).
@@ -32,10 +45,18 @@ def stem(token: str) -> str:
 
 
 def tokenize(text: str) -> list[str]:
-    """Case-folded word tokens, stemmed. NFC first: in decomposed text (NFD: "Côte" as "Co" + U+0302 +
-    "te") a combining accent is no word character, so the word would split in two and never match the
-    composed query."""
-    return [stem(token) for token in TOKEN_RE.findall(unicodedata.normalize("NFC", text.casefold()))]
+    """Case-folded word tokens (`\\w+` runs), stemmed; each Han, Hiragana or Katakana character is a token
+    of its own ("東京都庁" -> 東, 京, 都, 庁), so a Chinese or Japanese query matches a passage by shared
+    characters, not only by an identical run. Text without those characters tokenizes exactly as with
+    `\\w+` alone, and the 1-character CJK tokens are too short for the stemmer. NFC first: in decomposed
+    text (NFD: "Côte" as "Co" + U+0302 + "te") a combining accent is no word character, so the word would
+    split in two and never match the composed query."""
+    text = unicodedata.normalize("NFC", text.casefold())
+    if not text.isascii():  # isascii() costs nothing; the scan costs ~10% of tokenizing English text
+        # spaces around each CJK character, then the same \w+ as for any text: punctuation inside those
+        # blocks (・, ゠) is still no word, and text without CJK passes through unchanged
+        text = CJK_CHAR_RE.sub(r" \g<0> ", text)
+    return [stem(token) for token in TOKEN_RE.findall(text)]
 
 
 def term_id(term: str) -> int:

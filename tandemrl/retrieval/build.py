@@ -6,9 +6,9 @@ directory beside the index (`.<name>.building`), which is moved in only once the
 passages equals the corpus's. A failed or interrupted build therefore leaves whatever was at `--index`
 before; a rebuild replaces the old contents whole. The staging directory of an interrupted build (Ctrl-C,
 a kill) is resumed by the same command with the same corpus file and settings (its `index.json`, written
-before the first vector, names the corpus digest, the encoder and BM25's statistics); with anything else
-it is discarded, and a build that fails removes it. An index already built from the same file with the
-same settings is left as it is.
+before the first vector, names the corpus digest, the encoder, BM25's statistics and tokenizer version);
+with anything else it is discarded, and a build that fails removes it. An index already built from the
+same file with the same settings and BM25 tokenizer is left as it is.
 
 Since the swap replaces `--index` whole, it may only replace a directory that holds nothing but what a
 build writes there (`index.json`, `qdrant/`); anything else, the corpus itself included, is refused
@@ -177,7 +177,9 @@ def _check_inputs(corpus: Path, index_dir: Path, sparse: str | None, batch_size:
 def _meta_matches(
     meta: IndexMeta, scan: CorpusScan, encoder: str, sparse: str | None, url: str | None
 ) -> bool:
-    return (meta.corpus_sha256, meta.encoder, meta.sparse, meta.qdrant_url) == (
+    """Built (or being built) from this corpus with these settings; BM25 vectors also by this tokenizer."""
+    is_same_tokenizer = sparse != "bm25" or meta.bm25_tokenizer == bm25.TOKENIZER_VERSION
+    return is_same_tokenizer and (meta.corpus_sha256, meta.encoder, meta.sparse, meta.qdrant_url) == (
         scan.sha256,
         encoder,
         sparse,

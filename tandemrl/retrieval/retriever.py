@@ -1,8 +1,8 @@
 """Search over a built index: the index metadata, and `Retriever` = encoder + BM25 + Qdrant store.
 
-Invariant: everything needed to search an index the way it was built (encoder spec, BM25 parameters,
-where the vectors live) is read from `index.json` in the index directory, written by the builder; the
-server and the benchmark never take those settings from anywhere else.
+Invariant: everything needed to search an index the way it was built (encoder spec, BM25 parameters
+and tokenizer version, where the vectors live) is read from `index.json` in the index directory, written
+by the builder; the server and the benchmark never take those settings from anywhere else.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tandemrl.host.startup import mark
 from tandemrl.retrieval import bm25
+from tandemrl.retrieval.bm25 import TOKENIZER_VERSION
 from tandemrl.retrieval.fusion import FusionParams
 from tandemrl.retrieval.store import MODES, Hit, QdrantStore
 
@@ -35,6 +36,8 @@ class IndexMeta:
     num_passages: int = 0
     format: int = META_FORMAT
     corpus_sha256: str | None = None  # of the corpus file it was built from (None: an older build)
+    # bm25.TOKENIZER_VERSION of the BM25 vectors; an index.json without it was written by version 1
+    bm25_tokenizer: int = TOKENIZER_VERSION
 
     @classmethod
     def load(cls, index_dir: Path) -> IndexMeta:
@@ -55,7 +58,7 @@ class IndexMeta:
             raise ValueError(f"{path}: index format {found} is not {META_FORMAT}; rebuild the index.")
         names = {f.name for f in fields(cls)}
         try:
-            return cls(**{key: value for key, value in data.items() if key in names})
+            return cls(**{"bm25_tokenizer": 1, **{key: value for key, value in data.items() if key in names}})
         except TypeError as error:
             raise ValueError(f"{path} is not an index description ({error}); rebuild the index.") from None
 
@@ -125,6 +128,15 @@ class Retriever:
             raise ValueError(
                 f"retrieval mode {mode!r} needs BM25 vectors, but the index at {self.index_dir} has "
                 "none. Rebuild it with `--sparse bm25` or use mode dense."
+            )
+        if mode != "dense" and self.meta.bm25_tokenizer != TOKENIZER_VERSION:
+            raise ValueError(
+                f"the BM25 vectors of the index at {self.index_dir} were made by tokenizer version "
+                f"{self.meta.bm25_tokenizer}, but queries are tokenized by version {TOKENIZER_VERSION} "
+                "(retrieval/bm25.py), whose terms differ: since version 2 each Han, Hiragana and Katakana "
+                "character is a term, so Chinese and Japanese queries would not match the index. Rebuild it "
+                f"with `tandem index build --corpus CORPUS --index {self.index_dir} --sparse bm25` (the "
+                "default index: `tandem prepare all`), or use mode dense."
             )
         if need_encoder and mode != "bm25" and self.encoder is None:
             raise ValueError(

@@ -22,6 +22,68 @@ def test_tokenize_casefolds_and_stems():
     assert bm25.tokenize("Zoë Ångström") == ["zoë", "ångström"]
 
 
+def test_text_without_cjk_tokenizes_as_before():
+    """Written out from the tokenizer before Han and kana became one term per character (TOKENIZER_VERSION
+    1): English, Latin with accents and other scripts keep their terms, or old indexes would mislead."""
+    assert bm25.tokenize("Founded in 1998, the publishers") == ["found", "in", "1998", "the", "publisher"]
+    assert bm25.tokenize("Côte d'Ivoire's capital_city x2 is Yamoussoukro.") == [
+        "côte",
+        "d",
+        "ivoire",
+        "s",
+        "capital_city",
+        "x2",
+        "is",
+        "yamoussoukro",
+    ]
+    assert bm25.tokenize("naïve café 3.14 U.S.A. e-mail") == [
+        "naïve",
+        "café",
+        "3",
+        "14",
+        "u",
+        "s",
+        "a",
+        "e",
+        "mail",
+    ]
+    assert bm25.tokenize("Москва — столица России") == ["москва", "столица", "россии"]
+
+
+def test_han_hiragana_and_katakana_are_one_term_per_character():
+    assert bm25.tokenize("東京都庁の所在地") == ["東", "京", "都", "庁", "の", "所", "在", "地"]
+    assert bm25.tokenize("カタカナ・ひらがな") == [
+        "カ",
+        "タ",
+        "カ",
+        "ナ",
+        "ひ",
+        "ら",
+        "が",
+        "な",
+    ]  # ・ is no word
+    assert bm25.tokenize("Tokyo 東京 Tower") == ["tokyo", "東", "京", "tower"]
+    # a Latin run beside CJK is its own term, still stemmed; a CJK character is never stemmed
+    assert bm25.tokenize("2024年にTowers建設") == ["2024", "年", "に", "tower", "建", "設"]
+    assert bm25.tokenize("𠮷野家 々") == ["𠮷", "野", "家", "々"]  # outside the BMP; the iteration mark
+    assert bm25.tokenize("か\u3099") == ["が"]  # decomposed kana is composed first (NFC)
+
+
+def test_hangul_words_stay_whole():
+    """Korean separates words with spaces, so a Hangul run is a word, as before."""
+    assert bm25.tokenize("서울특별시 종로구에") == ["서울특별시", "종로구에"]
+    assert bm25.tokenize("韓國어") == ["韓", "國", "어"]  # Han beside Hangul is still one per character
+
+
+def test_a_cjk_query_shares_terms_with_a_longer_run():
+    """Before, "東京都庁の所在地" was one term: a query matched only that exact run."""
+    params = bm25.BM25Params(avgdl=10.0)
+    passage = set(bm25.passage_vector("東京都庁の所在地は新宿区", params).indices)
+    query = set(bm25.query_vector("東京の都庁").indices)
+    assert query <= passage and len(query) == 5  # 東 京 の 都 庁
+    assert not query & set(bm25.passage_vector("大阪城は大阪市にある", params).indices)
+
+
 def test_term_ids_are_stable_u32():
     assert bm25.term_id("harbour") == bm25.term_id("harbour")
     assert bm25.term_id("harbour") != bm25.term_id("harbor")

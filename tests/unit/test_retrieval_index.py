@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -210,6 +211,46 @@ def test_dense_only_index_refuses_bm25_modes(prepared_home, tmp_path):
     try:
         assert retriever.mode == "dense"
         assert retriever.search(["violinist"], [1])[0][0].document["id"] == "p1"
+    finally:
+        retriever.close()
+
+
+CJK_PASSAGES = [
+    ("j0", "東京都庁", "東京都庁の所在地は新宿区西新宿である。"),
+    ("j1", "大阪城", "大阪城は大阪市中央区にある城である。"),
+    ("k0", "서울", "서울특별시는 대한민국의 수도이다."),
+]
+
+
+def test_an_index_of_the_older_bm25_tokenizer_is_refused_then_rebuilt(prepared_home, tmp_path):
+    """An index.json without `bm25_tokenizer` was written by version 1, whose terms were whole CJK runs:
+    BM25 search over it is refused naming the index and the rebuild (dense search is not affected), and
+    a build of the same corpus rebuilds it instead of keeping it; then a Chinese or Japanese query finds
+    its passage by shared characters."""
+    corpus, index = write_corpus(tmp_path / "c.jsonl", CJK_PASSAGES), tmp_path / "index"
+    build_index(corpus, index, sparse="bm25", show_progress=False)
+    meta = json.loads((index / "index.json").read_text())
+    assert meta.pop("bm25_tokenizer") == bm25.TOKENIZER_VERSION == 2
+    (index / "index.json").write_text(json.dumps(meta))
+    for mode in ("bm25", "hybrid"):
+        with pytest.raises(
+            ValueError,
+            match=rf"index at {re.escape(str(index))} were made by tokenizer version 1, .*version 2",
+        ):
+            Retriever(index, mode=mode)
+    with pytest.raises(
+        ValueError,
+        match=rf"Rebuild it with `tandem index build --corpus CORPUS --index {re.escape(str(index))}",
+    ):
+        Retriever(index)  # hybrid, the default of a BM25 index
+    Retriever(index, mode="dense").close()
+    stats = build_index(corpus, index, sparse="bm25", show_progress=False)
+    assert stats["num_indexed"] == 3 and IndexMeta.load(index).bm25_tokenizer == 2
+    retriever = Retriever(index, mode="bm25")
+    try:
+        found = retriever.search(["東京の都庁はどこ", "大阪城", "서울특별시는"], [1, 1, 1])
+        assert [hits[0].document["id"] for hits in found] == ["j0", "j1", "k0"]
+        assert retriever.search(["특별시"], [1]) == [[]]  # Hangul words stay whole: no term in common
     finally:
         retriever.close()
 

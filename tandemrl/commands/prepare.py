@@ -2,8 +2,8 @@
 
 `all` = model + retriever + the default knowledge base (seed 0) + its dense index, each step
 idempotent: a prepared model/retriever carries a ready marker, a complete KB is kept, and the index
-builder leaves an index built from the same corpus file alone (and resumes an interrupted build), so a
-re-run only finishes what is missing.
+builder leaves an index built from the same corpus file by the same BM25 tokenizer alone (and resumes an
+interrupted build), so a re-run only finishes what is missing.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def prepare_default_kb() -> Path:
 def prepare_default_index(kb_dir: Path) -> Path:
     """The MiniLM dense + BM25 sparse index of the default KB's corpus at `default_index_dir()`.
 
-    The builder records the corpus digest in the index: an index of this very corpus is kept, an index
-    of a regenerated corpus is rebuilt whole and swapped in (retrieval/build.py)."""
+    The builder records the corpus digest and the BM25 tokenizer's version in the index: an index of this
+    very corpus by this tokenizer is kept, any other is rebuilt whole and swapped in (retrieval/build.py)."""
     from tandemrl.retrieval.build import build_index
 
     index_dir = default_index_dir()

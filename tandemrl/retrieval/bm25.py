@@ -4,8 +4,8 @@ Qdrant's `Modifier.IDF` multiplies each query term by the collection's inverse d
 search time, so a passage vector carries only the saturated, length-normalised term frequency
 `tf·(k1+1) / (tf + k1·(1 − b + b·len/avgdl))` and a query vector carries 1.0 per distinct term; the dot
 product is then exactly BM25. Invariant: term ids are a stable hash of the term (no vocabulary file),
-so the builder and the server agree without sharing state beyond `avgdl` and TOKENIZER_VERSION, which
-the index records (retrieval/retriever.py refuses BM25 search over vectors another version made).
+so the builder and the server agree without sharing state beyond `avgdl` and the tokenizer version, which
+the index records (retrieval/retriever.py tokenizes the queries of an index with the version that built it).
 """
 
 from __future__ import annotations
@@ -27,9 +27,11 @@ CJK_CHAR_RE = re.compile(
     "[\u3005-\u3007\u3021-\u3029\u3031-\u3035\u3038-\u303b\u3040-\u30ff\u31f0-\u31ff"
     "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff66-\uff9f\U00020000-\U000323af]"
 )
-# 1: \w+ runs alone (a CJK run was one term); 2: CJK_CHAR_RE characters one term each. Bump it whenever
-# tokenize() changes what a passage's terms are: an index records the version its vectors were made with.
+# 1: \w+ runs alone (a CJK run was one term); 2: CJK_CHAR_RE characters one term each. Bump it (and keep
+# the old behaviour under the old number) whenever tokenize() changes what a passage's terms are: an index
+# records the version its vectors were made with, and its queries are tokenized with that version.
 TOKENIZER_VERSION = 2
+TOKENIZER_VERSIONS = (1, 2)
 # A crude suffix stripper, so that "founded", "founder" and "founding" (or "published" and "publisher")
 # share a term. Stop words are kept: IDF already makes them nearly free, and on the generated KB dropping
 # them lowered recall (measured with benchmarks/retrieval/retrieval.py's questions).
@@ -44,15 +46,18 @@ def stem(token: str) -> str:
     return token
 
 
-def tokenize(text: str) -> list[str]:
+def tokenize(text: str, version: int = TOKENIZER_VERSION) -> list[str]:
     """Case-folded word tokens (`\\w+` runs), stemmed; each Han, Hiragana or Katakana character is a token
     of its own ("東京都庁" -> 東, 京, 都, 庁), so a Chinese or Japanese query matches a passage by shared
     characters, not only by an identical run. Text without those characters tokenizes exactly as with
     `\\w+` alone, and the 1-character CJK tokens are too short for the stemmer. NFC first: in decomposed
     text (NFD: "Côte" as "Co" + U+0302 + "te") a combining accent is no word character, so the word would
-    split in two and never match the composed query."""
+    split in two and never match the composed query. `version` 1 is the tokenizer before CJK characters
+    were split (an index built then is queried with it)."""
     text = unicodedata.normalize("NFC", text.casefold())
-    if not text.isascii():  # isascii() costs nothing; the scan costs ~10% of tokenizing English text
+    if (
+        version >= 2 and not text.isascii()
+    ):  # isascii() costs nothing; the scan costs ~10% of tokenizing English text
         # spaces around each CJK character, then the same \w+ as for any text: punctuation inside those
         # blocks (・, ゠) is still no word, and text without CJK passes through unchanged
         text = CJK_CHAR_RE.sub(r" \g<0> ", text)
@@ -107,6 +112,7 @@ def passage_vector(text: str, params: BM25Params) -> SparseVector:
     return _merge((term_id(term), tf * (params.k1 + 1.0) / (tf + norm)) for term, tf in counts.items())
 
 
-def query_vector(text: str) -> SparseVector:
-    """Each distinct term once: repeating a word in a query should not outweigh the other words."""
-    return _merge((term_id(term), 1.0) for term in set(tokenize(text)))
+def query_vector(text: str, version: int = TOKENIZER_VERSION) -> SparseVector:
+    """Each distinct term once: repeating a word in a query should not outweigh the other words. `version`:
+    the tokenizer the index's passage vectors were made with (its index.json)."""
+    return _merge((term_id(term), 1.0) for term in set(tokenize(text, version)))

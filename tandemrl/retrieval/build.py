@@ -177,7 +177,9 @@ def _check_inputs(corpus: Path, index_dir: Path, sparse: str | None, batch_size:
 def _meta_matches(
     meta: IndexMeta, scan: CorpusScan, encoder: str, sparse: str | None, url: str | None
 ) -> bool:
-    """Built (or being built) from this corpus with these settings; BM25 vectors also by this tokenizer."""
+    """Built (or being built) from this corpus with these settings; BM25 vectors also by this tokenizer (an
+    older one's index still serves, its queries tokenized as it was built: `tandem index build` replaces
+    it, so its Chinese and Japanese passages match by character)."""
     is_same_tokenizer = sparse != "bm25" or meta.bm25_tokenizer == bm25.TOKENIZER_VERSION
     return is_same_tokenizer and (meta.corpus_sha256, meta.encoder, meta.sparse, meta.qdrant_url) == (
         scan.sha256,

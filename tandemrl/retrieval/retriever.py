@@ -129,14 +129,12 @@ class Retriever:
                 f"retrieval mode {mode!r} needs BM25 vectors, but the index at {self.index_dir} has "
                 "none. Rebuild it with `--sparse bm25` or use mode dense."
             )
-        if mode != "dense" and self.meta.bm25_tokenizer != TOKENIZER_VERSION:
+        if mode != "dense" and self.meta.bm25_tokenizer not in bm25.TOKENIZER_VERSIONS:
             raise ValueError(
                 f"the BM25 vectors of the index at {self.index_dir} were made by tokenizer version "
-                f"{self.meta.bm25_tokenizer}, but queries are tokenized by version {TOKENIZER_VERSION} "
-                "(retrieval/bm25.py), whose terms differ: since version 2 each Han, Hiragana and Katakana "
-                "character is a term, so Chinese and Japanese queries would not match the index. Rebuild it "
-                f"with `tandem index build --corpus CORPUS --index {self.index_dir} --sparse bm25` (the "
-                "default index: `tandem prepare all`), or use mode dense."
+                f"{self.meta.bm25_tokenizer!r}, which this tandemrl does not know (it knows "
+                f"{', '.join(map(str, bm25.TOKENIZER_VERSIONS))}: retrieval/bm25.py). Rebuild it with `tandem "
+                f"index build --corpus CORPUS --index {self.index_dir} --sparse bm25`, or use mode dense."
             )
         if need_encoder and mode != "bm25" and self.encoder is None:
             raise ValueError(
@@ -161,7 +159,11 @@ class Retriever:
             return []
         queries = [query[: self.max_query_chars] for query in queries]
         dense = self.encoder.encode_queries(queries) if mode != "bm25" else None
-        sparse = [bm25.query_vector(query) for query in queries] if mode != "dense" else None
+        sparse = (
+            [bm25.query_vector(query, self.meta.bm25_tokenizer) for query in queries]
+            if mode != "dense"
+            else None
+        )
         searcher = self.memory or self.store
         return searcher.search(mode, topks, dense=dense, sparse=sparse, fusion=self.fusion)
 

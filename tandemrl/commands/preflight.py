@@ -12,7 +12,8 @@ checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 `check_before_services` (run by `tandem train` after its placement plan, and by `tandem config show
 --check`): every other check `train` makes before it starts anything: placeholder paths, an output
 directory that can be one, the external engines of `rollout.server_addrs` accepting a connection, the
-model directory the driver reads its tokenizer from (on node 0 also for a cluster), the retrieval index a
+model directory the driver reads its tokenizer from (on node 0 also for a cluster) and the context its
+config.json allows (`rollout.max_context_len`), the retrieval index a
 launched server would open (its index.json), and every question file read whole (data/dataset.py).
 Plain `config show` leaves these out on purpose: it shows a config for another machine (a cluster's paths) and the defaults,
 and reading a large training set takes seconds.
@@ -139,7 +140,9 @@ def check_before_services(config: TandemConfig) -> None:
     if config.retrieval.launch:
         index_dir(config)
     if config.rollout.backend != "sglang" or config.rollout.model.model_path is not None:
-        model_path(config)  # the driver's tokenizer, on this node
+        from tandemrl.config.derive import check_context_len
+
+        check_context_len(config, Path(model_path(config)))  # the driver's tokenizer, on this node
     _check_data_files(config)
 
 

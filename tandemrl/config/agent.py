@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tandemrl.config.checks import _check, _check_finite_positive, _check_positive, _is_host_port
+from tandemrl.config.checks import MAX_INT32, _check, _check_finite_positive, _check_positive, _is_host_port
 
 
 @dataclass
@@ -63,10 +63,10 @@ class AgentLoopConfig:
             "Use e.g. 1.0, or 0 for greedy decoding.",
         )
         _check(
-            self.top_k == -1 or self.top_k >= 1,
+            self.top_k == -1 or 1 <= self.top_k <= MAX_INT32,
             "agentloop.top_k",
             self.top_k,
-            "must be -1 (disabled) or >= 1",
+            f"must be -1 (disabled) or in 1..{MAX_INT32:,} (the engines take a 32-bit integer)",
             "Use -1 to disable top-k sampling.",
         )
         _check(

@@ -23,6 +23,9 @@ def _check_positive(key: str, value: int | float | None, allow_none: bool = Fals
     _check(value is not None and value > 0, key, value, "must be > 0", f"Set {key} to a positive number.")
 
 
+# counts and ids beyond int32 are no real request, and overflow the engines' int32 and int64 tensors
+MAX_INT32 = 2**31 - 1
+
 MAX_SECONDS = 365 * 24 * 3600  # a year: far above any wait, far below what `Event.wait` takes (it overflows)
 
 

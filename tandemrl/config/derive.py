@@ -15,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 
 from tandemrl.config.actor import ActorSetup
+from tandemrl.config.engine import model_context_limit
 from tandemrl.config.errors import value_summary
 from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
 from tandemrl.config.schema import ConfigError, TandemConfig
@@ -102,6 +103,9 @@ def _derive_instances(config: TandemConfig) -> None:
 # GPU ids, actor ranks and engine instances stay below this: '0-1000000000000' built a list until memory ran
 # out, and actor.num_ranks=1e18 a plan that never finished printing
 MAX_GPUS = 1 << 16
+# a step's trajectories live in the driver's memory together (100 million of them ran a 24 GiB machine out of
+# memory before step 1); the largest published recipes use about 8,192 (DAPO: 512 prompts x 16)
+MAX_TRAJECTORIES_PER_STEP = 1 << 16
 _GPU_RANGE = re.compile(r"\s*([0-9]+)\s*(?:-\s*([0-9]+)\s*)?")  # ASCII digits: int() also reads '٣', '1_0'
 
 
@@ -415,6 +419,13 @@ def _validate_sizes(config: TandemConfig) -> None:
             f"{buffer.max_buffered_groups}, or leave it unset to derive it."
         )
     num_trajectories = config.data.rollout_batch_size * algo.group_size
+    if num_trajectories > MAX_TRAJECTORIES_PER_STEP:
+        raise ConfigError(
+            f"data.rollout_batch_size={config.data.rollout_batch_size} x algorithm.group_size={algo.group_size} "
+            f"= {num_trajectories:,} trajectories a step, more than {MAX_TRAJECTORIES_PER_STEP:,}: one step's "
+            "trajectories are held in memory together, so the run would run out of memory before its first "
+            "step. Large recipes use a few thousand (e.g. 512 prompts x 16); lower either key."
+        )
     if algo.n_minibatches > num_trajectories:
         raise ConfigError(
             f"algorithm.n_minibatches={algo.n_minibatches} is larger than the {num_trajectories} trajectories of "
@@ -470,6 +481,24 @@ def check_model_dir(path: Path, key: str) -> None:
         raise ConfigError(
             f"{key}={str(path)!r}: its config.json has no model_type, so it is not a Hugging Face model "
             "config. Point the key at a Hugging Face model directory (e.g. from `tandem prepare model`)."
+        )
+
+
+def check_context_len(config: TandemConfig, model_dir: Path) -> None:
+    """`rollout.max_context_len` within what the served model allows (its config.json): past it the
+    positions were never trained, and an absurd length sizes the engine's tables and KV cache by it (1e12
+    tokens ran a 24 GiB machine out of memory at start-up)."""
+    try:
+        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no readable config: check_model_dir and the loader name that
+    limit = model_context_limit(hf_config) if isinstance(hf_config, dict) else None
+    wanted = config.rollout.max_context_len
+    if limit is not None and wanted > limit:
+        raise ConfigError(
+            f"rollout.max_context_len={wanted:,} is longer than the {limit:,} tokens the model at "
+            f"{str(model_dir)!r} allows (its config.json's max_position_embeddings, with any RoPE scaling). "
+            f"Set rollout.max_context_len <= {limit}."
         )
 
 

@@ -25,6 +25,31 @@ MAX_PREFILL_DELAY_STEPS = 256  # a few hundred ms of decode steps at most: a hel
 SPECULATIVE_MODES = ("none", "ngram")
 MAX_SPEC_DRAFT_TOKENS = 16  # a verify row forwards 1 + this; longer drafts are rarely accepted whole
 MAX_SPEC_NGRAM = 8
+# tokens per KV-cache block: vLLM takes at most 256, the paged kernels index a block's slots in one tile
+MAX_BLOCK_SIZE = 1024
+
+
+# RoPE scalings whose `factor` stretches the trained positions (vLLM derives its max_model_len the same way);
+# llama3 and longrope configs already give the stretched length in max_position_embeddings
+_STRETCHING_ROPE_TYPES = ("linear", "dynamic", "yarn")
+
+
+def model_context_limit(hf_config: dict) -> int | None:
+    """The longest context a Hugging Face model config allows: `max_position_embeddings` (a multimodal
+    config's `text_config` holds it), times the RoPE scaling's `factor` for a scaling that stretches positions
+    (`rope_parameters` in transformers 5, `rope_scaling` before). None: the config names no limit."""
+    text = hf_config.get("text_config") if isinstance(hf_config.get("text_config"), dict) else hf_config
+    limit = text.get("max_position_embeddings")
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    factor = rope.get("factor") if isinstance(rope, dict) else None
+    rope_type = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+    if rope_type in _STRETCHING_ROPE_TYPES and isinstance(factor, (int, float)) and math.isfinite(factor):
+        original = rope.get("original_max_position_embeddings")
+        base = original if isinstance(original, int) and original > 0 else limit
+        limit = max(limit, int(base * factor))
+    return limit
 
 
 @dataclass(kw_only=True)
@@ -69,6 +94,12 @@ class EngineOptions:
                         else "."
                     )
                 )
+        if not self.block_size <= MAX_BLOCK_SIZE:
+            raise ConfigError(
+                f"rollout.engine.block_size={self.block_size!r}: must be at most {MAX_BLOCK_SIZE} (tokens per "
+                "KV-cache block; the cache holds at least two blocks, so a huge block allocates its whole size). "
+                "Use 16."
+            )
         if not 0 <= self.prefill_delay_steps <= MAX_PREFILL_DELAY_STEPS:
             raise ConfigError(
                 f"rollout.engine.prefill_delay_steps={self.prefill_delay_steps!r}: must be within 0-"

@@ -15,6 +15,10 @@ from tandemrl.config.checks import (
 )
 from tandemrl.config.engine import EngineOptions
 
+# requests one engine runs at once: far above what fits on one GPU (SGLang sizes it from memory, a few
+# thousand at most); 10**9 passed, and on a GPU the embedded engine would capture a graph per 16 of them
+MAX_RUNNING_REQUESTS = 1 << 14
+
 PAUSE_MODES = ("retract", "in_place", "drain")
 ROLLOUT_BACKENDS = ("embedded", "sglang", "vllm")
 SGLANG_BACKEND_TYPES = ("server", "engine")
@@ -149,7 +153,14 @@ class RolloutConfig:
         _check_choice("rollout.device", self.device, ("auto", "cpu", "cuda"))
         _check_choice("rollout.dtype", self.dtype, ("auto", "float32", "bfloat16", "float16"))
         _check_choice("rollout.weight_sync", self.weight_sync, ("auto", "gloo", "nccl", "cuda_ipc", "disk"))
-        _check_positive("rollout.max_running_requests", self.max_running_requests)
+        _check(
+            0 < self.max_running_requests <= MAX_RUNNING_REQUESTS,
+            "rollout.max_running_requests",
+            self.max_running_requests,
+            f"must be in 1..{MAX_RUNNING_REQUESTS:,} (requests one engine decodes at once; each holds a KV block "
+            "and a decode row, and the embedded engine captures a CUDA graph for every 16 rows up to it)",
+            "Use e.g. 512.",
+        )
         _check_positive("rollout.instances", self.instances, allow_none=True)
         _check_positive("rollout.tensor_parallel_size", self.tensor_parallel_size)
         _check_positive("rollout.max_context_len", self.max_context_len)

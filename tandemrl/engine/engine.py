@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandemrl.config.engine import DEFAULT_PREFIX_CACHE_AGE, EngineConfig
+from tandemrl.config.engine import DEFAULT_PREFIX_CACHE_AGE, EngineConfig, model_context_limit
 from tandemrl.engine.fast_model_runner import build_runner
 from tandemrl.engine.kv_cache import BlockManager, kv_bytes_per_token
 from tandemrl.engine.model import load_model
@@ -74,6 +74,12 @@ class Engine:
         self.config = config
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
         self.model, self.hf_config = load_model(config.model_path, self.device, self.dtype)
+        limit = model_context_limit(self.hf_config.to_dict())
+        if limit is not None and config.max_context_len > limit:  # config/derive.py checks it before a run
+            raise ValueError(
+                f"max_context_len {config.max_context_len:,} is longer than the {limit:,} tokens "
+                f"{config.model_path} allows (max_position_embeddings, with any RoPE scaling)"
+            )
         mark("engine: model loaded")
         from transformers import AutoTokenizer
 

@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tandemrl.config.checks import MAX_INT32
+
 if TYPE_CHECKING:
     from tandemrl.engine.speculative import NgramIndex
 
@@ -39,7 +41,7 @@ SAMPLING_KEYS = {
     "repetition_penalty",
     "min_new_tokens",
 }
-MAX_INT_PARAM = 2**31 - 1  # counts and ids beyond int32 are no real request, and overflow int64 tensors
+MAX_INT_PARAM = MAX_INT32  # counts and ids beyond int32 are no real request, and overflow int64 tensors
 MAX_STOPS = 256  # stop strings / stop token ids per request: each is checked at every generated token
 # Accepted for SGLang compatibility only at their neutral value; anything else is refused, not ignored.
 _NEUTRAL = {

@@ -3,12 +3,14 @@ names the key (never a traceback, a hang, a silent exit or a silently ignored va
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from tandemrl.cli import main
-from tandemrl.config.derive import parse_gpu_range
+from tandemrl.config.derive import check_context_len, parse_gpu_range
+from tandemrl.config.engine import model_context_limit
 from tandemrl.config.loader import load_config
 from tandemrl.config.schema import ConfigError
 
@@ -195,3 +197,67 @@ def test_a_text_key_keeps_the_number_like_text_as_typed(tmp_path, text):
     assert from_file.runner.name == text
     assert from_file.runner.max_steps == 16 and type(from_file.runner.max_steps) is int
     assert load_config(SYNC, [f"runner.name={text}"]).runner.name == text
+
+
+@pytest.mark.parametrize(
+    "override, key, fine",
+    [
+        # 2 x 10**8 trajectories: the run died of the out-of-memory killer before step 1 (rc 137)
+        (
+            "algorithm.group_size=100000000",
+            "data.rollout_batch_size=2 x algorithm.group_size=100000000",
+            "16",
+        ),
+        # the engine answered every request 400 once the services had started
+        ("agentloop.top_k=1000000000000", "agentloop.top_k=1000000000000", "50"),
+        # two blocks of 10**8 tokens: a 300 GB allocation, a RuntimeError in the engine at start-up
+        ("rollout.engine.block_size=100000000", "rollout.engine.block_size=100000000", "32"),
+        # a CPU run took it; on a GPU the embedded engine would capture a CUDA graph for every 16 requests
+        ("rollout.max_running_requests=1000000000", "rollout.max_running_requests=1000000000", "1024"),
+    ],
+)
+def test_sizes_that_would_exhaust_memory_are_refused_by_config_show(capsys, override, key, fine):
+    code, out = run_cli(capsys, "config", "show", SYNC, override)
+    assert code == 2 and key in out and "Traceback" not in out
+    name = override.split("=")[0]
+    load_config(SYNC, [f"{name}={fine}"])  # a real size still passes
+
+
+def write_model_config(model_dir: Path, **fields) -> Path:
+    model_dir.mkdir(parents=True)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "llama", **fields}))
+    return model_dir
+
+
+@pytest.mark.parametrize(
+    "fields, limit",
+    [
+        ({"max_position_embeddings": 8192}, 8192),
+        ({"text_config": {"max_position_embeddings": 4096}}, 4096),  # a multimodal config nests it
+        # YaRN stretches the original positions by its factor (Qwen2.5's long-context recipe)
+        (
+            {
+                "max_position_embeddings": 32768,
+                "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+            },
+            131072,
+        ),
+        ({"max_position_embeddings": 2048, "rope_parameters": {"rope_type": "linear", "factor": 2.0}}, 4096),
+        # llama3's config already names the stretched length
+        ({"max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, 131072),
+        ({}, None),
+    ],
+)
+def test_the_context_a_model_config_allows(fields, limit):
+    assert model_context_limit({"model_type": "llama", **fields}) == limit
+
+
+def test_a_context_past_the_model_is_refused_before_any_service(capsys, tmp_path):
+    """10**12 tokens sized the engine's tables and the run died of the out-of-memory killer at start-up."""
+    model = write_model_config(tmp_path / "model", max_position_embeddings=2048)
+    overrides = [f"rollout.model.model_path={model}", "rollout.max_context_len=1000000000000"]
+    with pytest.raises(
+        ConfigError, match=r"^rollout.max_context_len=1,000,000,000,000 is longer than the 2,048"
+    ):
+        check_context_len(load_config(SYNC, overrides), model)
+    check_context_len(load_config(SYNC, [overrides[0], "rollout.max_context_len=2048"]), model)

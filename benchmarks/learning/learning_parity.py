@@ -59,6 +59,11 @@ from benchmarks.learning.learning_parity_summary import summarize, write_plots, 
 ROOT = Path(__file__).resolve().parents[2]
 
 CONFIG_DIR = ROOT / "examples" / "searchr1" / "config"
+# the async recipe timed alone on one H200, three seeds (issue 35): the staleness the side-by-side seeds should match
+SOLO_RUNS = [
+    ROOT / "benchmarks/results/runner" / name / "async_defaults"
+    for name in ("colocated_h200_issue35", "colocated_h200_issue35_seed2", "colocated_h200_issue35_seed3")
+]
 SEED_KEYS = ("data.seed", "runner.seed")
 VARIANTS = {  # name -> (which config, extra overrides)
     "sync": ("sync", []),
@@ -140,8 +145,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--realtext-split", choices=["dev", "test"], default="test")
     parser.add_argument("--realtext-limit", type=int, default=200, help="questions per evaluation")
+    parser.add_argument(
+        "--solo-runs",
+        nargs="*",
+        default=[str(p) for p in SOLO_RUNS],
+        help="solo runs of the async recipe (directories with a metrics.jsonl) whose staleness the async "
+        "seeds, run side by side, should match (default: issue 35's timed runs on one H200)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     args = parser.parse_args(argv)
+    for run_dir in args.solo_runs:
+        if not (Path(run_dir) / "metrics.jsonl").is_file():
+            parser.error(f"--solo-runs {run_dir}: no metrics.jsonl there (a run directory of `tandem train`)")
     if args.realtext is not None:
         missing = [
             n
@@ -484,11 +499,12 @@ def main(argv: list[str] | None = None) -> int:
         "variant_overrides": {name: extra for name, (_, extra) in VARIANTS.items()}
         | {CHECK: CHECK_OVERRIDES},
         "command": " ".join(sys.argv),
+        "solo_runs": args.solo_runs,
         "realtext": None
         if args.realtext is None
         else {"dir": args.realtext, "split": args.realtext_split, "limit": args.realtext_limit},
     }
-    result = summarize(specs, runs_dir, setup)
+    result = summarize(specs, runs_dir, setup, [Path(p).resolve() for p in args.solo_runs])
     write_json(out, result, indent=1)
     plots = write_plots(result, out.parent / f"{out.stem}_plots")
     write_samples(specs, runs_dir, out.parent / f"{out.stem}_samples.json")

@@ -183,3 +183,41 @@ def test_a_real_text_directory_without_its_files_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--realtext", str(tmp_path)])
     assert "no corpus.jsonl, test.jsonl there" in capsys.readouterr().err
+
+
+def _set_staleness(run_dir: Path, mean: float, most: float) -> None:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        if "time/step" in row:
+            row.update({"rollout/data_staleness/mean": mean, "rollout/data_staleness/max": most})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_async_seeds_staleness_is_checked_against_solo_runs(tmp_path):
+    """Seeds run side by side share the GPU; the JSON says whether they trained on data as stale as the
+    recipe alone does (issue 41). The default solo runs are issue 35's committed runs."""
+    specs = run_specs(parse_args(["--seeds", "1", "2", "--steps", str(STEPS), "--no-check",
+                                  "--variants", "sync", "async"]))  # fmt: skip
+    for variant in ("sync", "async"):
+        for seed in (1, 2):
+            fake_run(tmp_path / f"{variant}/seed{seed}", (0.4, 0.6), (0.3, 0.4), reward=0.3)
+    solo = [tmp_path / "solo1", tmp_path / "solo2"]
+    for run_dir, mean in zip(solo, (1.9, 2.0), strict=True):
+        fake_run(run_dir, (0.4, 0.6), (0.3, 0.4), reward=0.3)
+        _set_staleness(run_dir, mean, 4.0)
+    _set_staleness(tmp_path / "async/seed1", 2.1, 4.0)
+    _set_staleness(tmp_path / "async/seed2", 2.3, 4.0)  # 0.3 above the solo range: beyond the tolerance
+    check = summarize(specs, tmp_path, {}, solo)["staleness_vs_solo"]
+    assert check["solo_runs"][str(solo[0])] == {"mean_staleness": 1.9, "max_staleness": 4.0}
+    assert check["async"]["1"] == {"mean_staleness": 2.1, "max_staleness": 4.0, "matches": True}
+    assert check["async"]["2"]["matches"] is False and check["matches"] is False
+    _set_staleness(tmp_path / "async/seed2", 2.0, 5.0)  # a higher maximum than any solo run's
+    check = summarize(specs, tmp_path, {}, solo)["staleness_vs_solo"]
+    assert check["async"]["2"]["matches"] is False
+    _set_staleness(tmp_path / "async/seed2", 2.0, 3.0)
+    assert summarize(specs, tmp_path, {}, solo)["staleness_vs_solo"]["matches"] is True
+    assert summarize(specs, tmp_path, {})["staleness_vs_solo"]["matches"] is None  # no solo run: unknown
+    defaults = parse_args([]).solo_runs
+    assert len(defaults) == 3 and all((Path(p) / "metrics.jsonl").is_file() for p in defaults)
+    with pytest.raises(SystemExit):
+        parse_args(["--solo-runs", str(tmp_path / "nowhere")])

@@ -19,6 +19,7 @@ import atexit
 import os
 import shutil
 import socket
+import stat
 import tempfile
 from pathlib import Path
 
@@ -190,3 +191,32 @@ def tiny_llama_dir(tiny_model_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tiny_model_factory) -> Path:
     return tiny_model_factory("qwen2")
+
+
+FAKE_CONTROL = """#!/bin/sh
+# fake nvidia-cuda-mps-control: records each call; -d creates the control pipe, as the daemon does
+if [ "$1" = "-d" ]; then
+    [ -n "$FAKE_MPS_FAIL" ] && { echo "cannot start: $FAKE_MPS_FAIL" >&2; exit 1; }
+    echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_RECORD"
+    touch "$CUDA_MPS_PIPE_DIRECTORY/control"
+else
+    read command
+    echo "$command $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_RECORD"
+fi
+"""
+
+
+@pytest.fixture
+def fake_control(tmp_path, monkeypatch) -> Path:
+    """`fake nvidia-cuda-mps-control` first on PATH: a shell script standing in for NVIDIA's MPS control
+    binary at its process boundary (tests/unit/test_mps.py, benchmarks/learning tests); returns the file
+    where it records each call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script = bin_dir / "nvidia-cuda-mps-control"
+    script.write_text(FAKE_CONTROL)
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    record = tmp_path / "record"
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
+    return record

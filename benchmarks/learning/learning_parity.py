@@ -12,9 +12,13 @@ process with its own output directory (`RUNS_DIR/<variant>/seed<N>`, whose metri
 engine port and Ray. They share one retrieval server that this script starts, over its own copy of the
 index: Qdrant's local mode lets one process open an index, so runs that each launched their own would
 fail on its lock (as would this server, on an index another process holds). With
-`--concurrency` above 1 on a GPU the runs also get `SHARED_GPU_OVERRIDES` (a fixed KV cache and
-micro-batch, since each would size its own from the free memory at its start, and no per-run MPS
-daemon). Timings of concurrent runs are not comparable: this measures learning only.
+`--concurrency` above 1 on a GPU the runs also get `SHARED_GPU_OVERRIDES`: a fixed KV cache and
+micro-batch, since each would size its own from the free memory at its start; no MPS daemon of their own but
+one this script starts for all of them (`shared_mps`, where the driver's tools have one), whose clients they
+are; and the policy the recipe's `auto` picks under MPS, `concurrent`, set outright (`auto` would read
+`cluster.mps=false` as no MPS and time-share, a different staleness). Timings of concurrent runs are not
+comparable: this measures learning only, and `staleness_vs_solo` in the JSON says whether the async seeds'
+staleness matches the recipe's alone.
 
 The staleness-0 check: an async run with `rollout_buffer.max_head_offpolicyness=0` (no overlap, the
 sync schedule) for `--check-steps`, seeded as the first seed; its mean reward and searches per
@@ -49,6 +53,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,7 +83,8 @@ CHECK_OVERRIDES = ["rollout_buffer.max_head_offpolicyness=0"]
 SHARED_GPU_OVERRIDES = [
     "rollout.engine.kv_cache_gb=12",
     "actor.micro_batch_tokens=16384",
-    "cluster.mps=false",
+    "cluster.mps=false",  # one daemon for all the runs instead (shared_mps)
+    "cluster.colocated_policy=concurrent",  # what `auto` picks for the recipe under MPS
 ]
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 300
@@ -214,6 +220,22 @@ def uses_gpu(config_path: str, overrides: list[str]) -> bool:
 
         return torch.cuda.is_available()
     return False
+
+
+def shared_mps(runs_dir: Path):
+    """One MPS daemon whose clients are every run's processes (they inherit its pipe directory from this
+    process's environment), as each run's own daemon would make them; None where the driver's tools have
+    no MPS control (the runs then share the GPU in time slices, and the JSON's setup says so)."""
+    from tandemrl.cluster.mps import CONTROL, MpsDaemon
+
+    if shutil.which(CONTROL) is None:
+        print(f"no {CONTROL} here: the runs share the GPU without MPS", flush=True)
+        return None
+    root = Path(tempfile.mkdtemp(prefix="lp-mps-"))  # short: the socket path stays under 108 bytes
+    daemon = MpsDaemon(root).start()
+    os.environ.update(daemon.env)
+    print(f"one MPS daemon for every run (pipe {daemon.env['CUDA_MPS_PIPE_DIRECTORY']})", flush=True)
+    return daemon
 
 
 def gpu_name() -> str:
@@ -475,16 +497,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     if is_shared_gpu:
         shared = [*SHARED_GPU_OVERRIDES, *shared]  # the user's overrides come last and win
-    left = []
+    left, mps = [], None
     if not args.summarize:
         if args.prepare:
             prepare(args)
+        mps = shared_mps(runs_dir) if is_shared_gpu else None
         server = start_retrieval(args.sync_config, args.overrides, runs_dir)
         try:
             search = ["retrieval.launch=false", f"tools.search.server_addr={server.addr}"]
             left = run_all(specs, args, runs_dir, [*search, *shared])
         finally:
             server.stop()
+            if mps is not None:
+                mps.stop()
         if args.realtext is not None and not left:
             evaluate_realtext(specs, args, runs_dir, shared)
     out = Path(args.out) if args.out else default_out(gpu)
@@ -495,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         "seed_keys": list(SEED_KEYS),
         "configs": {"sync": args.sync_config, "async": args.async_config},
         "concurrency": args.concurrency,
+        "shared_gpu": is_shared_gpu,
+        "shared_mps": None if args.summarize else mps is not None,
         "overrides": shared,
         "variant_overrides": {name: extra for name, (_, extra) in VARIANTS.items()}
         | {CHECK: CHECK_OVERRIDES},

@@ -6,6 +6,7 @@ arithmetic, whose only input is those files; the runs themselves are real `tande
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -221,3 +222,29 @@ def test_async_seeds_staleness_is_checked_against_solo_runs(tmp_path):
     assert len(defaults) == 3 and all((Path(p) / "metrics.jsonl").is_file() for p in defaults)
     with pytest.raises(SystemExit):
         parse_args(["--solo-runs", str(tmp_path / "nowhere")])
+
+
+def test_runs_sharing_a_gpu_keep_the_recipes_policy_under_one_mps_daemon(fake_control, tmp_path, monkeypatch):
+    """Each run's own MPS daemon is off (`cluster.mps=false`), so `auto` would time-share, not run the
+    recipe's `concurrent`: the shared overrides set the policy, and one daemon (here the fake control binary
+    of tests/conftest.py) serves every run through the pipe directory they inherit."""
+    from benchmarks.learning.learning_parity import SHARED_GPU_OVERRIDES, shared_mps
+    from tandemrl.cluster.mps import PIPE_ENV
+    from tandemrl.cluster.placement import resolve_colocated_policy
+    from tandemrl.config.loader import load_config
+
+    config = load_config(parse_args([]).async_config, SHARED_GPU_OVERRIDES)
+    assert resolve_colocated_policy(config, shares_gpu=True)[0] == "concurrent"
+    without = [o for o in SHARED_GPU_OVERRIDES if not o.startswith("cluster.colocated_policy")]
+    assert (
+        resolve_colocated_policy(load_config(parse_args([]).async_config, without), True)[0] == "time_share"
+    )
+    load_config(parse_args([]).sync_config, SHARED_GPU_OVERRIDES)  # the sync config takes them too
+    monkeypatch.delenv(PIPE_ENV, raising=False)
+    monkeypatch.setattr("os.environ", dict(os.environ))  # the daemon's pipe lands in a copy, not this process
+    daemon = shared_mps(tmp_path)
+    assert daemon is not None and os.environ[PIPE_ENV] == daemon.env[PIPE_ENV]
+    daemon.stop()
+    assert [line.split()[0] for line in fake_control.read_text().splitlines()] == ["start", "quit"]
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert shared_mps(tmp_path) is None  # no MPS control here: the runs time-slice the GPU

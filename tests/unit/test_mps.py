@@ -1,14 +1,13 @@
 """cluster/mps.py: the run's private MPS daemon and the SM caps each side gets.
 
-The daemon lifecycle runs against `fake nvidia-cuda-mps-control`, a shell script standing in for
-NVIDIA's control binary at its process boundary (this box has no GPU driver): it records how it was
-called and creates the control pipe the real one creates. tests/gpu/test_mps_gpu.py runs the real one.
+The daemon lifecycle runs against `fake nvidia-cuda-mps-control` (tests/conftest.py `fake_control`), a
+shell script standing in for NVIDIA's control binary at its process boundary (this box has no GPU driver):
+it records how it was called and creates the control pipe the real one creates. tests/gpu/test_mps_gpu.py runs the real one.
 """
 
 from __future__ import annotations
 
 import os
-import stat
 from pathlib import Path
 
 import pytest
@@ -23,31 +22,6 @@ from tandemrl.cluster.mps import (
 )
 from tandemrl.config.errors import ConfigError
 from tandemrl.config.loader import load_config
-
-FAKE_CONTROL = """#!/bin/sh
-# fake nvidia-cuda-mps-control: records each call; -d creates the control pipe, as the daemon does
-if [ "$1" = "-d" ]; then
-    [ -n "$FAKE_MPS_FAIL" ] && { echo "cannot start: $FAKE_MPS_FAIL" >&2; exit 1; }
-    echo "start $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY" >> "$FAKE_MPS_RECORD"
-    touch "$CUDA_MPS_PIPE_DIRECTORY/control"
-else
-    read command
-    echo "$command $CUDA_MPS_PIPE_DIRECTORY" >> "$FAKE_MPS_RECORD"
-fi
-"""
-
-
-@pytest.fixture
-def fake_control(tmp_path, monkeypatch) -> Path:
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    script = bin_dir / "nvidia-cuda-mps-control"
-    script.write_text(FAKE_CONTROL)
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    record = tmp_path / "record"
-    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FAKE_MPS_RECORD", str(record))
-    return record
 
 
 def test_daemon_starts_with_private_dirs_and_quits(fake_control, tmp_path):

@@ -41,7 +41,6 @@ SAMPLING_KEYS = {
     "repetition_penalty",
     "min_new_tokens",
 }
-MAX_INT_PARAM = MAX_INT32  # counts and ids beyond int32 are no real request, and overflow int64 tensors
 MAX_STOPS = 256  # stop strings / stop token ids per request: each is checked at every generated token
 # Accepted for SGLang compatibility only at their neutral value; anything else is refused, not ignored.
 _NEUTRAL = {
@@ -96,9 +95,9 @@ class SamplingParams:
         def is_number(value) -> bool:
             return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
 
-        if not is_int(self.max_new_tokens) or not 0 <= self.max_new_tokens <= MAX_INT_PARAM:
+        if not is_int(self.max_new_tokens) or not 0 <= self.max_new_tokens <= MAX_INT32:
             raise ValueError(
-                f"sampling_params.max_new_tokens must be an integer in 0..{MAX_INT_PARAM}, "
+                f"sampling_params.max_new_tokens must be an integer in 0..{MAX_INT32}, "
                 f"got {self.max_new_tokens!r}"
             )
         if not is_number(self.temperature) or self.temperature < 0:
@@ -107,9 +106,9 @@ class SamplingParams:
             )
         if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"sampling_params.top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= MAX_INT_PARAM:
+        if not is_int(self.top_k) or self.top_k == 0 or not -1 <= self.top_k <= MAX_INT32:
             raise ValueError(
-                f"sampling_params.top_k must be -1 (disabled) or an integer in 1..{MAX_INT_PARAM}, "
+                f"sampling_params.top_k must be -1 (disabled) or an integer in 1..{MAX_INT32}, "
                 f"got {self.top_k!r}"
             )
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -121,7 +120,7 @@ class SamplingParams:
                 "sampling_params.stop holds a string that is not valid Unicode (a lone surrogate)"
             )
         if not isinstance(self.stop_token_ids, list) or not all(
-            is_int(t) and 0 <= t <= MAX_INT_PARAM for t in self.stop_token_ids
+            is_int(t) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids
         ):
             raise ValueError(
                 f"sampling_params.stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}"

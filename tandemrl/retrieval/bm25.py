@@ -31,7 +31,7 @@ CJK_CHAR_RE = re.compile(
 # the old behaviour under the old number) whenever tokenize() changes what a passage's terms are: an index
 # records the version its vectors were made with, and its queries are tokenized with that version.
 TOKENIZER_VERSION = 2
-TOKENIZER_VERSIONS = (1, 2)
+TOKENIZER_VERSIONS = tuple(range(1, TOKENIZER_VERSION + 1))  # every one tokenize() still speaks
 # A crude suffix stripper, so that "founded", "founder" and "founding" (or "published" and "publisher")
 # share a term. Stop words are kept: IDF already makes them nearly free, and on the generated KB dropping
 # them lowered recall (measured with benchmarks/retrieval/retrieval.py's questions).
@@ -55,11 +55,9 @@ def tokenize(text: str, version: int = TOKENIZER_VERSION) -> list[str]:
     split in two and never match the composed query. `version` 1 is the tokenizer before CJK characters
     were split (an index built then is queried with it)."""
     text = unicodedata.normalize("NFC", text.casefold())
-    if (
-        version >= 2 and not text.isascii()
-    ):  # isascii() costs nothing; the scan costs ~10% of tokenizing English text
-        # spaces around each CJK character, then the same \w+ as for any text: punctuation inside those
-        # blocks (・, ゠) is still no word, and text without CJK passes through unchanged
+    # spaces around each CJK character, then the same \w+ as for any text: punctuation inside those blocks
+    # (・, ゠) is still no word. isascii() costs nothing; the scan costs ~10% of tokenizing English text
+    if version >= 2 and not text.isascii():
         text = CJK_CHAR_RE.sub(r" \g<0> ", text)
     return [stem(token) for token in TOKEN_RE.findall(text)]
 

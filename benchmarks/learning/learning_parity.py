@@ -25,11 +25,15 @@ sync schedule) for `--check-steps`, seeded as the first seed; its mean reward an
 trajectory over those steps must lie inside the range of the sync seeds' means over the same steps.
 
 Held-out real text (`--realtext DIR`, the directory `python -m benchmarks.retrieval.realtext_data --out DIR`
-writes: FanOutQA questions over Wikipedia summaries, text no run trained or validated on): once every
-run is done, each seed's final policy (its last checkpoint, exported with `tandem export`) answers the
-split's questions through `tandem eval`, over an index of that corpus built once under the runs
-directory (`tandem index build`); the EM lands in `<run>/realtext_eval/val_summary.json` and in the
-JSON as `realtext_em` per seed, with mean and sd per mode. The check run is not evaluated.
+writes: FanOutQA questions over Wikipedia summaries, text no run trained or validated on): as soon as a
+run's training is done, in the same slot while the others train, its final policy (its last checkpoint,
+exported with `tandem export`) answers the split's questions through `tandem eval`, over an index of that
+corpus built once under the runs directory (`tandem index build`) and served by one retrieval server for
+every evaluation; the EM lands in `<run>/realtext_eval/val_summary.json` and in the JSON as `realtext_em`
+per seed, with mean and sd per mode. The check run is not evaluated.
+
+The runs start in this order: sync and async seed by seed, the check, then `async_tis` (so that a session
+cut short has whole seeds of the pair the acceptance compares).
 
 A run whose metrics.jsonl reaches its last step is not run again, so the same command can be repeated
 until every run is done: `--deadline-s` stops the runs still going in time, and the next invocation
@@ -78,6 +82,7 @@ VARIANTS = {  # name -> (which config, extra overrides)
     "sync_finish_order": ("sync", ["rollout_buffer.handoff_order=finish"]),
 }
 DEFAULT_VARIANTS = ["sync", "async", "async_tis"]
+PAIR = ["sync", "async"]  # the modes the acceptance compares: they run first
 CHECK = "staleness0"
 CHECK_OVERRIDES = ["rollout_buffer.max_head_offpolicyness=0"]
 SHARED_GPU_OVERRIDES = [
@@ -182,16 +187,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_specs(args: argparse.Namespace) -> list[RunSpec]:
+    """The runs in the order they start: sync and async seed by seed (the acceptance's pair, so a session cut
+    short still has whole seeds of both), then the short staleness-0 check, then the other variants."""
     configs = {"sync": args.sync_config, "async": args.async_config}
-    specs = [
-        RunSpec(name, seed, configs[which], args.steps, extra)
-        for name, (which, extra) in VARIANTS.items()
-        if name in args.variants
-        for seed in args.seeds
-    ]
+
+    def specs_of(names: list[str]) -> list[RunSpec]:
+        chosen = [n for n in names if n in args.variants]
+        return [RunSpec(n, seed, configs[VARIANTS[n][0]], args.steps, VARIANTS[n][1])
+                for seed in args.seeds for n in chosen]  # fmt: skip
+
+    specs = specs_of(PAIR)
     if not args.no_check:
         specs.append(RunSpec(CHECK, args.seeds[0], args.async_config, args.check_steps, CHECK_OVERRIDES))
-    return specs
+    return specs + specs_of([n for n in VARIANTS if n not in PAIR])
 
 
 def train_command(spec: RunSpec, run_dir: Path, shared: list[str]) -> list[str]:
@@ -248,7 +256,8 @@ def gpu_name() -> str:
 
 
 def default_out(gpu: str) -> Path:
-    tag = "h200" if "H200" in gpu else "".join(c if c.isalnum() else "_" for c in gpu.lower())
+    known = [tag for tag in ("h200", "h100") if tag in gpu.lower()]  # the device kinds lent here
+    tag = known[0] if known else "".join(c if c.isalnum() else "_" for c in gpu.lower())
     return ROOT / "benchmarks" / "results" / "learning" / f"learning_parity_{tag}.json"
 
 
@@ -284,19 +293,23 @@ def private_index(index_dir: Path, runs_dir: Path) -> Path:
     return copy
 
 
-def start_retrieval(config_path: str, overrides: list[str], runs_dir: Path):
-    """One retrieval server over (a copy of) the configs' index for every run (`retrieval.launch=false`)."""
+def start_retrieval(
+    config_path: str, overrides: list[str], runs_dir: Path, index: Path | None = None, name: str = "retrieval"
+):
+    """One retrieval server for every run (`retrieval.launch=false`), in the configs' retrieval mode: over
+    (a copy of) the configs' index, or over `index` (the real text's, for the evaluations)."""
     from tandemrl.config.loader import load_config
     from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.server_process import RetrievalServerProcess
 
     retrieval = load_config(config_path, overrides).retrieval
-    index_dir = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
-    log_path = runs_dir / "retrieval.log"
-    server = RetrievalServerProcess(index_dir, mode=retrieval.mode, log_path=log_path)
+    if index is None:
+        index = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
+    log_path = runs_dir / f"{name}.log"
+    server = RetrievalServerProcess(index, mode=retrieval.mode, log_path=log_path)
     server.launch()
     server.wait_healthy()
-    print(f"retrieval server for all runs at {server.addr} (log {log_path})", flush=True)
+    print(f"{name} server for all runs at {server.addr} over {index} (log {log_path})", flush=True)
     return server
 
 
@@ -341,40 +354,128 @@ def prune_checkpoints(run_dir: Path, keep_latest: bool) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def run_all(specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shared: list[str]) -> list[str]:
+@dataclass
+class Slot:
+    """One run's work in progress: its training, then (with `--realtext`) its final policy's export and
+    evaluation, each a process of its own started when the one before exits."""
+
+    spec: RunSpec
+    phase: str  # "train" | "export" | "eval"
+    proc: subprocess.Popen
+    began_s: float
+
+
+def run_all(
+    specs: list[RunSpec],
+    args: argparse.Namespace,
+    runs_dir: Path,
+    shared: list[str],
+    realtext: tuple[tuple[Path, Path, Path], str] | None = None,
+) -> list[str]:
     """Run what is not complete, `args.concurrency` at a time, until done or `args.deadline_s`; returns
-    the runs left undone."""
-    pending = [s for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
+    the runs left undone. With `realtext` ((questions, corpus, index), the address of a retrieval server
+    over that index), a run's real-text evaluation follows its training in the same slot, while the
+    other runs train."""
+    pending = [s for s in specs if not is_done(s, runs_dir, args)]
     for spec in (s for s in specs if s not in pending):
         print(f"{spec.variant}/seed{spec.seed}: complete, not run again", flush=True)
-    running: list[tuple[RunSpec, subprocess.Popen, float]] = []
+    running: list[Slot] = []
     start_s = time.monotonic()
     while pending or running:
-        for entry in list(running):
-            spec, proc, began_s = entry
-            run_dir = spec.run_dir(runs_dir)
-            if proc.poll() is None:
-                prune_checkpoints(run_dir, keep_latest=True)
+        for slot in list(running):
+            if slot.proc.poll() is None:
+                if slot.phase == "train":
+                    prune_checkpoints(slot.spec.run_dir(runs_dir), keep_latest=True)
                 continue
-            running.remove(entry)
-            record = {"rc": proc.returncode, "wall_s": time.monotonic() - began_s}
-            (run_dir / "run.json").write_text(json.dumps(record) + "\n")
-            print(f"{spec.variant}/seed{spec.seed}: exit {proc.returncode} after {record['wall_s']:.0f} s")
-            is_done = is_complete(run_dir, spec.steps)
-            keep = not is_done or args.keep_checkpoints or needs_realtext_eval(spec, run_dir, args)
-            prune_checkpoints(run_dir, keep_latest=keep)
+            running.remove(slot)
+            following = finish_phase(slot, args, runs_dir, shared, realtext)
+            if following is not None:
+                running.append(following)
         if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
-            for spec, proc, _ in running:
+            for slot in running:
                 print(
-                    f"{spec.variant}/seed{spec.seed}: stopped at the deadline; resumed next time", flush=True
+                    f"{slot.spec.variant}/seed{slot.spec.seed}: {slot.phase} stopped at the deadline; resumed "
+                    "next time",
+                    flush=True,
                 )
-                stop_run(proc)
+                stop_run(slot.proc)
             break
         while pending and len(running) < args.concurrency:
             spec = pending.pop(0)
-            running.append((spec, start_run(spec, runs_dir, shared, args.save_every), time.monotonic()))
+            if is_complete(spec.run_dir(runs_dir), spec.steps):  # trained before; only its evaluation is left
+                running.append(start_phase(spec, "export", runs_dir, args, shared, realtext))
+            else:
+                proc = start_run(spec, runs_dir, shared, args.save_every)
+                running.append(Slot(spec, "train", proc, time.monotonic()))
         time.sleep(2.0)
-    return [f"{s.variant}/seed{s.seed}" for s in specs if not is_complete(s.run_dir(runs_dir), s.steps)]
+    return [
+        f"{s.variant}/seed{s.seed}"
+        + ("" if is_complete(s.run_dir(runs_dir), s.steps) else " (real-text eval)")
+        for s in specs
+        if not is_done(s, runs_dir, args)
+    ]
+
+
+def is_done(spec: RunSpec, runs_dir: Path, args: argparse.Namespace) -> bool:
+    run_dir = spec.run_dir(runs_dir)
+    return is_complete(run_dir, spec.steps) and not needs_realtext_eval(spec, run_dir, args)
+
+
+def start_phase(
+    spec: RunSpec,
+    phase: str,
+    runs_dir: Path,
+    args: argparse.Namespace,
+    shared: list[str],
+    realtext: tuple[tuple[Path, Path, Path], str] | None,
+) -> Slot:
+    """The export or the evaluation of a trained run's final policy, its output appended to the run's log."""
+    if realtext is None:
+        raise RuntimeError("a real-text phase needs --realtext")
+    run_dir = spec.run_dir(runs_dir)
+    if phase == "export":
+        shutil.rmtree(run_dir / "final_hf", ignore_errors=True)  # one a deadline cut short
+    inputs, addr = realtext
+    export, evaluate = realtext_commands(spec, run_dir, inputs, args.realtext_limit, shared, addr)
+    command = export if phase == "export" else evaluate
+    print("$", " ".join(command), flush=True)
+    log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
+    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return Slot(spec, phase, proc, time.monotonic())
+
+
+def finish_phase(
+    slot: Slot,
+    args: argparse.Namespace,
+    runs_dir: Path,
+    shared: list[str],
+    realtext: tuple[tuple[Path, Path, Path], str] | None,
+) -> Slot | None:
+    """Record what the exited process did; returns the run's next phase, if it has one now."""
+    spec, rc = slot.spec, slot.proc.returncode
+    run_dir, name = spec.run_dir(runs_dir), f"{spec.variant}/seed{spec.seed}"
+    wall_s = time.monotonic() - slot.began_s
+    print(f"{name}: {slot.phase} exit {rc} after {wall_s:.0f} s", flush=True)
+    if slot.phase == "train":
+        (run_dir / "run.json").write_text(json.dumps({"rc": rc, "wall_s": wall_s}) + "\n")
+        is_trained = is_complete(run_dir, spec.steps)
+        wants_eval = is_trained and needs_realtext_eval(spec, run_dir, args)
+        if wants_eval and realtext is not None:
+            return start_phase(spec, "export", runs_dir, args, shared, realtext)
+        prune_checkpoints(run_dir, keep_latest=not is_trained or args.keep_checkpoints or wants_eval)
+        return None
+    if rc != 0:  # the checkpoint stays: the next invocation evaluates it again
+        print(
+            f"{name}: real-text {slot.phase} failed (rc {rc}); its output is in {run_dir.parent}", flush=True
+        )
+        return None
+    if slot.phase == "export":
+        return start_phase(spec, "eval", runs_dir, args, shared, realtext)
+    shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
+    prune_checkpoints(run_dir, keep_latest=args.keep_checkpoints)
+    summary = json.loads((run_dir / REALTEXT_EVAL / "val_summary.json").read_text())["summary"]
+    print(f"{name}: real-text EM {summary['overall']['em']:.3f}", flush=True)
+    return None
 
 
 REALTEXT_EVAL = "realtext_eval"  # under a run's directory: trajectories.jsonl and val_summary.json
@@ -407,10 +508,17 @@ def realtext_inputs(args: argparse.Namespace, runs_dir: Path) -> tuple[Path, Pat
 
 
 def realtext_commands(
-    spec: RunSpec, run_dir: Path, inputs: tuple[Path, Path, Path], limit: int, shared: list[str]
+    spec: RunSpec,
+    run_dir: Path,
+    inputs: tuple[Path, Path, Path],
+    limit: int,
+    shared: list[str],
+    server_addr: str,
 ) -> list[list[str]]:
     """`tandem export` of the run's final checkpoint, then `tandem eval` of that policy on the real-text
-    questions (its own retrieval server over the real-text index; the runs' shared one serves the KB)."""
+    questions, searching through `server_addr`: the one retrieval server over the real-text index that
+    every evaluation shares (Qdrant's local mode lets one process open an index; the runs' shared server
+    serves the KB)."""
     from tandemrl.trainer.checkpoint import latest_checkpoint
 
     checkpoint = latest_checkpoint(run_dir)
@@ -429,31 +537,10 @@ def realtext_commands(
          "--out", str(run_dir / REALTEXT_EVAL / "trajectories.jsonl"),
          f"rollout.model.model_path={final}", f"actor.model.model_path={final}",
          f"data.val_data_paths=[{questions}]", f"retrieval.index_dir={index}", f"retrieval.corpus_path={corpus}",
-         "retrieval.launch=true", f"runner.output_dir={run_dir / REALTEXT_EVAL}",
+         "retrieval.launch=false", f"tools.search.server_addr={server_addr}",
+         f"runner.output_dir={run_dir / REALTEXT_EVAL}",
          *[f"{key}={spec.seed}" for key in SEED_KEYS], *spec.overrides, *kept],
     ]  # fmt: skip
-
-
-def evaluate_realtext(
-    specs: list[RunSpec], args: argparse.Namespace, runs_dir: Path, shared: list[str]
-) -> None:
-    """Every finished training run's final policy on the held-out real text, one at a time (each eval
-    opens the real-text index, which one process may hold)."""
-    todo = [s for s in specs if is_complete(s.run_dir(runs_dir), s.steps)]
-    todo = [s for s in todo if needs_realtext_eval(s, s.run_dir(runs_dir), args)]
-    if not todo:
-        return
-    inputs = realtext_inputs(args, runs_dir)
-    for spec in todo:
-        run_dir = spec.run_dir(runs_dir)
-        log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
-        for command in realtext_commands(spec, run_dir, inputs, args.realtext_limit, shared):
-            print("$", " ".join(command), flush=True)
-            subprocess.run(command, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
-        prune_checkpoints(run_dir, keep_latest=args.keep_checkpoints)
-        summary = json.loads((run_dir / REALTEXT_EVAL / "val_summary.json").read_text())["summary"]
-        print(f"{spec.variant}/seed{spec.seed}: real-text EM {summary['overall']['em']:.3f}", flush=True)
 
 
 def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
@@ -502,16 +589,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.prepare:
             prepare(args)
         mps = shared_mps(runs_dir) if is_shared_gpu else None
-        server = start_retrieval(args.sync_config, args.overrides, runs_dir)
+        servers, realtext = [], None
         try:
-            search = ["retrieval.launch=false", f"tools.search.server_addr={server.addr}"]
-            left = run_all(specs, args, runs_dir, [*search, *shared])
+            servers.append(start_retrieval(args.sync_config, args.overrides, runs_dir))
+            search = ["retrieval.launch=false", f"tools.search.server_addr={servers[0].addr}"]
+            if args.realtext is not None:
+                inputs = realtext_inputs(args, runs_dir)
+                servers.append(
+                    start_retrieval(
+                        args.sync_config, args.overrides, runs_dir, inputs[2], "realtext_retrieval"
+                    )
+                )
+                realtext = (inputs, servers[1].addr)
+            left = run_all(specs, args, runs_dir, [*search, *shared], realtext)
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
             if mps is not None:
                 mps.stop()
-        if args.realtext is not None and not left:
-            evaluate_realtext(specs, args, runs_dir, shared)
     out = Path(args.out) if args.out else default_out(gpu)
     setup = {
         "gpu": gpu,

@@ -50,14 +50,15 @@ def fake_run(
 def test_plan_seeds_variants_and_the_check():
     args = parse_args(["--seeds", "1", "2", "--steps", "60", "--check-steps", "10", "x.y=1"])
     specs = run_specs(args)
+    # the pair the acceptance compares first, seed by seed, then the short check, then the rest
     assert [(s.variant, s.seed, s.steps) for s in specs] == [
-        ("sync", 1, 60), ("sync", 2, 60), ("async", 1, 60), ("async", 2, 60),
-        ("async_tis", 1, 60), ("async_tis", 2, 60), (CHECK, 1, 10),
+        ("sync", 1, 60), ("async", 1, 60), ("sync", 2, 60), ("async", 2, 60),
+        (CHECK, 1, 10), ("async_tis", 1, 60), ("async_tis", 2, 60),
     ]  # fmt: skip
-    command = train_command(specs[-1], Path("/r/staleness0/seed1"), ["x.y=1"])
+    command = train_command(specs[4], Path("/r/staleness0/seed1"), ["x.y=1"])
     assert "data.seed=1" in command and "runner.seed=1" in command and "runner.max_steps=10" in command
     assert "rollout_buffer.max_head_offpolicyness=0" in command and command[-1] == "x.y=1"
-    assert "algorithm.off_policy_correction=tis" in train_command(specs[4], Path("/r"), [])
+    assert "algorithm.off_policy_correction=tis" in train_command(specs[5], Path("/r"), [])
     assert [s.variant for s in run_specs(parse_args(["--no-check", "--variants", "sync"]))] == ["sync"] * 3
 
 
@@ -153,14 +154,16 @@ def test_real_text_evaluation_exports_the_final_checkpoint_and_evaluates_it_on_t
     (data / "corpus.jsonl").write_text("{}\n")
     (data / "test.jsonl").write_text("{}\n")
     args = parse_args(["--steps", "60", "--realtext", str(data), "--variants", "async_tis", "--seeds", "3"])
-    spec = run_specs(args)[0]
+    spec = next(s for s in run_specs(args) if s.variant == "async_tis")
     run_dir = spec.run_dir(tmp_path / "runs")
     (run_dir / "checkpoints/global_step_60").mkdir(parents=True)
     (run_dir / "checkpoints/global_step_50").mkdir()
     assert needs_realtext_eval(spec, run_dir, args)
-    assert not needs_realtext_eval(run_specs(args)[-1], run_dir, args)  # the staleness-0 check run
+    check_spec = next(s for s in run_specs(args) if s.variant == CHECK)
+    assert not needs_realtext_eval(check_spec, run_dir, args)  # the staleness-0 check run
     inputs = (tmp_path / "q.jsonl", data / "corpus.jsonl", tmp_path / "index")
-    export, evaluate = realtext_commands(spec, run_dir, inputs, 200, ["a.b=1", "retrieval.launch=false"])
+    kb_server = ["retrieval.launch=false", "tools.search.server_addr=127.0.0.1:1"]
+    export, evaluate = realtext_commands(spec, run_dir, inputs, 200, ["a.b=1", *kb_server], "127.0.0.1:2")
     assert export[-4:] == [
         "export",
         str(run_dir / "checkpoints/global_step_60"),
@@ -169,15 +172,90 @@ def test_real_text_evaluation_exports_the_final_checkpoint_and_evaluates_it_on_t
     ]
     assert evaluate[evaluate.index("eval") + 1] == spec.config and "--limit" in evaluate
     for override in (f"rollout.model.model_path={run_dir / 'final_hf'}", f"data.val_data_paths=[{inputs[0]}]",
-                     f"retrieval.index_dir={inputs[2]}", "retrieval.launch=true", "runner.seed=3",
-                     "algorithm.off_policy_correction=tis", "a.b=1"):  # fmt: skip
+                     f"retrieval.index_dir={inputs[2]}", "retrieval.launch=false", "runner.seed=3",
+                     "tools.search.server_addr=127.0.0.1:2", "algorithm.off_policy_correction=tis", "a.b=1"):  # fmt: skip
         assert override in evaluate, override
-    assert "retrieval.launch=false" not in evaluate  # the runs' shared KB server is not the real text's
+    assert kb_server[1] not in evaluate  # the runs' shared KB server is not the real text's
     _realtext_summary(run_dir, 0.5)
     assert not needs_realtext_eval(spec, run_dir, args)  # done once, not again
     (run_dir / "checkpoints/global_step_60").rmdir()
     with pytest.raises(RuntimeError, match="no checkpoint of step 60"):
-        realtext_commands(spec, run_dir, inputs, 200, [])
+        realtext_commands(spec, run_dir, inputs, 200, [], "127.0.0.1:2")
+
+
+FAKE_TRAIN = """import json, pathlib, sys
+run_dir, steps = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+run_dir.mkdir(parents=True, exist_ok=True)
+rows = [{"step": s, "time/step": 1.0} for s in range(1, steps + 1)]
+(run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\\n" for r in rows))
+(run_dir / "checkpoints" / f"global_step_{steps}").mkdir(parents=True)
+"""
+FAKE_EXPORT = "import pathlib, sys; pathlib.Path(sys.argv[1]).mkdir()"
+FAKE_EVAL = """import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+assert pathlib.Path(sys.argv[2]).is_dir(), "evaluated before the export"
+out.mkdir(parents=True, exist_ok=True)
+(out / "val_summary.json").write_text(json.dumps({"summary": {"overall": {"em": 0.25}}}))
+"""
+
+
+def test_each_runs_real_text_evaluation_follows_its_training_in_the_same_slot(tmp_path, monkeypatch):
+    """The pool of runs: a run trained to its last step is exported and evaluated on real text next, while
+    the other runs go on; then its checkpoints are pruned. The processes are fakes of `tandem train`,
+    `tandem export` and `tandem eval` (python one-liners writing what those write), not the real ones."""
+    import sys
+
+    from benchmarks.learning import learning_parity
+
+    data = tmp_path / "realtext"
+    data.mkdir()
+    (data / "corpus.jsonl").write_text("{}\n")
+    (data / "test.jsonl").write_text("{}\n")
+    runs = tmp_path / "runs"
+    args = parse_args(["--steps", "3", "--check-steps", "2", "--seeds", "1", "2", "--concurrency", "2",
+                       "--variants", "sync", "async", "--realtext", str(data), "--save-every", "0"])  # fmt: skip
+    specs = run_specs(args)
+    started: list[str] = []
+
+    def fake_train(spec, runs_dir, shared, save_every):
+        started.append(f"train {spec.variant}/seed{spec.seed}")
+        run_dir = spec.run_dir(runs_dir)
+        return learning_parity.subprocess.Popen(
+            [sys.executable, "-c", FAKE_TRAIN, str(run_dir), str(spec.steps)], start_new_session=True
+        )
+
+    def fake_commands(spec, run_dir, inputs, limit, shared, server_addr):
+        assert server_addr == "127.0.0.1:2" and run_dir.exists()
+        started.append(f"eval {spec.variant}/seed{spec.seed}")
+        out, final = run_dir / "realtext_eval", run_dir / "final_hf"
+        return [[sys.executable, "-c", FAKE_EXPORT, str(final)],
+                [sys.executable, "-c", FAKE_EVAL, str(out), str(final)]]  # fmt: skip
+
+    monkeypatch.setattr(learning_parity, "start_run", fake_train)
+    monkeypatch.setattr(learning_parity, "realtext_commands", fake_commands)
+    monkeypatch.setattr(learning_parity.time, "sleep", lambda s: None)
+    inputs = (tmp_path / "q.jsonl", data / "corpus.jsonl", tmp_path / "index")
+    left = learning_parity.run_all(specs, args, runs, [], (inputs, "127.0.0.1:2"))
+    assert left == []
+    assert started[:2] == ["train sync/seed1", "train async/seed1"]  # the pair first
+    assert f"train {CHECK}/seed1" in started and f"eval {CHECK}/seed1" not in started
+    for spec in specs:
+        run_dir = spec.run_dir(runs)
+        assert json.loads((run_dir / "run.json").read_text())["rc"] == 0
+        assert not list((run_dir / "checkpoints").glob("global_step_*"))  # pruned once evaluated
+        assert not (run_dir / "final_hf").exists()
+        if spec.variant != CHECK:  # the first evaluation started before the last training did
+            assert (run_dir / "realtext_eval/val_summary.json").is_file()
+    assert started.index("eval sync/seed1") < started.index("train async/seed2")
+    # run again: nothing is left to do
+    started.clear()
+    assert learning_parity.run_all(specs, args, runs, [], (inputs, "127.0.0.1:2")) == [] and started == []
+    # an evaluation lost (its summary gone) is done again, from the kept checkpoint, without training
+    run_dir = specs[0].run_dir(runs)
+    (run_dir / "checkpoints/global_step_3").mkdir()
+    (run_dir / "realtext_eval/val_summary.json").unlink()
+    assert learning_parity.run_all(specs, args, runs, [], (inputs, "127.0.0.1:2")) == []
+    assert set(started) == {"eval sync/seed1"}  # its export and its evaluation
 
 
 def test_a_real_text_directory_without_its_files_is_refused(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Learning parity across seeds: sync, async and async + `tis`, several seeds each, on one machine.
 
-    python -m benchmarks.learning.learning_parity [--prepare] [--steps 60] [--seeds 1 2 3] [--concurrency 3]
+    python -m benchmarks.learning.learning_parity [--prepare] [--steps 60] [--seeds 1 2 3] [--concurrency N]
         [--variants sync async async_tis] [--check-steps 10 | --no-check] [--deadline-s S]
         [--sync-config C] [--async-config C] [--runs-dir DIR] [--out JSON]
         [--realtext DIR [--realtext-split test] [--realtext-limit 200]] [key=value ...]
@@ -91,6 +91,10 @@ SHARED_GPU_OVERRIDES = [
     "cluster.mps=false",  # one daemon for all the runs instead (shared_mps)
     "cluster.colocated_policy=concurrent",  # what `auto` picks for the recipe under MPS
 ]
+# one run's peak GPU memory under SHARED_GPU_OVERRIDES (2026-12-06, an H100 of 79 GiB: two runs side by
+# side peaked at 60 GB; three reached 77.7 GB and two of them ran out of memory)
+RUN_PEAK_GIB = 30
+MAX_AUTO_CONCURRENCY = 3
 STOP_GRACE_S = 30.0
 LOG_TAIL_LINES = 300
 INDEX_COPY_MAX_BYTES = 4 * 2**30  # the KB's index is ~90 MB; a wiki-18 one is served in place
@@ -119,7 +123,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--check-steps", type=int, default=10, help="steps of the staleness-0 check run")
     parser.add_argument("--no-check", action="store_true", help="leave the staleness-0 check out")
-    parser.add_argument("--concurrency", type=int, default=3, help="runs at a time")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        help="runs at a time (default: as many as the GPU's memory holds, at most 3; 1 without a GPU)",
+    )
     parser.add_argument(
         "--shared-gpu",
         choices=["auto", "on", "off"],
@@ -181,7 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             )
     if args.realtext_limit < 1:
         parser.error("--realtext-limit must be >= 1")
-    if args.concurrency < 1 or args.steps < 1 or args.check_steps < 1:
+    if (args.concurrency is not None and args.concurrency < 1) or args.steps < 1 or args.check_steps < 1:
         parser.error("--concurrency, --steps and --check-steps must be >= 1")
     return args
 
@@ -228,6 +237,17 @@ def uses_gpu(config_path: str, overrides: list[str]) -> bool:
 
         return torch.cuda.is_available()
     return False
+
+
+def auto_concurrency(is_gpu: bool) -> int:
+    """Runs at a time when `--concurrency` is not given: as many as the GPU's memory holds at
+    `RUN_PEAK_GIB` each, at most `MAX_AUTO_CONCURRENCY` (the cores are shared too); 1 without a GPU."""
+    if not is_gpu:
+        return 1
+    import torch
+
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return max(1, min(MAX_AUTO_CONCURRENCY, int(total_gib // RUN_PEAK_GIB)))
 
 
 def shared_mps(runs_dir: Path):
@@ -306,7 +326,11 @@ def start_retrieval(
     if index is None:
         index = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
     log_path = runs_dir / f"{name}.log"
-    server = RetrievalServerProcess(index, mode=retrieval.mode, log_path=log_path)
+    # the thread pools one run's own server would have; at one per core (the class's default) a server
+    # took 11 of the H200 machine's 16 cores beside one run (docs/RETRIEVAL.md)
+    server = RetrievalServerProcess(
+        index, mode=retrieval.mode, log_path=log_path, num_threads=retrieval.num_threads
+    )
     server.launch()
     server.wait_healthy()
     print(f"{name} server for all runs at {server.addr} over {index} (log {log_path})", flush=True)
@@ -410,7 +434,7 @@ def run_all(
         time.sleep(2.0)
     return [
         f"{s.variant}/seed{s.seed}"
-        + ("" if is_complete(s.run_dir(runs_dir), s.steps) else " (real-text eval)")
+        + (" (real-text eval)" if is_complete(s.run_dir(runs_dir), s.steps) else "")
         for s in specs
         if not is_done(s, runs_dir, args)
     ]
@@ -579,9 +603,10 @@ def main(argv: list[str] | None = None) -> int:
     specs = run_specs(args)
     gpu = gpu_name()
     shared = list(args.overrides)
-    is_shared_gpu = args.shared_gpu == "on" or (
-        args.shared_gpu == "auto" and args.concurrency > 1 and uses_gpu(args.sync_config, args.overrides)
-    )
+    is_gpu = uses_gpu(args.sync_config, args.overrides)
+    if args.concurrency is None:
+        args.concurrency = auto_concurrency(is_gpu)
+    is_shared_gpu = args.shared_gpu == "on" or (args.shared_gpu == "auto" and args.concurrency > 1 and is_gpu)
     if is_shared_gpu:
         shared = [*SHARED_GPU_OVERRIDES, *shared]  # the user's overrides come last and win
     left, mps = [], None

@@ -178,28 +178,43 @@ def staleness_vs_solo(result: dict[str, Any], solo_dirs: list[Path]) -> dict[str
 
 
 def acceptance(result: dict[str, Any]) -> dict[str, Any]:
-    """The issue's acceptance, from the means over seeds (None where a figure is missing)."""
+    """The issue's acceptance, from the means over seeds. A value is shown from the seeds done so far, but
+    decided (`passes` true or false) only once every planned seed of both modes is: `seeds_done` says
+    how many are. None where a figure is missing."""
     out: dict[str, Any] = {}
-    for variant in ("sync", "async"):
+    pair = ("sync", "async")
+    done = {v: [result.get(v, {}).get("num_seeds", 0), len(result.get(v, {}).get("seeds", {}))] for v in pair}
+    out["seeds_done"] = done
+
+    def decide(value: float | None, passes: bool) -> bool | None:
+        is_final = all(n == planned and planned > 0 for n, planned in done.values())
+        return None if value is None or not is_final else passes
+
+    for variant in pair:
         mean = result.get(variant, {}).get("mean", {})
         start, end = mean.get("val_em_start"), mean.get("val_em_end")
         rise = None if start is None or end is None else end - start
         out[f"{variant}_val_em_rise"] = {
             "value": rise,
-            "passes": None if rise is None else rise >= MIN_VAL_EM_RISE,
+            "passes": decide(rise, rise is not None and rise >= MIN_VAL_EM_RISE),
         }
         two_start, two_end = mean.get("kb_2hop_start"), mean.get("kb_2hop_end")
-        out[f"{variant}_kb_2hop_end_ge_start"] = (
-            None if None in (two_start, two_end) else two_end >= two_start
-        )
-    ends = [result.get(v, {}).get("mean", {}).get("val_em_end") for v in ("sync", "async")]
+        two = None if None in (two_start, two_end) else two_end - two_start
+        out[f"{variant}_kb_2hop_end_ge_start"] = {
+            "value": two,
+            "passes": decide(two, two is not None and two >= 0),
+        }
+    ends = [result.get(v, {}).get("mean", {}).get("val_em_end") for v in pair]
     gap = None if None in ends else abs(ends[1] - ends[0])
-    out["final_val_em_gap"] = {"value": gap, "passes": None if gap is None else gap <= MAX_FINAL_VAL_EM_GAP}
-    texts = [result.get(v, {}).get("mean", {}).get("realtext_em") for v in ("sync", "async")]
+    out["final_val_em_gap"] = {
+        "value": gap,
+        "passes": decide(gap, gap is not None and gap <= MAX_FINAL_VAL_EM_GAP),
+    }
+    texts = [result.get(v, {}).get("mean", {}).get("realtext_em") for v in pair]
     text_gap = None if None in texts else abs(texts[1] - texts[0])
     out["final_realtext_em_gap"] = {
         "value": text_gap,
-        "passes": None if text_gap is None else text_gap <= MAX_FINAL_VAL_EM_GAP,
+        "passes": decide(text_gap, text_gap is not None and text_gap <= MAX_FINAL_VAL_EM_GAP),
     }
     out["staleness0_check"] = result.get("staleness0_check", {}).get("passes")
     return out

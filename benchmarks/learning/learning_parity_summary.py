@@ -259,8 +259,9 @@ COLOURS = {
 
 
 def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
-    """Val EM overall and per source, and train searches per source: every seed thin, the mean over
-    seeds bold, the band between the seeds' min and max; x = parameter updates."""
+    """Val EM overall and per source, and train searches per source: every seed thin (dashed if cut
+    short), the mean over the complete seeds bold, the band between their min and max; x = parameter
+    updates."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,14 +295,19 @@ def write_plots(result: dict[str, Any], plot_dir: Path) -> list[Path]:
 def _band(ax, runs: list[dict], family: str, name: str, variant: str) -> None:
     colour = COLOURS[variant]
     series = []
+    cut_short = 0
     for run in runs:
         points = run[family].get(name, [])
         if not points:
             continue
         scale = run["updates_per_step"] or 1.0
         xs, ys = [p[0] * scale for p in points], [p[1] for p in points]
-        ax.plot(xs, ys, color=colour, alpha=0.35, linewidth=0.8)
-        series.append(dict(zip(xs, ys, strict=True)))
+        style = "-" if run["complete"] else "--"
+        ax.plot(xs, ys, color=colour, alpha=0.35, linewidth=0.8, linestyle=style)
+        if run["complete"]:
+            series.append(dict(zip(xs, ys, strict=True)))
+        else:
+            cut_short += 1
     if not series:
         return
     xs = sorted(set.intersection(*(set(s) for s in series)))
@@ -311,7 +317,7 @@ def _band(ax, runs: list[dict], family: str, name: str, variant: str) -> None:
         [statistics.fmean(v) for v in values],
         color=colour,
         linewidth=2,
-        label=f"{variant} ({len(series)})",
+        label=f"{variant} ({len(series)} seeds" + (f"; {cut_short} cut short, dashed)" if cut_short else ")"),
     )
     if len(series) > 1:
         ax.fill_between(xs, [min(v) for v in values], [max(v) for v in values], color=colour, alpha=0.15)

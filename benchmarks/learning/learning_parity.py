@@ -35,6 +35,9 @@ per seed, with mean and sd per mode. The check run is not evaluated.
 The runs start in this order: sync and async seed by seed, the check, then `async_tis` (so that a session
 cut short has whole seeds of the pair the acceptance compares).
 
+An earlier batch's runs (`--import-runs <stem>_runs.tgz`, from another session or machine) count as done
+when complete and configured as this plan would configure them; each seed in the JSON names its `gpu`.
+
 A run whose metrics.jsonl reaches its last step is not run again, so the same command can be repeated
 until every run is done: `--deadline-s` stops the runs still going in time, and the next invocation
 resumes each from its newest checkpoint (`--save-every` steps; only the newest is kept, and none once
@@ -61,6 +64,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from benchmarks import write_json
 from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
@@ -166,6 +170,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--realtext-split", choices=["dev", "test"], default="test")
     parser.add_argument("--realtext-limit", type=int, default=200, help="questions per evaluation")
     parser.add_argument(
+        "--import-runs",
+        nargs="*",
+        default=[],
+        metavar="RUNS_TGZ",
+        help="an earlier batch's <stem>_runs.tgz (with its <stem>.json beside it): its complete runs count as done "
+        "here, when their config is the one this plan would run",
+    )
+    parser.add_argument(
         "--solo-runs",
         nargs="*",
         default=[str(p) for p in SOLO_RUNS],
@@ -188,6 +200,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"--realtext {args.realtext}: no {', '.join(missing)} there; build it with "
                 "`python -m benchmarks.retrieval.realtext_data --out DIR`"
             )
+    for bundle_path in args.import_runs:
+        if not Path(bundle_path).is_file():
+            parser.error(f"--import-runs {bundle_path}: no such file (a <stem>_runs.tgz this script wrote)")
     if args.realtext_limit < 1:
         parser.error("--realtext-limit must be >= 1")
     if (args.concurrency is not None and args.concurrency < 1) or args.steps < 1 or args.check_steps < 1:
@@ -242,9 +257,10 @@ def uses_gpu(config_path: str, overrides: list[str]) -> bool:
 def auto_concurrency(is_gpu: bool) -> int:
     """Runs at a time when `--concurrency` is not given: as many as the GPU's memory holds at
     `RUN_PEAK_GIB` each, at most `MAX_AUTO_CONCURRENCY` (the cores are shared too); 1 without a GPU."""
-    if not is_gpu:
-        return 1
     import torch
+
+    if not is_gpu or not torch.cuda.is_available():  # e.g. --summarize of GPU runs on another machine
+        return 1
 
     total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     return max(1, min(MAX_AUTO_CONCURRENCY, int(total_gib // RUN_PEAK_GIB)))
@@ -481,7 +497,8 @@ def finish_phase(
     wall_s = time.monotonic() - slot.began_s
     print(f"{name}: {slot.phase} exit {rc} after {wall_s:.0f} s", flush=True)
     if slot.phase == "train":
-        (run_dir / "run.json").write_text(json.dumps({"rc": rc, "wall_s": wall_s}) + "\n")
+        record = {"rc": rc, "wall_s": wall_s, "gpu": gpu_name()}
+        (run_dir / "run.json").write_text(json.dumps(record) + "\n")
         is_trained = is_complete(run_dir, spec.steps)
         wants_eval = is_trained and needs_realtext_eval(spec, run_dir, args)
         if wants_eval and realtext is not None:
@@ -567,6 +584,84 @@ def realtext_commands(
     ]  # fmt: skip
 
 
+# keys of a run's config.yaml that may differ between batches of the same plan: where it ran and how it was
+# resumed, not what it trained
+IMPORT_IGNORED_KEYS = {
+    "runner.output_dir",
+    "runner.resume_from",
+    "runner.val_before_train",
+    "runner.save_interval",
+    "retrieval.launch",
+    "tools.search.server_addr",
+}
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_mismatch(spec: RunSpec, saved_config: Path, shared: list[str]) -> list[str]:
+    """The keys where a run's saved config.yaml differs from the config this plan would give it (paths
+    compared by their last part: another machine's home holds the same model under another root)."""
+    import yaml
+
+    from tandemrl.config.loader import load_config, to_dict
+
+    command = train_command(spec, Path("/run"), shared)
+    where = command.index("train")
+    planned = _flat(
+        json.loads(json.dumps(to_dict(load_config(command[where + 1], command[where + 2 :])), default=str))
+    )
+    saved = _flat(json.loads(json.dumps(yaml.safe_load(saved_config.read_text()), default=str)))
+    differ = []
+    for key in sorted(set(planned) | set(saved)):
+        a, b = planned.get(key), saved.get(key)
+        if key in IMPORT_IGNORED_KEYS or a == b:
+            continue
+        if isinstance(a, str) and isinstance(b, str) and a.startswith("/") and b.startswith("/"):
+            if Path(a).name == Path(b).name:
+                continue
+        differ.append(f"{key}: {b!r} there, {a!r} here")
+    return differ
+
+
+def import_runs(bundle_path: Path, specs: list[RunSpec], runs_dir: Path, shared: list[str]) -> list[str]:
+    """Unpack the complete runs of an earlier batch's bundle into `runs_dir`, where this plan has the same
+    run and it is not complete here; each keeps the GPU it ran on (from the bundle's JSON) in its run.json.
+    A run whose config differs from this plan's is refused by name. Returns the runs imported."""
+    import tarfile
+
+    source_json = bundle_path.with_name(bundle_path.name.removesuffix("_runs.tgz") + ".json")
+    gpu = json.loads(source_json.read_text()).get("gpu") if source_json.is_file() else None
+    imported = []
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(bundle_path) as tar:
+        tar.extractall(tmp, filter="data")
+        for spec in specs:
+            there, here = spec.run_dir(Path(tmp)), spec.run_dir(runs_dir)
+            if not is_complete(there, spec.steps) or is_complete(here, spec.steps):
+                continue
+            differ = config_mismatch(spec, there / "config.yaml", shared)
+            if differ:
+                raise SystemExit(
+                    f"--import-runs {bundle_path}: {spec.variant}/seed{spec.seed} ran another config than this "
+                    f"plan's ({'; '.join(differ[:5])}); leave it out, or run with the same configs and overrides"
+                )
+            shutil.rmtree(here, ignore_errors=True)
+            shutil.copytree(there, here)
+            record = json.loads((here / "run.json").read_text()) if (here / "run.json").is_file() else {}
+            record.update({"imported_from": str(bundle_path), "gpu": record.get("gpu") or gpu})
+            (here / "run.json").write_text(json.dumps(record) + "\n")
+            imported.append(f"{spec.variant}/seed{spec.seed}")
+    print(f"imported from {bundle_path}: {', '.join(imported) or 'nothing'}", flush=True)
+    return imported
+
+
 def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
     """What to bring back from the GPU machine besides the JSON: each run's metrics.jsonl, config.yaml,
     run.json and startup.json, the last lines of its log, and `extra_files` (the plots)."""
@@ -610,6 +705,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_shared_gpu:
         shared = [*SHARED_GPU_OVERRIDES, *shared]  # the user's overrides come last and win
     left, mps = [], None
+    imported = {path: import_runs(Path(path), specs, runs_dir, shared) for path in args.import_runs}
     if not args.summarize:
         if args.prepare:
             prepare(args)
@@ -647,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         | {CHECK: CHECK_OVERRIDES},
         "command": " ".join(sys.argv),
         "solo_runs": args.solo_runs,
+        "imported_runs": imported,
         "realtext": None
         if args.realtext is None
         else {"dir": args.realtext, "split": args.realtext_split, "limit": args.realtext_limit},

@@ -232,6 +232,8 @@ def summarize(
         run_dir = spec.run_dir(runs_dir)
         run = summarize_run(read_rows(run_dir), spec.steps, check_steps)
         run["figures"].update(read_realtext(run_dir))
+        record = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+        run.update({key: record[key] for key in ("gpu", "imported_from") if key in record})
         by_variant.setdefault(spec.variant, {})[str(spec.seed)] = {"run_dir": str(run_dir), **run}
     check = by_variant.pop("staleness0", None)
     for variant, runs in by_variant.items():

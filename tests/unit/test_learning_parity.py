@@ -352,7 +352,55 @@ def test_runs_at_a_time_follow_the_gpus_memory(monkeypatch):
 
     assert parse_args([]).concurrency is None
     assert auto_concurrency(False) == 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert auto_concurrency(True) == 1  # a GPU config summarized where there is none
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for total_gib, runs in ((79.2, 2), (139.8, 3), (24.0, 1)):
         props = SimpleNamespace(total_memory=int(total_gib * 2**30))
         monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: p)
         assert auto_concurrency(True) == runs, total_gib
+
+
+def test_an_earlier_batchs_complete_runs_are_imported_when_configured_alike(tmp_path, capsys):
+    """A batch cut short by a session's end (its `_runs.tgz` and JSON brought back) lets the next session run
+    only what is left: complete runs whose saved config is this plan's count as done and keep the GPU they
+    ran on; a run cut short is not imported (it has no checkpoint to resume); another config is refused."""
+    from benchmarks.learning.learning_parity import bundle, import_runs, is_complete
+    from tandemrl.commands.show import render
+    from tandemrl.config.loader import load_config
+
+    args = parse_args(
+        ["--seeds", "1", "2", "--steps", str(STEPS), "--no-check", "--variants", "sync", "async"]
+    )
+    specs = run_specs(args)
+    earlier, shared = tmp_path / "earlier", ["actor.micro_batch_tokens=8192"]
+    for spec in specs:
+        run_dir = spec.run_dir(earlier)
+        steps = STEPS if (spec.variant, spec.seed) != ("async", 2) else STEPS - 1  # async/seed2 cut short
+        fake_run(run_dir, (0.4, 0.6), (0.3, 0.4), reward=0.3, steps=steps)
+        command = train_command(spec, Path("/elsewhere") / spec.variant, [*shared, "runner.save_interval=10"])
+        where = command.index("train")
+        config = load_config(command[where + 1], command[where + 2 :])
+        (run_dir / "config.yaml").write_text(render(config) + "\n")
+        (run_dir / "run.json").write_text(json.dumps({"rc": 0, "wall_s": 1.0}) + "\n")
+    out = tmp_path / "results"
+    out.mkdir()
+    tgz = bundle(specs, earlier, [], out / "lp_x_runs.tgz")
+    (out / "lp_x.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3"}))
+
+    here = tmp_path / "here"
+    assert import_runs(tgz, specs, here, shared) == ["sync/seed1", "async/seed1", "sync/seed2"]
+    assert is_complete(here / "sync/seed2", STEPS) and not (here / "async/seed2").exists()
+    record = json.loads((here / "sync/seed1/run.json").read_text())
+    assert record["gpu"] == "NVIDIA H100 80GB HBM3" and record["imported_from"] == str(tgz)
+    summary = summarize(specs, here, {})
+    assert (
+        summary["sync"]["seeds"]["1"]["gpu"] == "NVIDIA H100 80GB HBM3" and summary["sync"]["num_seeds"] == 2
+    )
+    # once here, a run is not imported again
+    assert import_runs(tgz, specs, here, shared) == []
+    # another recipe (here: another micro-batch) is refused by name, and nothing is written
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(SystemExit, match="actor.micro_batch_tokens: 8192 there, 16384 here"):
+        import_runs(tgz, specs, elsewhere, ["actor.micro_batch_tokens=16384"])
+    assert not elsewhere.exists()

@@ -17,7 +17,6 @@ tests/unit/test_varlen.py and, on CUDA, by `varlen_kernel_works` before the acto
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 
@@ -37,10 +36,21 @@ def _torch_varlen():
     return varlen_attn
 
 
-@functools.cache
+_KERNEL_OPTIONS: tuple[dict, bool] | None = None  # _kernel_options(), read once outside compiled code
+
+
 def _kernel_options() -> tuple[dict, bool]:
     """(causal keyword, takes enable_gqa) of this torch's varlen_attn: its keywords changed across
-    releases (2.10 took `is_causal`, later ones `window_size`, the latest also `enable_gqa`)."""
+    releases (2.10 took `is_causal`, later ones `window_size`, the latest also `enable_gqa`). Kept in a
+    module global, not a `functools.cache`: Dynamo ignores that wrapper inside the compiled layers (and
+    warns), while a global set before compiling (`register_varlen_attention`) it reads as a constant."""
+    global _KERNEL_OPTIONS
+    if _KERNEL_OPTIONS is None:
+        _KERNEL_OPTIONS = _read_kernel_options()
+    return _KERNEL_OPTIONS
+
+
+def _read_kernel_options() -> tuple[dict, bool]:
     params = inspect.signature(_torch_varlen()).parameters
     if "window_size" in params:
         return {"window_size": (-1, 0)}, "enable_gqa" in params
@@ -110,6 +120,11 @@ def register_varlen_attention() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN_ATTN, varlen_attention_forward)
+    if _torch_varlen() is not None:
+        try:
+            _kernel_options()  # now, before any layer is compiled
+        except TypeError:
+            pass  # a kernel without a causal option: varlen_kernel_works says no, and sdpa serves
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -83,3 +83,29 @@ def test_auto_micro_batch_tokens_scale_with_free_memory_and_model_size():
     assert auto_micro_batch_tokens(smollm2, 10**13) == 65536  # nor above the cap
     assert resolve_micro_batch_tokens(None, smollm2, torch.device("cpu")) == 8192
     assert resolve_micro_batch_tokens(300, smollm2, torch.device("cpu")) == 300
+
+
+def test_the_kernels_options_are_read_before_compiling_so_dynamo_traces_a_constant():
+    """The compiled layers call `_kernel_options` on every attention; read once at registration, Dynamo
+    traces it without the warning a `functools.cache` wrapper gave in every GPU run's log."""
+    import warnings
+
+    from tandemrl.trainer import varlen
+
+    if varlen._torch_varlen() is None:
+        pytest.skip("this torch has no torch.nn.attention.varlen")
+    register_varlen_attention()
+    assert varlen._KERNEL_OPTIONS is not None
+    causal, _ = varlen._KERNEL_OPTIONS
+    assert set(causal) <= {"window_size", "is_causal"} and causal
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def uses_options(x):
+        _, takes_gqa = varlen._kernel_options()
+        return x + (1.0 if takes_gqa else 2.0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = uses_options(torch.zeros(2))
+    assert not [w for w in caught if "lru_cache" in str(w.message) or "cache" in str(w.message)]
+    assert out.tolist() == [1.0 if varlen._KERNEL_OPTIONS[1] else 2.0] * 2

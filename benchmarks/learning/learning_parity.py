@@ -421,33 +421,35 @@ def run_all(
         print(f"{spec.variant}/seed{spec.seed}: complete, not run again", flush=True)
     running: list[Slot] = []
     start_s = time.monotonic()
-    while pending or running:
-        for slot in list(running):
+    try:
+        while pending or running:
+            for slot in list(running):
+                if slot.proc.poll() is None:
+                    if slot.phase == "train":
+                        prune_checkpoints(slot.spec.run_dir(runs_dir), keep_latest=True)
+                    continue
+                running.remove(slot)
+                following = finish_phase(slot, args, runs_dir, shared, realtext)
+                if following is not None:
+                    running.append(following)
+            if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
+                for slot in running:
+                    name = f"{slot.spec.variant}/seed{slot.spec.seed}"
+                    print(f"{name}: {slot.phase} stopped at the deadline; resumed next time", flush=True)
+                    stop_run(slot.proc)
+                break
+            while pending and len(running) < args.concurrency:
+                spec = pending.pop(0)
+                if is_complete(spec.run_dir(runs_dir), spec.steps):  # only its evaluation is left
+                    running.append(start_phase(spec, "export", runs_dir, args, shared, realtext))
+                else:
+                    proc = start_run(spec, runs_dir, shared, args.save_every)
+                    running.append(Slot(spec, "train", proc, time.monotonic()))
+            time.sleep(2.0)
+    finally:  # an interrupt too (Ctrl-C, SIGTERM): the runs sit in sessions of their own
+        for slot in running:
             if slot.proc.poll() is None:
-                if slot.phase == "train":
-                    prune_checkpoints(slot.spec.run_dir(runs_dir), keep_latest=True)
-                continue
-            running.remove(slot)
-            following = finish_phase(slot, args, runs_dir, shared, realtext)
-            if following is not None:
-                running.append(following)
-        if args.deadline_s is not None and time.monotonic() - start_s >= args.deadline_s:
-            for slot in running:
-                print(
-                    f"{slot.spec.variant}/seed{slot.spec.seed}: {slot.phase} stopped at the deadline; resumed "
-                    "next time",
-                    flush=True,
-                )
                 stop_run(slot.proc)
-            break
-        while pending and len(running) < args.concurrency:
-            spec = pending.pop(0)
-            if is_complete(spec.run_dir(runs_dir), spec.steps):  # trained before; only its evaluation is left
-                running.append(start_phase(spec, "export", runs_dir, args, shared, realtext))
-            else:
-                proc = start_run(spec, runs_dir, shared, args.save_every)
-                running.append(Slot(spec, "train", proc, time.monotonic()))
-        time.sleep(2.0)
     return [
         f"{s.variant}/seed{s.seed}"
         + (" (real-text eval)" if is_complete(s.run_dir(runs_dir), s.steps) else "")
@@ -693,6 +695,8 @@ def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM unwinds like Ctrl-C, through run_all's stop of the runs and the servers' and daemon's stop
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     runs_dir = Path(args.runs_dir).resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     specs = run_specs(args)

@@ -404,3 +404,37 @@ def test_an_earlier_batchs_complete_runs_are_imported_when_configured_alike(tmp_
     with pytest.raises(SystemExit, match="actor.micro_batch_tokens: 8192 there, 16384 here"):
         import_runs(tgz, specs, elsewhere, ["actor.micro_batch_tokens=16384"])
     assert not elsewhere.exists()
+
+
+def test_an_interrupted_pool_stops_the_runs_it_started(tmp_path, monkeypatch):
+    """Each run sits in a session of its own, so Ctrl-C or SIGTERM to the script would leave it running
+    against stopped servers: the pool stops its runs on the way out. The run is a fake `tandem train`
+    (a sleeping python process)."""
+    import sys
+
+    from benchmarks.learning import learning_parity
+
+    args = parse_args(
+        ["--steps", "3", "--seeds", "1", "--no-check", "--variants", "sync", "--concurrency", "1"]
+    )
+    procs = []
+
+    def fake_train(spec, runs_dir, shared, save_every):
+        spec.run_dir(runs_dir).mkdir(parents=True)
+        procs.append(learning_parity.subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
+                                                      start_new_session=True))  # fmt: skip
+        return procs[-1]
+
+    real_sleep, calls = learning_parity.time.sleep, []
+
+    def interrupt(seconds):  # the pool's first wait is interrupted; later ones (Popen.wait's) are real
+        calls.append(seconds)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        real_sleep(seconds)
+
+    monkeypatch.setattr(learning_parity, "start_run", fake_train)
+    monkeypatch.setattr(learning_parity.time, "sleep", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        learning_parity.run_all(run_specs(args), args, tmp_path, [])
+    assert len(procs) == 1 and procs[0].poll() is not None  # stopped, not left sleeping

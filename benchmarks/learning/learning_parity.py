@@ -329,11 +329,26 @@ def private_index(index_dir: Path, runs_dir: Path) -> Path:
     return copy
 
 
+def shared_threads(num_threads: int, runs: int) -> int:
+    """The thread pools of one retrieval server for `runs` runs at a time: as many as their own servers
+    would have had (`retrieval.num_threads` each), at most one per core; 0 (one per core) stays 0. At one
+    per core a server took 11 of the H200 machine's 16 cores beside one run (docs/RETRIEVAL.md)."""
+    if num_threads == 0:
+        return 0
+    return min(num_threads * max(1, runs), os.cpu_count() or 1)
+
+
 def start_retrieval(
-    config_path: str, overrides: list[str], runs_dir: Path, index: Path | None = None, name: str = "retrieval"
+    config_path: str,
+    overrides: list[str],
+    runs_dir: Path,
+    runs: int,
+    index: Path | None = None,
+    name: str = "retrieval",
 ):
-    """One retrieval server for every run (`retrieval.launch=false`), in the configs' retrieval mode: over
-    (a copy of) the configs' index, or over `index` (the real text's, for the evaluations)."""
+    """One retrieval server for every run (`retrieval.launch=false`, `runs` at a time), in the configs'
+    retrieval mode: over (a copy of) the configs' index, or over `index` (the real text's, for the
+    evaluations)."""
     from tandemrl.config.loader import load_config
     from tandemrl.host.home import default_index_dir
     from tandemrl.retrieval.server_process import RetrievalServerProcess
@@ -342,11 +357,8 @@ def start_retrieval(
     if index is None:
         index = private_index(Path(retrieval.index_dir or default_index_dir()), runs_dir)
     log_path = runs_dir / f"{name}.log"
-    # the thread pools one run's own server would have; at one per core (the class's default) a server
-    # took 11 of the H200 machine's 16 cores beside one run (docs/RETRIEVAL.md)
-    server = RetrievalServerProcess(
-        index, mode=retrieval.mode, log_path=log_path, num_threads=retrieval.num_threads
-    )
+    threads = shared_threads(retrieval.num_threads, runs)
+    server = RetrievalServerProcess(index, mode=retrieval.mode, log_path=log_path, num_threads=threads)
     server.launch()
     server.wait_healthy()
     print(f"{name} server for all runs at {server.addr} over {index} (log {log_path})", flush=True)
@@ -716,13 +728,14 @@ def main(argv: list[str] | None = None) -> int:
         mps = shared_mps(runs_dir) if is_shared_gpu else None
         servers, realtext = [], None
         try:
-            servers.append(start_retrieval(args.sync_config, args.overrides, runs_dir))
+            runs = args.concurrency
+            servers.append(start_retrieval(args.sync_config, args.overrides, runs_dir, runs))
             search = ["retrieval.launch=false", f"tools.search.server_addr={servers[0].addr}"]
             if args.realtext is not None:
                 inputs = realtext_inputs(args, runs_dir)
                 servers.append(
                     start_retrieval(
-                        args.sync_config, args.overrides, runs_dir, inputs[2], "realtext_retrieval"
+                        args.sync_config, args.overrides, runs_dir, runs, inputs[2], "realtext_retrieval"
                     )
                 )
                 realtext = (inputs, servers[1].addr)

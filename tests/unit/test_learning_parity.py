@@ -438,3 +438,14 @@ def test_an_interrupted_pool_stops_the_runs_it_started(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         learning_parity.run_all(run_specs(args), args, tmp_path, [])
     assert len(procs) == 1 and procs[0].poll() is not None  # stopped, not left sleeping
+
+
+def test_the_shared_retrieval_servers_threads_are_what_the_runs_own_servers_would_have_had(monkeypatch):
+    """One server for N runs at a time gets N x `retrieval.num_threads` (each run's own would have had
+    that many), at most one per core; 0 keeps its meaning, one per core. The class's default of one per
+    core was what the first H100 batch got."""
+    from benchmarks.learning.learning_parity import shared_threads
+
+    monkeypatch.setattr("os.cpu_count", lambda: 16)
+    assert [shared_threads(4, runs) for runs in (1, 2, 3, 5)] == [4, 8, 12, 16]
+    assert shared_threads(0, 3) == 0 and shared_threads(2, 0) == 2

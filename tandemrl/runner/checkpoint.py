@@ -74,10 +74,14 @@ def resume_prompts(state: dict, prompts_by_id: dict[str, Any], reissue: bool, re
     return [prompts_by_id[prompt_id] for prompt_id in open_ids]
 
 
-async def save_checkpoint(ctx: RunContext, step: int) -> Path:
+async def save_checkpoint(ctx: RunContext, step: int, row: dict[str, float] | None = None) -> Path:
+    """`row`: the step's metrics so far (its row is logged once the save is timed); a resume writes it
+    if the run was killed before the row was (`restore_row`)."""
     from tandemrl.runner.records import write_ledger
 
     summary = resume_summary(ctx, step)
+    if row is not None:
+        summary[ROW_KEY] = {key: float(value) for key, value in row.items() if value is not None}
     write_ledger(ctx, step)  # the ledger up to this line is what the saved position covers
     with ctx.ledger_path.open("a") as f:
         f.write(
@@ -104,6 +108,32 @@ async def save_checkpoint(ctx: RunContext, step: int) -> Path:
         summary["num_prefetched"],
     )
     return directory
+
+
+ROW_KEY = "metrics_row"  # in a checkpoint's data: its step's metrics as they stood before the save
+RESTORED_METRIC = "runner/row_restored"  # 1.0 on a row a resume wrote from its checkpoint
+
+
+def restore_row(logger, state: dict) -> bool:
+    """After resuming from the checkpoint `state` into a metrics.jsonl that has the steps before it but not
+    its own row (the run was killed between the save and the row), write the row the save kept, marked
+    with `RESTORED_METRIC` (its `time/step` ends where the save began; it has no `time/checkpoint`). Returns
+    whether it wrote one."""
+    from tandemrl.metrics.logger import read_history
+
+    step, row = int(state["step"]), state.get(ROW_KEY)
+    history = read_history(logger.jsonl_path)
+    if not row or not history or any(r["step"] == step for r in history):
+        return False
+    if max(r["step"] for r in history) > step:  # resumed from an older checkpoint: its row is there or was
+        return False
+    logger.log(step, {**row, RESTORED_METRIC: 1.0}, advance=False)
+    log.warning(
+        "the row of step %d was missing from %s (a kill after its checkpoint): written from the checkpoint",
+        step,
+        logger.jsonl_path,
+    )
+    return True
 
 
 def load_resume_state(resume_from: str) -> dict:

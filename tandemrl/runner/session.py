@@ -149,7 +149,7 @@ async def run_session(
     from tandemrl.metrics.logger import MetricsLogger
     from tandemrl.metrics.trackers import resolved_config
     from tandemrl.rollout.backends import make_client, pushes_atomically
-    from tandemrl.runner.checkpoint import load_resume_state
+    from tandemrl.runner.checkpoint import load_resume_state, restore_row
 
     runner, search_cfg = config.runner, config.tools.search
     output_dir = Path(runner.output_dir)
@@ -205,6 +205,8 @@ async def run_session(
         for engine in engines:
             await engine.close()
         raise
+    if resume_state is not None:
+        restore_row(logger, resume_state)
     ctx = RunContext(
         config, driver, actor, engines, logger, output_dir, weight_version, start_step, val_prompts
     )

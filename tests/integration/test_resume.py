@@ -12,8 +12,8 @@ import re
 
 from tandemrl.commands.train import train
 from tandemrl.config.loader import load_config
-from tandemrl.metrics.logger import read_tensorboard_scalars
-from tandemrl.runner.checkpoint import checkpoint_dir, load_resume_state
+from tandemrl.metrics.logger import read_history, read_tensorboard_scalars
+from tandemrl.runner.checkpoint import ROW_KEY, checkpoint_dir, load_resume_state
 from tests.integration.runner_helpers import (
     account,
     check_startup_timeline,
@@ -69,6 +69,12 @@ def test_resume_reissues_exactly_the_prompts_open_at_the_save(
         e["prompt_id"] for e in before if e["event"] == "issued" and e["issue_id"] not in ended_ids
     ]
     assert state["open_prompt_ids"][:num_open] == open_issued and len(state["open_prompt_ids"]) == skipped
+    # the checkpoint keeps its step's row as it stood before the save (restore_row writes it after a kill)
+    logged = next(r for r in read_history(tmp_path / "run1" / "metrics.jsonl") if r["step"] == 2)
+    kept = state[ROW_KEY]
+    assert "time/checkpoint" not in kept and "rollout/reward/mean" in kept
+    for key in ("rollout/reward/mean", "rollout/total_num_sequence", "train/actor/num_updates"):
+        assert kept[key] == logged[key], key
     run1 = account(ledger1, {g.issue_id for g in ctx1.driver.buffer.unfinished_groups()})
 
     second = load_config(

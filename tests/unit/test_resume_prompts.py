@@ -113,3 +113,30 @@ def test_launched_engines_share_the_runs_fresh_key(tmp_path, monkeypatch):
         key = spec.api_key
         assert key in server.env.values()  # TANDEM_ENGINE_API_KEY / TANDEM_RETRIEVAL_API_KEY
         assert key not in " ".join(server.command())
+
+
+def test_a_row_lost_to_a_kill_after_the_checkpoint_is_written_on_resume(tmp_path, caplog):
+    """A saving step logs its row after the save (the row times it); killed in between, the run resumes
+    from a checkpoint whose step has no row. The checkpoint keeps the row as it stood, and the resume
+    writes it, marked, only when it is missing and is the next step of the history."""
+    from tandemrl.metrics.logger import MetricsLogger, read_history
+    from tandemrl.runner.checkpoint import RESTORED_METRIC, ROW_KEY, restore_row
+
+    def rows(path):
+        return [(r["step"], r.get("val/em/all"), r.get(RESTORED_METRIC)) for r in read_history(path)]
+
+    logger = MetricsLogger(tmp_path, max_steps=6, start_step=0, show_progress=False)
+    for step in (1, 2, 3, 4):
+        logger.log(step, {"time/step": 1.0})
+    state = {"step": 5, ROW_KEY: {"val/em/all": 0.5, "rollout/reward/mean": 0.25}}
+    caplog.set_level(logging.WARNING, logger="tandemrl")
+    assert restore_row(logger, state) is True
+    assert rows(logger.jsonl_path)[-1] == (5, 0.5, 1.0)
+    assert any("row of step 5 was missing" in m for m in caplog.messages)
+    assert restore_row(logger, state) is False  # once there, not again
+    older = {"step": 3, ROW_KEY: {"val/em/all": 0.1}}
+    assert restore_row(logger, older) is False  # an older checkpoint's step has its row (or a later one)
+    assert restore_row(logger, {"step": 6}) is False  # a checkpoint from before rows were kept
+    fresh = MetricsLogger(tmp_path / "fresh", max_steps=6, start_step=5, show_progress=False)
+    assert restore_row(fresh, {"step": 6, ROW_KEY: {"val/em/all": 0.5}}) is False  # no history there
+    assert [r[0] for r in rows(logger.jsonl_path)] == [1, 2, 3, 4, 5]

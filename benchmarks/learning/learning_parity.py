@@ -64,7 +64,6 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from benchmarks import write_json
 from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
@@ -610,29 +609,20 @@ IMPORT_IGNORED_KEYS = {
 }
 
 
-def _flat(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flat(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
-
-
 def config_mismatch(spec: RunSpec, saved_config: Path, shared: list[str]) -> list[str]:
     """The keys where a run's saved config.yaml differs from the config this plan would give it (paths
     compared by their last part: another machine's home holds the same model under another root)."""
     import yaml
 
-    from tandemrl.config.loader import load_config, to_dict
+    from tandemrl.commands.show import render
+    from tandemrl.config.loader import flatten_keys, load_config
 
     command = train_command(spec, Path("/run"), shared)
     where = command.index("train")
-    planned = _flat(
-        json.loads(json.dumps(to_dict(load_config(command[where + 1], command[where + 2 :])), default=str))
-    )
-    saved = _flat(json.loads(json.dumps(yaml.safe_load(saved_config.read_text()), default=str)))
+    config = load_config(command[where + 1], command[where + 2 :])
+    # through the YAML `tandem train` wrote config.yaml with, so that both sides read back alike
+    planned = flatten_keys(yaml.safe_load(render(config)))
+    saved = flatten_keys(yaml.safe_load(saved_config.read_text()))
     differ = []
     for key in sorted(set(planned) | set(saved)):
         a, b = planned.get(key), saved.get(key)

@@ -417,6 +417,17 @@ def _type_error(key: str, value: Any, expected: str) -> typing.NoReturn:
     )
 
 
+def flatten_keys(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts (`to_dict`'s) as one dict of dotted keys, the form overrides take (`actor.optim.lr`)."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten_keys(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def to_dict(config: TandemConfig) -> dict[str, Any]:
     """The user-facing keys as nested dicts (internal fields such as `derived` left out)."""
     if dataclasses.is_dataclass(config):

@@ -130,7 +130,9 @@ class MlflowTracker:
     def _log_config(self, run_id: str, config: dict) -> None:
         from mlflow.entities import Param
 
-        flat = _flatten(config)  # params are searchable in the UI; the whole config is an artifact too
+        from tandemrl.config.loader import flatten_keys
+
+        flat = flatten_keys(config)  # params are searchable in the UI; the whole config is an artifact too
         params = [Param(key, str(value)[:6000]) for key, value in flat.items()]
         for i in range(0, len(params), 100):  # MLflow's batch limit
             self._client.log_batch(run_id, params=params[i : i + 100])
@@ -198,16 +200,6 @@ def _close_quietly(tracker: Tracker) -> None:
         tracker.close()
     except Exception as error:
         log.warning("metrics.trackers: closing %s failed: %s", tracker.name, _one_line(error))
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict) and value:
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def _one_line(error: BaseException) -> str:

@@ -389,9 +389,14 @@ def start_run(spec: RunSpec, runs_dir: Path, shared: list[str], save_every: int)
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    command = train_command(spec, run_dir, [*shared, *extra])
+    return launch(train_command(spec, run_dir, [*shared, *extra]), spec, runs_dir)
+
+
+def launch(command: list[str], spec: RunSpec, runs_dir: Path) -> subprocess.Popen:
+    """`command` in a process group of its own (a deadline or an interrupt stops it with `stop_run`), its
+    output appended to the run's log, `RUNS_DIR/<variant>/seed<N>.log`."""
     print("$", " ".join(command), flush=True)
-    log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
+    log = (spec.run_dir(runs_dir).parent / f"seed{spec.seed}.log").open("a")
     return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -414,6 +419,7 @@ class Slot:
     phase: str  # "train" | "export" | "eval"
     proc: subprocess.Popen
     began_s: float
+    following: list[str] | None = None  # the export's: the evaluation to start once it succeeds
 
 
 def run_all(
@@ -452,7 +458,7 @@ def run_all(
             while pending and len(running) < args.concurrency:
                 spec = pending.pop(0)
                 if is_complete(spec.run_dir(runs_dir), spec.steps):  # only its evaluation is left
-                    running.append(start_phase(spec, "export", runs_dir, args, shared, realtext))
+                    running.append(start_evaluation(spec, runs_dir, args, shared, realtext))
                 else:
                     proc = start_run(spec, runs_dir, shared, args.save_every)
                     running.append(Slot(spec, "train", proc, time.monotonic()))
@@ -474,27 +480,21 @@ def is_done(spec: RunSpec, runs_dir: Path, args: argparse.Namespace) -> bool:
     return is_complete(run_dir, spec.steps) and not needs_realtext_eval(spec, run_dir, args)
 
 
-def start_phase(
+def start_evaluation(
     spec: RunSpec,
-    phase: str,
     runs_dir: Path,
     args: argparse.Namespace,
     shared: list[str],
     realtext: tuple[tuple[Path, Path, Path], str] | None,
 ) -> Slot:
-    """The export or the evaluation of a trained run's final policy, its output appended to the run's log."""
+    """The export of a trained run's final policy, with its evaluation on the real text to follow."""
     if realtext is None:
-        raise RuntimeError("a real-text phase needs --realtext")
+        raise RuntimeError("a real-text evaluation needs --realtext")
     run_dir = spec.run_dir(runs_dir)
-    if phase == "export":
-        shutil.rmtree(run_dir / "final_hf", ignore_errors=True)  # one a deadline cut short
+    shutil.rmtree(run_dir / "final_hf", ignore_errors=True)  # one a deadline cut short
     inputs, addr = realtext
     export, evaluate = realtext_commands(spec, run_dir, inputs, args.realtext_limit, shared, addr)
-    command = export if phase == "export" else evaluate
-    print("$", " ".join(command), flush=True)
-    log = (run_dir.parent / f"seed{spec.seed}.log").open("a")
-    proc = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    return Slot(spec, phase, proc, time.monotonic())
+    return Slot(spec, "export", launch(export, spec, runs_dir), time.monotonic(), evaluate)
 
 
 def finish_phase(
@@ -515,7 +515,7 @@ def finish_phase(
         is_trained = is_complete(run_dir, spec.steps)
         wants_eval = is_trained and needs_realtext_eval(spec, run_dir, args)
         if wants_eval and realtext is not None:
-            return start_phase(spec, "export", runs_dir, args, shared, realtext)
+            return start_evaluation(spec, runs_dir, args, shared, realtext)
         prune_checkpoints(run_dir, keep_latest=not is_trained or args.keep_checkpoints or wants_eval)
         return None
     if rc != 0:  # the checkpoint stays: the next invocation evaluates it again
@@ -523,8 +523,8 @@ def finish_phase(
             f"{name}: real-text {slot.phase} failed (rc {rc}); its output is in {run_dir.parent}", flush=True
         )
         return None
-    if slot.phase == "export":
-        return start_phase(spec, "eval", runs_dir, args, shared, realtext)
+    if slot.phase == "export" and slot.following is not None:
+        return Slot(spec, "eval", launch(slot.following, spec, runs_dir), time.monotonic())
     shutil.rmtree(run_dir / "final_hf", ignore_errors=True)
     prune_checkpoints(run_dir, keep_latest=args.keep_checkpoints)
     summary = json.loads((run_dir / REALTEXT_EVAL / "val_summary.json").read_text())["summary"]

@@ -1,7 +1,7 @@
 """Learning parity across seeds: sync, async and async + `tis`, several seeds each, on one machine.
 
     python -m benchmarks.learning.learning_parity [--prepare] [--steps 60] [--seeds 1 2 3] [--concurrency N]
-        [--variants sync async async_tis] [--check-steps 10 | --no-check] [--deadline-s S]
+        [--variants sync async async_tis] [--check-steps 10] [--check-seeds 1 2 3 | --no-check] [--deadline-s S]
         [--sync-config C] [--async-config C] [--runs-dir DIR] [--out JSON]
         [--realtext DIR [--realtext-split test] [--realtext-limit 200]] [key=value ...]
     python -m benchmarks.learning.learning_parity --summarize --runs-dir DIR [--out JSON]
@@ -23,6 +23,9 @@ staleness matches the recipe's alone.
 The staleness-0 check: an async run with `rollout_buffer.max_head_offpolicyness=0` (no overlap, the
 sync schedule) for `--check-steps`, seeded as the first seed; its mean reward and searches per
 trajectory over those steps must lie inside the range of the sync seeds' means over the same steps.
+That one run is the check the acceptance reads. `--check-seeds` adds runs of the check with other seeds
+(the first of them stays the one decided on): they show how far the check scatters from seed to seed,
+beside the sync seeds, which a single run cannot.
 
 Held-out real text (`--realtext DIR`, the directory `python -m benchmarks.retrieval.realtext_data --out DIR`
 writes: FanOutQA questions over Wikipedia summaries, text no run trained or validated on): as soon as a
@@ -125,6 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=DEFAULT_VARIANTS)
     parser.add_argument("--check-steps", type=int, default=10, help="steps of the staleness-0 check run")
+    parser.add_argument(
+        "--check-seeds",
+        type=int,
+        nargs="+",
+        default=None,
+        help="seeds of the staleness-0 check (default: the first of --seeds); the first is the one decided on",
+    )
     parser.add_argument("--no-check", action="store_true", help="leave the staleness-0 check out")
     parser.add_argument(
         "--concurrency",
@@ -206,6 +216,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--realtext-limit must be >= 1")
     if (args.concurrency is not None and args.concurrency < 1) or args.steps < 1 or args.check_steps < 1:
         parser.error("--concurrency, --steps and --check-steps must be >= 1")
+    if args.check_seeds is None:
+        args.check_seeds = args.seeds[:1]
+    elif args.no_check:
+        parser.error("--check-seeds and --no-check contradict each other")
+    elif len(set(args.check_seeds)) != len(args.check_seeds):
+        parser.error(f"--check-seeds {args.check_seeds}: a seed is repeated")
     return args
 
 
@@ -221,7 +237,8 @@ def run_specs(args: argparse.Namespace) -> list[RunSpec]:
 
     specs = specs_of(PAIR)
     if not args.no_check:
-        specs.append(RunSpec(CHECK, args.seeds[0], args.async_config, args.check_steps, CHECK_OVERRIDES))
+        specs += [RunSpec(CHECK, seed, args.async_config, args.check_steps, CHECK_OVERRIDES)
+                  for seed in args.check_seeds]  # fmt: skip
     return specs + specs_of([n for n in VARIANTS if n not in PAIR])
 
 
@@ -721,7 +738,9 @@ def main(argv: list[str] | None = None) -> int:
             runs = args.concurrency
             servers.append(start_retrieval(args.sync_config, args.overrides, runs_dir, runs))
             search = ["retrieval.launch=false", f"tools.search.server_addr={servers[0].addr}"]
-            if args.realtext is not None:
+            # the real-text index and server only when a run still needs its evaluation (none when every
+            # run is imported with its real-text summary)
+            if any(needs_realtext_eval(spec, spec.run_dir(runs_dir), args) for spec in specs):
                 inputs = realtext_inputs(args, runs_dir)
                 servers.append(
                     start_retrieval(
@@ -740,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
         "gpu": gpu,
         "steps": args.steps,
         "seeds": args.seeds,
+        "check_seeds": None if args.no_check else args.check_seeds,
         "seed_keys": list(SEED_KEYS),
         "configs": {"sync": args.sync_config, "async": args.async_config},
         "concurrency": args.concurrency,

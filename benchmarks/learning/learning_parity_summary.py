@@ -125,6 +125,9 @@ def aggregate(runs: dict[str, dict]) -> dict[str, Any]:
     return {"num_seeds": len(complete), "mean": mean, "sd": sd}
 
 
+CHECK_FIGURES = ("first_steps_reward", "first_steps_num_searches")
+
+
 def staleness0_check(check: dict | None, sync_runs: dict[str, dict], check_steps: int) -> dict[str, Any]:
     """The check run's first-steps mean reward and searches against the sync seeds' range of the same."""
     done = [run["figures"] for run in sync_runs.values() if run["complete"]]
@@ -133,7 +136,7 @@ def staleness0_check(check: dict | None, sync_runs: dict[str, dict], check_steps
         return {**result, "complete": False}
     result["complete"] = True
     is_inside = []
-    for key in ("first_steps_reward", "first_steps_num_searches"):
+    for key in CHECK_FIGURES:
         low, high = min(f[key] for f in done), max(f[key] for f in done)
         value = check["figures"][key]
         result[key] = {"check": value, "sync_seeds_range": [low, high]}
@@ -141,6 +144,24 @@ def staleness0_check(check: dict | None, sync_runs: dict[str, dict], check_steps
     result["mean_staleness"] = check["figures"]["mean_staleness"]
     result["passes"] = all(is_inside)
     return result
+
+
+def check_over_seeds(checks: dict[str, dict], sync_runs: dict[str, dict]) -> dict[str, Any]:
+    """The check's scatter over its seeds beside the sync seeds': per figure, mean and sd of each, and the
+    check minus the sync run of the same seed (the same prompts in the same order, the same first policy)."""
+    done = {seed: run["figures"] for seed, run in checks.items() if run["complete"]}
+    sync = {seed: run["figures"] for seed, run in sync_runs.items() if run["complete"]}
+    out: dict[str, Any] = {"check_seeds": sorted(done, key=int), "sync_seeds": sorted(sync, key=int)}
+    for key in CHECK_FIGURES:
+        values, sync_values = [f[key] for f in done.values()], [f[key] for f in sync.values()]
+        out[key] = {
+            "check_mean": _mean(values),
+            "check_sd": statistics.stdev(values) if len(values) > 1 else None,
+            "sync_mean": _mean(sync_values),
+            "sync_sd": statistics.stdev(sync_values) if len(sync_values) > 1 else None,
+            "check_minus_sync_same_seed": {s: f[key] - sync[s][key] for s, f in done.items() if s in sync},
+        }
+    return out
 
 
 def staleness_vs_solo(result: dict[str, Any], solo_dirs: list[Path]) -> dict[str, Any]:
@@ -235,16 +256,23 @@ def summarize(
         record = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
         run.update({key: record[key] for key in ("gpu", "imported_from") if key in record})
         by_variant.setdefault(spec.variant, {})[str(spec.seed)] = {"run_dir": str(run_dir), **run}
-    check = by_variant.pop("staleness0", None)
+    checks = by_variant.pop("staleness0", {})  # in the order of --check-seeds: the first is decided on
     for variant, runs in by_variant.items():
         result[variant] = {"seeds": runs, **aggregate(runs)}
-    result["staleness0_check"] = staleness0_check(
-        next(iter(check.values())) if check else None, by_variant.get("sync", {}), check_steps
-    )
-    if check:
-        result["staleness0_check"]["run"] = next(iter(check.values()))
+    sync = by_variant.get("sync", {})
+    decided = next(iter(checks.values()), None)
+    result["staleness0_check"] = staleness0_check(decided, sync, check_steps)
+    if decided is not None:
+        result["staleness0_check"]["run"] = decided
+    if len(checks) > 1:  # further seeds describe the check's scatter; they decide nothing
+        more = {}
+        for seed, run in list(checks.items())[1:]:
+            entry = staleness0_check(run, sync, check_steps)
+            more[seed] = {"inside_sync_range": entry.pop("passes"), **entry, "run": run}
+        result["staleness0_check"]["more_seeds"] = more
+        result["staleness0_check"]["over_seeds"] = check_over_seeds(checks, sync)
     result["complete"] = all(
-        run["complete"] for runs in [*by_variant.values(), check or {}] for run in runs.values()
+        run["complete"] for runs in [*by_variant.values(), checks] for run in runs.values()
     )
     result["staleness_vs_solo"] = staleness_vs_solo(result, solo_dirs or [])
     result["acceptance"] = acceptance(result)

@@ -125,6 +125,29 @@ def test_a_check_outside_the_sync_range_fails(tmp_path):
     assert check["passes"] is False and check["first_steps_reward"]["sync_seeds_range"] == [0.2, 0.25]
 
 
+def test_more_check_seeds_describe_the_scatter_and_decide_nothing(tmp_path):
+    args = parse_args(["--seeds", "1", "2", "--steps", str(STEPS), "--check-steps", str(CHECK_STEPS),
+                       "--variants", "sync", "--check-seeds", "1", "2"])  # fmt: skip
+    specs = run_specs(args)
+    assert [(s.variant, s.seed) for s in specs] == [("sync", 1), ("sync", 2), (CHECK, 1), (CHECK, 2)]
+    fake_run(tmp_path / "sync/seed1", (0.4, 0.5), (0.3, 0.3), reward=0.2)
+    fake_run(tmp_path / "sync/seed2", (0.4, 0.5), (0.3, 0.3), reward=0.3)
+    fake_run(tmp_path / "staleness0/seed1", (0.4, 0.4), (0.3, 0.3), reward=0.25, steps=CHECK_STEPS)
+    fake_run(tmp_path / "staleness0/seed2", (0.4, 0.4), (0.3, 0.3), reward=0.5, steps=CHECK_STEPS)
+    check = summarize(specs, tmp_path, {})["staleness0_check"]
+    # the first check seed decides; the second lies outside the range and changes nothing
+    assert check["passes"] is True and check["first_steps_reward"]["check"] == 0.25
+    assert check["more_seeds"]["2"]["inside_sync_range"] is False
+    assert check["more_seeds"]["2"]["first_steps_reward"]["check"] == 0.5
+    reward = check["over_seeds"]["first_steps_reward"]
+    assert reward["check_mean"] == pytest.approx(0.375) and reward["sync_mean"] == pytest.approx(0.25)
+    assert reward["check_minus_sync_same_seed"] == {"1": pytest.approx(0.05), "2": pytest.approx(0.2)}
+    with pytest.raises(SystemExit):
+        parse_args(["--check-seeds", "1", "1"])
+    with pytest.raises(SystemExit):
+        parse_args(["--check-seeds", "2", "--no-check"])
+
+
 def _realtext_summary(run_dir: Path, em: float) -> None:
     path = run_dir / "realtext_eval" / "val_summary.json"
     path.parent.mkdir(parents=True)

@@ -69,7 +69,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import write_json
-from benchmarks.learning.learning_parity_summary import summarize, write_plots, write_samples
+from benchmarks.learning.learning_parity_summary import SAMPLES_DIGEST, summarize, write_plots, write_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -685,7 +685,8 @@ def import_runs(bundle_path: Path, specs: list[RunSpec], runs_dir: Path, shared:
 
 def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: Path) -> Path:
     """What to bring back from the GPU machine besides the JSON: each run's metrics.jsonl, config.yaml,
-    run.json and startup.json, the last lines of its log, and `extra_files` (the plots)."""
+    run.json, startup.json, real-text summary and samples digest, the last lines of its log, and
+    `extra_files` (the plots)."""
     import io
     import tarfile
 
@@ -698,6 +699,7 @@ def bundle(specs: list[RunSpec], runs_dir: Path, extra_files: list[Path], path: 
                 "run.json",
                 "startup.json",
                 f"{REALTEXT_EVAL}/val_summary.json",
+                SAMPLES_DIGEST,
             ):
                 if (run_dir / file).is_file():
                     tar.add(run_dir / file, arcname=f"{name}/{file}")

@@ -27,6 +27,7 @@ OVERALL = {
 DIAGNOSTICS = ("search_advantage", "equal_reward_groups", "handoff_mix", "issued_mix")
 KEY_FIGURES = ("val_em_start", "val_em_end", "kb_2hop_start", "kb_2hop_end", "ratio_abs_range", "realtext_em")
 REALTEXT_SUMMARY = "realtext_eval/val_summary.json"  # learning_parity.py's evaluation of the final policy
+SAMPLES_DIGEST = "samples_digest.json"  # a run's share of <stem>_samples.json, kept with it
 MIN_VAL_EM_RISE = 0.15
 MAX_FINAL_VAL_EM_GAP = 0.05
 # versions: issue 35's three solo runs of the recipe trained at 1.92 on average over all steps, at most 4-5
@@ -358,17 +359,24 @@ def write_samples(
     specs: list, runs_dir: Path, path: Path, per_source: int = 2, max_chars: int = 1500
 ) -> Path:
     """Per run, at its first, middle and last step: per data source the histogram of searches, the
-    mean reward per search count and a few transcripts (what was asked, searched and answered)."""
+    mean reward per search count and a few transcripts (what was asked, searched and answered).
+    Each run's digest is also kept in its directory (SAMPLES_DIGEST), which the runs bundle carries: a
+    run imported from an earlier batch has no trajectories here, and keeps the digest made where it ran."""
     digest = {}
     for spec in specs:
-        trajectory_dir = spec.run_dir(runs_dir) / "trajectories"
+        run_dir = spec.run_dir(runs_dir)
         steps = sorted({1, max(1, spec.steps // 2), spec.steps})
         per_step = {}
         for step in steps:
-            file = trajectory_dir / f"step_{step}.jsonl"
+            file = run_dir / "trajectories" / f"step_{step}.jsonl"
             if file.is_file():
                 rows = [json.loads(line) for line in file.read_text().splitlines() if line.strip()]
                 per_step[str(step)] = _digest(rows, per_source, max_chars)
+        kept = run_dir / SAMPLES_DIGEST
+        if per_step:
+            kept.write_text(json.dumps(per_step, indent=1) + "\n")
+        elif kept.is_file():
+            per_step = json.loads(kept.read_text())
         digest[f"{spec.variant}/seed{spec.seed}"] = per_step
     return write_json(path, digest, indent=1)
 

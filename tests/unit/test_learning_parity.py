@@ -408,6 +408,8 @@ def test_an_earlier_batchs_complete_runs_are_imported_when_configured_alike(tmp_
         (run_dir / "run.json").write_text(json.dumps({"rc": 0, "wall_s": 1.0}) + "\n")
     out = tmp_path / "results"
     out.mkdir()
+    made_there = json.loads(write_samples(specs, earlier, out / "there_samples.json").read_text())
+    assert made_there["sync/seed1"]["1"]["kb_2hop"]["searches_histogram"] == {"2": 1}
     tgz = bundle(specs, earlier, [], out / "lp_x_runs.tgz")
     (out / "lp_x.json").write_text(json.dumps({"gpu": "NVIDIA H100 80GB HBM3"}))
 
@@ -416,6 +418,10 @@ def test_an_earlier_batchs_complete_runs_are_imported_when_configured_alike(tmp_
     assert is_complete(here / "sync/seed2", STEPS) and not (here / "async/seed2").exists()
     record = json.loads((here / "sync/seed1/run.json").read_text())
     assert record["gpu"] == "NVIDIA H100 80GB HBM3" and record["imported_from"] == str(tgz)
+    # the trajectories stayed where the runs ran; their digest came with them
+    assert not (here / "sync/seed1/trajectories").exists()
+    samples = json.loads(write_samples(specs, here, out / "here_samples.json").read_text())
+    assert samples["sync/seed1"] == made_there["sync/seed1"] and samples["async/seed2"] == {}
     summary = summarize(specs, here, {})
     assert (
         summary["sync"]["seeds"]["1"]["gpu"] == "NVIDIA H100 80GB HBM3" and summary["sync"]["num_seeds"] == 2

@@ -334,6 +334,21 @@ def _report_interrupted(config: TandemConfig, received: list[int]) -> int:
     return EXIT_INTERRUPTED
 
 
+def _report_stopped(error: Exception) -> int:
+    """A server died (or too many groups were dropped): its line, then the exit guard. A thread may still
+    wait on the dead server (a weight broadcast to a peer that is gone waits out its collective's timeout),
+    and Python joins the executors' threads at exit, after `asyncio.run` has returned and `train` disarmed
+    the guard it armed for the death (_stop_on_a_death)."""
+    from tandemrl.runner import exit_guard
+    from tandemrl.runner.services import ServiceDiedError
+
+    print(f"tandem train: {error}", file=sys.stderr)
+    sys.stderr.flush()
+    died = isinstance(error, ServiceDiedError)
+    exit_guard.arm(1, STUCK_ON_A_DEATH if died else "stopped, but a thread was still running")
+    return 1
+
+
 def run_train(args: argparse.Namespace) -> int:
     from tandemrl.commands.preflight import check_startable
     from tandemrl.runner.output_lock import hold_output_dir
@@ -370,8 +385,7 @@ def _run_held(config: TandemConfig) -> int:
             log.debug("after %s the run ended with %r", signal.Signals(received[0]).name, error)
             return _report_interrupted(config, received)
         if isinstance(error, (ServiceDiedError, DroppedGroupsLimitError)):
-            print(f"tandem train: {error}", file=sys.stderr)
-            return 1
+            return _report_stopped(error)
         raise
     finally:
         _interrupt = None

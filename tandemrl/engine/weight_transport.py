@@ -8,8 +8,11 @@ torch's own `rebuild_cuda_tensor`, from values checked here (types, dtypes, size
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime
+import threading
+from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
@@ -30,6 +33,23 @@ def parse_dtype(value: str) -> torch.dtype:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def run_in_daemon_thread(fn, *args) -> asyncio.Future:
+    """`fn(*args)` on a daemon thread, awaitable. For the calls that wait on the other side of a group (its
+    rendezvous, a broadcast): when that side dies mid-call they block until the group's timeout, and a
+    pool thread (`asyncio.to_thread`'s) is joined at interpreter exit, so the process could not end; a
+    daemon thread is left behind instead."""
+    future: Future = Future()
+
+    def target() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as error:
+            future.set_exception(error)
+
+    threading.Thread(target=target, name=f"weights-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return asyncio.wrap_future(future)
 
 
 def new_process_group(

@@ -23,8 +23,6 @@ import base64
 import binascii
 import json
 import logging
-import threading
-from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -38,6 +36,7 @@ from tandemrl.engine.weight_transport import (
     new_process_group,
     parse_dtype,
     rebuild_cuda_tensor,
+    run_in_daemon_thread,
 )
 
 logger = logging.getLogger(__name__)
@@ -209,21 +208,6 @@ def parse_group_args(body: dict) -> tuple[str, int, int, int, str, str]:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     return address, numbers["master_port"], numbers["rank_offset"], numbers["world_size"], group_name, backend
-
-
-def run_in_daemon_thread(fn, *args) -> asyncio.Future:
-    """`fn(*args)` on a daemon thread: a rendezvous that never completes must not keep the process
-    alive at exit (asyncio.to_thread's pool threads are joined at exit, so SIGTERM would wait on it)."""
-    future: Future = Future()
-
-    def target() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as error:
-            future.set_exception(error)
-
-    threading.Thread(target=target, name="weight-group-join", daemon=True).start()
-    return asyncio.wrap_future(future)
 
 
 class WeightUpdateAborted(RuntimeError):

@@ -36,7 +36,13 @@ from pathlib import Path
 
 import torch
 
-from tandemrl.engine.weight_transport import broadcast, describe_cuda_tensor, dtype_name, new_process_group
+from tandemrl.engine.weight_transport import (
+    broadcast,
+    describe_cuda_tensor,
+    dtype_name,
+    new_process_group,
+    run_in_daemon_thread,
+)
 from tandemrl.rollout.client import EngineError
 
 BACKENDS = ("gloo", "nccl", "cuda_ipc")
@@ -151,7 +157,7 @@ class WeightSender:
             )
             for client, offset in zip(self.clients, offsets, strict=True)
         ]
-        create = asyncio.to_thread(
+        create = run_in_daemon_thread(  # not a pool thread: an engine dying mid-join must not hold our exit
             new_process_group,
             self.master_address,
             self.master_port,
@@ -204,6 +210,8 @@ class WeightSender:
             for _, tensor in bucket:
                 broadcast(self.group, tensor, root=0)
 
+        # a pool thread, not a daemon one: gloo raising in a daemon thread during the interpreter's exit aborts
+        # the process; one blocked on an engine that died is ended by `tandem train`'s exit guard
         sending = asyncio.create_task(asyncio.to_thread(send_all))
         done, _ = await asyncio.wait([sending, *posts], return_when=asyncio.FIRST_EXCEPTION)
         for task in done:

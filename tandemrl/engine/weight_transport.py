@@ -36,13 +36,15 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def run_in_daemon_thread(fn, *args) -> asyncio.Future:
-    """`fn(*args)` on a daemon thread, awaitable. For the calls that wait on the other side of a group (its
-    rendezvous, a broadcast): when that side dies mid-call they block until the group's timeout, and a
-    pool thread (`asyncio.to_thread`'s) is joined at interpreter exit, so the process could not end; a
-    daemon thread is left behind instead."""
+    """`fn(*args)` on a daemon thread, awaitable. For a group's rendezvous: when the other side dies mid-join
+    it blocks until the group's timeout, and a pool thread (`asyncio.to_thread`'s) is joined at interpreter
+    exit, so the process could not end; a daemon thread is left behind instead. Not for a collective: gloo
+    raising in a daemon thread while the interpreter exits aborts the process (rollout/weight_sync.py)."""
     future: Future = Future()
 
     def target() -> None:
+        if not future.set_running_or_notify_cancel():  # cancelled before it started
+            return
         try:
             future.set_result(fn(*args))
         except BaseException as error:

@@ -47,13 +47,17 @@ TRAINER = textwrap.dedent(
 )
 
 
-def test_a_trainer_ends_when_its_engine_dies_during_the_group_join(tmp_path):
-    script = tmp_path / "trainer.py"
-    script.write_text(TRAINER)
-    # the bound only turns a hang into a failure: the process ends within seconds, or waits 600 s
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
+def run_script(path, text: str) -> subprocess.CompletedProcess:
+    """`text` as a Python process of its own. The bound only turns a hang into a failure: the process ends
+    within seconds, or waits 600 s."""
+    path.write_text(text)
+    return subprocess.run(
+        [sys.executable, str(path)], capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def test_a_trainer_ends_when_its_engine_dies_during_the_group_join(tmp_path):
+    proc = run_script(tmp_path / "trainer.py", TRAINER)
     assert proc.returncode == 7, proc.stderr[-2000:]
     assert "connect failed: rollout engine 0 died (fake)" in proc.stdout
 
@@ -76,11 +80,7 @@ REPORTER = textwrap.dedent(
 
 
 def test_tandem_train_ends_after_a_death_though_a_thread_still_waits(tmp_path):
-    script = tmp_path / "reporter.py"
-    script.write_text(REPORTER)
-    proc = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, check=False
-    )
+    proc = run_script(tmp_path / "reporter.py", REPORTER)
     assert proc.returncode == 1, proc.stderr[-2000:]
     lines = proc.stderr.splitlines()
     assert (

@@ -411,9 +411,7 @@ async def end_of_step(
         metrics["time/records"] = time.monotonic() - start_s  # prompts.jsonl and trajectories/
         start_s = time.monotonic()
         # the row is logged after the save (it times it): the save keeps it so far, in case of a kill between
-        so_far_s = start_s - ctx.last_step_end_s
-        row = {**rollout_metrics(handoff, so_far_s, ctx.config.algorithm.norm_adv_by_std), **metrics}
-        await save_checkpoint(ctx, step, row)
+        await save_checkpoint(ctx, step, step_row(ctx, handoff, metrics, start_s - ctx.last_step_end_s))
         metrics["time/checkpoint"] = time.monotonic() - start_s
         step_s = close_step(ctx, metrics)
         log_step(ctx, step, step_row(ctx, handoff, metrics, step_s))

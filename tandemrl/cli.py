@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         from tandemrl.runner import exit_guard
 
         print(f"tandem {args.command}: interrupted; what it started is stopped.", file=sys.stderr)
-        exit_guard.arm(130, "stopped, but a thread was still running")
+        exit_guard.arm(130, exit_guard.STILL_RUNNING)
         return 130
 
 

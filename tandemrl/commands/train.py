@@ -330,7 +330,7 @@ def _report_interrupted(config: TandemConfig, received: list[int]) -> int:
     print(interrupted_line(config, received[0] if received else signal.SIGINT), file=sys.stderr)
     sys.stderr.flush()
     # everything is stopped: a thread still computing (asyncio's executor) must not keep the process
-    exit_guard.arm(EXIT_INTERRUPTED, "stopped, but a thread was still running")
+    exit_guard.arm(EXIT_INTERRUPTED, exit_guard.STILL_RUNNING)
     return EXIT_INTERRUPTED
 
 
@@ -345,7 +345,7 @@ def _report_stopped(error: Exception) -> int:
     print(f"tandem train: {error}", file=sys.stderr)
     sys.stderr.flush()
     died = isinstance(error, ServiceDiedError)
-    exit_guard.arm(1, STUCK_ON_A_DEATH if died else "stopped, but a thread was still running")
+    exit_guard.arm(1, STUCK_ON_A_DEATH if died else exit_guard.STILL_RUNNING)
     return 1
 
 

@@ -16,6 +16,7 @@ import os
 import threading
 
 GRACE_S = 5.0  # the normal unwinding (services stopped, logs closed) ends well within this
+STILL_RUNNING = "stopped, but a thread was still running"  # the reason a command's stop line arms it for
 
 _enabled = False
 _armed = False

@@ -47,7 +47,12 @@ SPEC_COUNTERS = (
 
 
 class EngineError(RuntimeError):
-    """The engine answered with an error status; the message carries its reason."""
+    """The engine answered with an error status; the message carries its reason, `status` the HTTP
+    status where there was one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -129,7 +134,7 @@ class HttpClient:
     async def _read(self, resp: aiohttp.ClientResponse, path: str) -> dict | str:
         text = await resp.text()
         if resp.status != 200:
-            raise EngineError(f"{self.base_url}{path} answered {resp.status}: {text[:500]}")
+            raise EngineError(f"{self.base_url}{path} answered {resp.status}: {text[:500]}", resp.status)
         if resp.content_type == "application/json":
             return json.loads(text)
         return text
@@ -139,7 +144,7 @@ class HttpClient:
         async with self._http().post(self.base_url + path, json=body) as resp:
             if resp.status != 200:
                 raise EngineError(
-                    f"{self.base_url}{path} answered {resp.status}: {(await resp.text())[:500]}"
+                    f"{self.base_url}{path} answered {resp.status}: {(await resp.text())[:500]}", resp.status
                 )
             async for raw in resp.content:
                 line = raw.decode().strip()

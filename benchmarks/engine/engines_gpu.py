@@ -7,18 +7,20 @@
     python -m benchmarks.engine.engines_gpu --cpu              # CPU smoke check of the same code, tiny sizes
                                                         # (writes engines_cpu.json, never GPU figures)
 
-Per backend:
-- startup_s: launch to the first healthy /health, on the fixed-batch model;
-- fixed_batch_tok_s: benchmarks/engine/engine.py's batch (256 requests x 256 random prompt ids -> 256 new
-  tokens, temperature 1, ignore_eos; Qwen2.5-1.5B shape, random weights), all requests at once through
-  the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds;
-- weights_check: on the SmolLM2 server (the cold-started one when prepared), push an actor's weights
+Per backend, in this order (each backend's first three, then the fixed batches while --deadline-s allows;
+the JSON is rewritten after each backend, so a run cut short keeps what it measured):
+- startup_s: launch to the first healthy /health of the SmolLM2 server (the model the recipe serves);
+- weights_check: on that server (the cold-started SmolLM2 when prepared), push an actor's weights
   through the run's route (CUDA IPC on one GPU, gloo on CPU) and compare greedy output on probe
   prompts with the actor's own (HF) greedy: true when every prompt matches token for token (also
   recorded: whether the push changed the engine's output, so the check is not vacuous);
 - agent_step_s: one rollout step of the H200 recipe (smollm2_h200_sync.yaml: 64 prompts x group 4 =
   256 trajectories with search) from the cold-started SmolLM2: `tandem train` for one step, its
-  `time/wait_data` (the actor waiting for the 256 trajectories). GPU mode only.
+  `time/wait_data` (the actor waiting for the 256 trajectories). GPU mode only;
+- fixed_batch_tok_s: benchmarks/engine/engine.py's batch (256 requests x 256 random prompt ids -> 256 new
+  tokens, temperature 1, ignore_eos; Qwen2.5-1.5B shape, random weights), all requests at once through
+  the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds, on a server of
+  its own (fixed_batch_startup_s: its launch to healthy).
 A backend that is not installed (its interpreter cannot import it) is skipped, and the JSON says why.
 The embedded engine's ratio to the best other backend is written per workload.
 """
@@ -63,6 +65,15 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--probe-tokens", type=int, default=8)
     p.add_argument("--smollm2", default=None, help="SmolLM2 directory (default: the cold-started one)")
     p.add_argument("--skip-agent", action="store_true")
+    p.add_argument(
+        "--agent-overrides", nargs="*", default=[], help="KEY=VALUE overrides of the agent step's run"
+    )
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="start no fixed batch after this many seconds of the run (the other workloads come first)",
+    )
     p.add_argument("--out", default=None)
     args = p.parse_args()
     args.num_requests = args.num_requests or (8 if args.cpu else 256)
@@ -211,6 +222,7 @@ def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
         command += ["rollout.pause_mode=in_place", "rollout.vllm.gpu_memory_utilization=0.4"]
     if backend == "sglang":
         command += ["rollout.sglang.mem_fraction_static=0.4"]
+    command += args.agent_overrides
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -226,21 +238,13 @@ def default_smollm2() -> Path:
     return coldstart if coldstart.is_dir() else base
 
 
-async def measure(backend: str, args, device: str, fixed_dir: Path, smollm2: Path, vocab: int) -> dict:
+async def measure_smollm2(backend: str, args, device: str, smollm2: Path) -> dict:
+    """startup_s and the weights check, on one SmolLM2 server."""
     from tandemrl.rollout.backends import make_client
 
-    overrides = engine_overrides(args, backend, device)
     result: dict = {}
-    context = args.prompt_len + args.new_tokens + 64
-    server, key, result["startup_s"] = start_server(backend, fixed_dir, overrides, args.num_requests, context)
-    client = make_client(backend, server.url, api_key=key)
-    try:
-        result["fixed_batch"] = await fixed_batch(client, args, vocab)
-        result["fixed_batch_tok_s"] = result["fixed_batch"]["tok_s"]
-    finally:
-        await client.close()
-        server.stop()
-    server, key, _ = start_server(backend, smollm2, overrides, 16, 2048)
+    overrides = engine_overrides(args, backend, device)
+    server, key, result["startup_s"] = start_server(backend, smollm2, overrides, 16, 2048)
     client = make_client(backend, server.url, api_key=key)
     try:
         result.update(await weights_check(backend, client, server.url, key, smollm2, device, args))
@@ -248,6 +252,21 @@ async def measure(backend: str, args, device: str, fixed_dir: Path, smollm2: Pat
         await client.close()
         server.stop()
     return result
+
+
+async def measure_fixed_batch(backend: str, args, device: str, fixed_dir: Path, vocab: int) -> dict:
+    from tandemrl.rollout.backends import make_client
+
+    overrides = engine_overrides(args, backend, device)
+    context = args.prompt_len + args.new_tokens + 64
+    server, key, startup_s = start_server(backend, fixed_dir, overrides, args.num_requests, context)
+    client = make_client(backend, server.url, api_key=key)
+    try:
+        batch = await fixed_batch(client, args, vocab)
+    finally:
+        await client.close()
+        server.stop()
+    return {"fixed_batch": batch, "fixed_batch_tok_s": batch["tok_s"], "fixed_batch_startup_s": startup_s}
 
 
 def ratios(backends: dict) -> dict:
@@ -263,6 +282,23 @@ def ratios(backends: dict) -> dict:
     return out
 
 
+def attempt(report: dict, what: str, measure, backend: str, *arguments) -> dict:
+    """`measure(backend, *arguments)` (a coroutine function or a plain one); on a failure, {} and the failure
+    recorded under report["failed"]: one failure leaves the others to run."""
+    print(f"{backend}: {what}", flush=True)
+    try:
+        result = measure(backend, *arguments)
+        if asyncio.iscoroutine(result):
+            result = asyncio.run(result)
+    except Exception as error:  # noqa: BLE001  one backend's failure is its result, the others still run
+        report["failed"].setdefault(backend, {})[what] = f"{type(error).__name__}: {error}"
+        print(f"{backend}: {what} failed ({report['failed'][backend][what]})", flush=True)
+        return {}
+    flat = {k: v for k, v in result.items() if not isinstance(v, dict | list)}
+    print(f"{backend}: {what} {json.dumps(flat)}", flush=True)
+    return result
+
+
 def main() -> None:
     args = parse_args()
     device = "cpu" if args.cpu else "cuda"
@@ -270,11 +306,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="tandem-engines-"))
     smollm2 = Path(args.smollm2) if args.smollm2 else default_smollm2()
-    if args.cpu:  # vLLM's CPU kernels refuse the tiny shape (head_dim 16): SmolLM2 itself stands in
-        shape, fixed_dir = {"vocab_size": 49152}, smollm2
-    else:
-        shape = QWEN25_15B
-        fixed_dir = write_model_dir(shape, work / "fixed_model", torch.device("cpu"), torch.bfloat16)
+    # vLLM's CPU kernels refuse the tiny shape (head_dim 16): on CPU SmolLM2 itself stands in
+    shape = {"vocab_size": 49152} if args.cpu else QWEN25_15B
     report = {
         "mode": device,
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
@@ -289,27 +322,40 @@ def main() -> None:
         "failed": {},
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
+    started = time.perf_counter()
+    measured, fixed_dir = [], None
     for backend in args.backends.split(","):
         reason = why_missing(args, backend)
         if reason:
             report["skipped"][backend] = reason
             print(f"{backend}: skipped ({reason})", flush=True)
             continue
-        print(f"{backend}: measuring", flush=True)
-        try:
-            result = asyncio.run(measure(backend, args, device, fixed_dir, smollm2, shape["vocab_size"]))
-        except Exception as error:  # noqa: BLE001  one backend's failure is its result, the others still run
-            report["failed"][backend] = f"{type(error).__name__}: {error}"
-            print(f"{backend}: failed ({report['failed'][backend]})", flush=True)
-            continue
+        measured.append(backend)
+        result = report["backends"].setdefault(backend, {})
+        result.update(attempt(report, "weights_check", measure_smollm2, backend, args, device, smollm2))
         if args.cpu or args.skip_agent:
             result["agent_step_s"] = None
             result["agent_step_skipped"] = "CPU mode" if args.cpu else "--skip-agent"
         else:
-            result.update(agent_step(backend, args, smollm2, work))
-        report["backends"][backend] = result
-        print(f"{backend}: {json.dumps({k: v for k, v in result.items() if not isinstance(v, dict | list)})}")
-    report["embedded_vs_best_other"] = ratios(report["backends"])
+            result.update(attempt(report, "agent_step", agent_step, backend, args, smollm2, work))
+        report["embedded_vs_best_other"] = ratios(report["backends"])
+        write_json(args.out, report)
+    for backend in measured:
+        result = report["backends"][backend]
+        if args.deadline_s is not None and time.perf_counter() - started > args.deadline_s:
+            result["fixed_batch_skipped"] = f"past --deadline-s {args.deadline_s:g}"
+            continue
+        if fixed_dir is None:  # written once, when the first fixed batch runs
+            fixed_dir = smollm2 if args.cpu else work / "fixed_model"
+            if not args.cpu:
+                write_model_dir(shape, fixed_dir, torch.device("cpu"), torch.bfloat16)
+        vocab = shape["vocab_size"]
+        result.update(
+            attempt(report, "fixed_batch", measure_fixed_batch, backend, args, device, fixed_dir, vocab)
+        )
+        report["embedded_vs_best_other"] = ratios(report["backends"])
+        write_json(args.out, report)
+    report["run_s"] = time.perf_counter() - started
     write_json(args.out, report)
 
 

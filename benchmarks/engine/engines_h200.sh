@@ -5,11 +5,15 @@
 # copied to /tmp/eng_stage_ENGINE/pNN, one `run` per part.
 #
 #   benchmarks/engine/engines_h200.sh install ENGINE          join the parts, pip --target /tmp/eng_site_ENGINE (once)
-#   benchmarks/engine/engines_h200.sh recipe ENGINE [STEPS]   smollm2_h200_async.yaml on ENGINE, STEPS (20) steps,
-#                                                      runner.weights_check_tokens=16 (the run fails unless
-#                                                      every engine's greedy output equals the actor's)
-#   benchmarks/engine/engines_h200.sh bench [BACKENDS]        benchmarks/engine/engines_gpu.py for BACKENDS
-#                                                      (embedded,vllm,sglang: the installed ones run)
+#   benchmarks/engine/engines_h200.sh recipe ENGINE [STEPS [KEY=VALUE ...]]
+#                                                      smollm2_h200_async.yaml on ENGINE, STEPS (20) steps,
+#                                                      no validation, runner.weights_check_tokens=16 (the run
+#                                                      fails unless every engine's greedy output equals the
+#                                                      actor's), then the overrides given
+#   benchmarks/engine/engines_h200.sh bench [BACKENDS [ARGS ...]]
+#                                                      benchmarks/engine/engines_gpu.py for BACKENDS
+#                                                      (embedded,vllm,sglang: the installed ones run), with
+#                                                      its further ARGS (e.g. --deadline-s 600)
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
@@ -45,10 +49,11 @@ case "$cmd" in
   install) install "${2:?engine: vllm or sglang}" ;;
   recipe)
     eng=${2:?engine: vllm or sglang}; steps=${3:-20}; run_dir=runs/engines_h200_$eng
+    shift $(( $# < 3 ? $# : 3 ))
     # shellcheck disable=SC2046
     python3 -m tandemrl.cli train examples/searchr1/config/smollm2_h200_async.yaml \
-      runner.max_steps="$steps" runner.val_interval=0 runner.weights_check_tokens=16 \
-      runner.output_dir="$run_dir" $(engine_overrides "$eng")
+      runner.max_steps="$steps" runner.val_interval=0 runner.val_before_train=false runner.weights_check_tokens=16 \
+      runner.output_dir="$run_dir" $(engine_overrides "$eng") "$@"
     for f in metrics.jsonl weights_check.json startup.json; do cp "$run_dir/$f" "$out/${eng}_$f"; done
     python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('weights_check', r['weights_check']); assert r['weights_check']" \
       "$run_dir/weights_check.json"
@@ -58,7 +63,9 @@ case "$cmd" in
     for eng in vllm sglang; do
       [ -f "$(site_of $eng)/.installed" ] && args+=("--$eng-pythonpath" "$(site_of $eng)")
     done
-    python3 -m benchmarks.engine.engines_gpu --backends "${2:-embedded,vllm,sglang}" "${args[@]}" --out "$out/engines_h200.json"
+    backends=${2:-embedded,vllm,sglang}
+    shift $(( $# < 2 ? $# : 2 ))
+    python3 -m benchmarks.engine.engines_gpu --backends "$backends" "${args[@]}" --out "$out/engines_h200.json" "$@"
     ;;
   *) echo "unknown command $cmd (install, recipe, bench)" >&2; exit 2 ;;
 esac

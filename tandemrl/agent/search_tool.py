@@ -16,6 +16,7 @@ import time
 import aiohttp
 
 from tandemrl.host.http_guard import auth_headers
+from tandemrl.host.http_pool import pooled_connector
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class SearchTool:
         loop = asyncio.get_running_loop()
         if self._session is None or self._session.closed or self._session_loop is not loop:
             # A session is bound to the loop it was made in; a new loop (e.g. a new asyncio.run) needs its own.
-            connector = aiohttp.TCPConnector(limit=256)
+            connector = pooled_connector(256)
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import aiohttp
 
 from tandemrl.host.http_guard import auth_headers
+from tandemrl.host.http_pool import pooled_connector
 from tandemrl.host.startup import mark
 from tandemrl.rollout.retract import RetractGate, resumed_body
 
@@ -115,7 +116,7 @@ class HttpClient:
             self._session = None
         if self._session is None or self._session.closed:
             self._session_loop = asyncio.get_running_loop()
-            connector = aiohttp.TCPConnector(limit=0)  # the engine batches; do not queue on our side
+            connector = pooled_connector(0)  # the engine batches; do not queue on our side
             self._session = aiohttp.ClientSession(
                 connector=connector,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),

@@ -14,9 +14,10 @@ the JSON is rewritten after each backend, so a run cut short keeps what it measu
   through the run's route (CUDA IPC on one GPU, gloo on CPU) and compare greedy output on probe
   prompts with the actor's own (HF) greedy: true when every prompt matches token for token (also
   recorded: whether the push changed the engine's output, so the check is not vacuous);
-- agent_step_s: one rollout step of the H200 recipe (smollm2_h200_sync.yaml: 64 prompts x group 4 =
-  256 trajectories with search) from the cold-started SmolLM2: `tandem train` for one step, its
-  `time/wait_data` (the actor waiting for the 256 trajectories). GPU mode only;
+- agent_step_s: a rollout step of the H200 recipe (smollm2_h200_sync.yaml: 64 prompts x group 4 =
+  256 trajectories with search) from the cold-started SmolLM2: `tandem train` for 1 + --agent-steps
+  steps, the mean `time/wait_data` (the actor waiting for the 256 trajectories) of the steps after the
+  first, which also pays for the server's first kernels (agent_first_step_s). GPU mode only;
 - fixed_batch_tok_s: benchmarks/engine/engine.py's batch (256 requests x 256 random prompt ids -> 256 new
   tokens, temperature 1, ignore_eos; Qwen2.5-1.5B shape, random weights), all requests at once through
   the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds, on a server of
@@ -66,6 +67,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--smollm2", default=None, help="SmolLM2 directory (default: the cold-started one)")
     p.add_argument("--skip-agent", action="store_true")
     p.add_argument(
+        "--agent-steps", type=int, default=2, help="measured agent steps after the first (default 2)"
+    )
+    p.add_argument(
         "--agent-overrides", nargs="*", default=[], help="KEY=VALUE overrides of the agent step's run"
     )
     p.add_argument(
@@ -76,6 +80,8 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    if args.agent_steps < 1:
+        p.error(f"--agent-steps {args.agent_steps}: at least one step after the first is measured")
     args.num_requests = args.num_requests or (8 if args.cpu else 256)
     args.prompt_len = args.prompt_len or (32 if args.cpu else 256)
     args.new_tokens = args.new_tokens or (16 if args.cpu else 256)
@@ -209,12 +215,19 @@ async def weights_check(backend: str, client, url: str, key, model_dir: Path, de
 
 
 def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
-    """One step of the sync recipe in its own `tandem train`; `time/wait_data` of that step."""
+    """Steps of the sync recipe in one `tandem train`: `time/wait_data` of each (the actor waiting for the
+    step's trajectories). The first step also pays for the server's first kernels (vLLM compiles Triton
+    sampling kernels on its first requests: step 1 of the async recipe took 24 s there, step 2 2.0 s, on an
+    H100), so agent_step_s is the mean of the steps after it."""
     config = ROOT / "examples" / "searchr1" / "config" / "smollm2_h200_sync.yaml"
     run_dir = out_dir / f"agent_{backend}"
     command = [sys.executable, "-m", "tandemrl.cli", "train", str(config), f"runner.output_dir={run_dir}"]
-    command += ["runner.max_steps=1", "runner.val_interval=0", "runner.val_before_train=false"]
-    command += [f"rollout.model.model_path={smollm2}", f"rollout.backend={backend}"]
+    command += [
+        f"runner.max_steps={1 + args.agent_steps}",
+        "runner.val_interval=0",
+        "runner.val_before_train=false",
+    ]
+    command += ["runner.save_interval=0", f"rollout.model.model_path={smollm2}", f"rollout.backend={backend}"]
     command += [
         o for o in engine_overrides(args, backend, "cuda") if o.startswith(("rollout.vllm", "rollout.sglang"))
     ]
@@ -226,8 +239,14 @@ def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
     start = time.perf_counter()
     subprocess.run(command, check=True, cwd=ROOT)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    row = next(r for r in rows if "time/wait_data" in r)
-    return {"agent_step_s": row["time/wait_data"], "run_s": time.perf_counter() - start, "command": command}
+    waits = [r["time/wait_data"] for r in rows if "time/wait_data" in r]
+    return {
+        "agent_step_s": sum(waits[1:]) / len(waits[1:]),
+        "agent_first_step_s": waits[0],
+        "agent_wait_data_s": waits,
+        "run_s": time.perf_counter() - start,
+        "command": command,
+    }
 
 
 def default_smollm2() -> Path:
@@ -315,7 +334,8 @@ def main() -> None:
             "fixed_batch": f"{args.num_requests} requests x {args.prompt_len} prompt -> {args.new_tokens} new "
             f"tokens, T=1, ignore_eos, {'SmolLM2' if args.cpu else 'Qwen2.5-1.5B shape, random weights'}",
             "weights_check": f"{len(PROBES)} probe prompts x {args.probe_tokens} greedy tokens on {smollm2}",
-            "agent_step": "smollm2_h200_sync.yaml, one step (64 prompts x group 4), time/wait_data",
+            "agent_step": f"smollm2_h200_sync.yaml (64 prompts x group 4 a step), time/wait_data: the mean of "
+            f"{args.agent_steps} step(s) after the first",
         },
         "backends": {},
         "skipped": {},

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from dataclasses import dataclass
 
 import aiohttp
@@ -28,7 +29,11 @@ from tandemrl.host.http_pool import pooled_connector
 from tandemrl.host.startup import mark
 from tandemrl.rollout.retract import RetractGate, resumed_body
 
+log = logging.getLogger(__name__)
+
 ENGINE_KINDS = ("embedded", "sglang")
+# a streamed request whose connection broke before any answer goes again, at most this often (`_open_stream`)
+UNANSWERED_RETRIES = 2
 # SGLang's per-request speculation counts, in a finished request's meta_info when it speculates (sglang 0.5.15
 # tokenizer_manager.py `_calculate_spec_decoding_metrics`), and the older names of two of them
 SPEC_META = {
@@ -140,9 +145,24 @@ class HttpClient:
             return json.loads(text)
         return text
 
+    async def _open_stream(self, path: str, body: dict) -> aiohttp.ClientResponse:
+        """POST `body` for a stream. A connection that breaks before the server answers is tried again, at
+        most UNANSWERED_RETRIES times: the server either never took the request or aborts it when its
+        client goes away (vLLM and SGLang abort a stream whose client disconnects), so no token reaches
+        the result twice. The last failure is raised as it came."""
+        for attempt in range(UNANSWERED_RETRIES + 1):
+            try:
+                return await self._http().post(self.base_url + path, json=body)
+            except aiohttp.ClientConnectionError as error:
+                if attempt == UNANSWERED_RETRIES:
+                    raise
+                log.warning("%s%s: %r before any answer; sending it again", self.base_url, path, error)
+                await asyncio.sleep(0.1 * (attempt + 1))
+        raise AssertionError("unreachable")  # the loop returns or raises
+
     async def _stream(self, path: str, body: dict):
         """The JSON payloads of a server-sent-event stream (`data: {...}` lines, up to `data: [DONE]`)."""
-        async with self._http().post(self.base_url + path, json=body) as resp:
+        async with await self._open_stream(path, body) as resp:
             if resp.status != 200:
                 raise EngineError(
                     f"{self.base_url}{path} answered {resp.status}: {(await resp.text())[:500]}", resp.status

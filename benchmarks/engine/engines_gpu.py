@@ -22,6 +22,8 @@ the JSON is rewritten after each backend, so a run cut short keeps what it measu
   tokens, temperature 1, ignore_eos; Qwen2.5-1.5B shape, random weights), all requests at once through
   the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds, on a server of
   its own (fixed_batch_startup_s: its launch to healthy).
+`vllm_eager` in --backends is vLLM under --enforce-eager (no CUDA graphs, no torch.compile), measured as a
+backend of its own: what its shorter start costs in throughput.
 A backend that is not installed (its interpreter cannot import it) is skipped, and the JSON says why.
 The embedded engine's ratio to the best other backend is written per workload.
 """
@@ -50,6 +52,10 @@ from benchmarks import write_json  # noqa: E402
 from benchmarks.engine.model_shapes import QWEN25_15B  # noqa: E402
 
 BACKENDS = ("embedded", "vllm", "sglang")
+# a backend under other flags of its own, measured as a backend of its own: name -> (backend, overrides)
+VARIANTS = {
+    "vllm_eager": ("vllm", ["rollout.vllm.extra_args=[--enforce-eager]"])
+}  # no CUDA graphs, no compile
 PROBES = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,", "Water boils at"]
 
 
@@ -80,6 +86,9 @@ def parse_args() -> argparse.Namespace:
     )
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    unknown = [name for name in args.backends.split(",") if name not in (*BACKENDS, *VARIANTS)]
+    if unknown:
+        p.error(f"--backends: {unknown} are none of {[*BACKENDS, *VARIANTS]}")
     if args.agent_steps < 1:
         p.error(f"--agent-steps {args.agent_steps}: at least one step after the first is measured")
     args.num_requests = args.num_requests or (8 if args.cpu else 256)
@@ -92,9 +101,14 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def engine_overrides(args, backend: str, device: str) -> list[str]:
-    """The config of the servers `tandem train` would start for `backend` on this device."""
-    overrides = [f"rollout.backend={backend}", f"rollout.device={device}", "retrieval.launch=false"]
+def engine_of(name: str) -> str:
+    """The rollout.backend of a --backends entry (a variant's backend, else the name itself)."""
+    return VARIANTS[name][0] if name in VARIANTS else name
+
+
+def engine_overrides(args, name: str, device: str) -> list[str]:
+    """The config of the servers `tandem train` would start for --backends entry `name` on this device."""
+    overrides = [f"rollout.backend={engine_of(name)}", f"rollout.device={device}", "retrieval.launch=false"]
     overrides += ["rollout.dtype=float32"] if device == "cpu" else ["rollout.dtype=bfloat16"]
     for engine in ("vllm", "sglang"):
         if getattr(args, f"{engine}_python"):
@@ -103,11 +117,12 @@ def engine_overrides(args, backend: str, device: str) -> list[str]:
             overrides.append(f"rollout.{engine}.pythonpath=[{getattr(args, f'{engine}_pythonpath')}]")
     if device == "cpu":
         overrides += ["rollout.engine.kv_cache_gb=0.5", "rollout.vllm.cpu_kv_cache_gb=1"]
-    return overrides
+    return overrides + (VARIANTS[name][1] if name in VARIANTS else [])
 
 
-def why_missing(args, backend: str) -> str | None:
+def why_missing(args, name: str) -> str | None:
     """None when the backend's interpreter imports it, else the reason it is skipped."""
+    backend = engine_of(name)
     if backend == "embedded":
         return None
     if backend == "sglang" and args.cpu:
@@ -144,7 +159,9 @@ def start_server(backend: str, model_dir: Path, overrides: list[str], max_runnin
         ],
     )
     key = new_api_key()
-    server = build_server(ServerSpec(backend, 0, config, model_path=str(model_dir), api_key=key), "127.0.0.1")
+    server = build_server(
+        ServerSpec(engine_of(backend), 0, config, model_path=str(model_dir), api_key=key), "127.0.0.1"
+    )
     start = time.perf_counter()
     server.start()
     return server, getattr(server, "api_key", None) or key, time.perf_counter() - start
@@ -197,7 +214,7 @@ async def weights_check(backend: str, client, url: str, key, model_dir: Path, de
     before = [(await client.generate(p, params)).output_ids for p in prompts]
     model = actor_model(model_dir, device)
     route = "gloo" if device == "cpu" else "cuda_ipc"
-    sender = make_weight_sender(backend, route, [url], 256, api_key=key, pause_mode="drain")
+    sender = make_weight_sender(engine_of(backend), route, [url], 256, api_key=key, pause_mode="drain")
     await sender.connect()
     named = [(n, t.detach()) for n, t in model.named_parameters()]  # tied weights once, as the actor
     pushed = await sender.push(named, weight_version=1)
@@ -227,13 +244,14 @@ def agent_step(backend: str, args, smollm2: Path, out_dir: Path) -> dict:
         "runner.val_interval=0",
         "runner.val_before_train=false",
     ]
-    command += ["runner.save_interval=0", f"rollout.model.model_path={smollm2}", f"rollout.backend={backend}"]
+    command += ["runner.save_interval=0", f"rollout.model.model_path={smollm2}"]
     command += [
         o for o in engine_overrides(args, backend, "cuda") if o.startswith(("rollout.vllm", "rollout.sglang"))
     ]
-    if backend == "vllm":
+    command.append(f"rollout.backend={engine_of(backend)}")
+    if engine_of(backend) == "vllm":
         command += ["rollout.pause_mode=in_place", "rollout.vllm.gpu_memory_utilization=0.4"]
-    if backend == "sglang":
+    if engine_of(backend) == "sglang":
         command += ["rollout.sglang.mem_fraction_static=0.4"]
     command += args.agent_overrides
     start = time.perf_counter()
@@ -264,7 +282,7 @@ async def measure_smollm2(backend: str, args, device: str, smollm2: Path) -> dic
     result: dict = {}
     overrides = engine_overrides(args, backend, device)
     server, key, result["startup_s"] = start_server(backend, smollm2, overrides, 16, 2048)
-    client = make_client(backend, server.url, api_key=key)
+    client = make_client(engine_of(backend), server.url, api_key=key)
     try:
         result.update(await weights_check(backend, client, server.url, key, smollm2, device, args))
     finally:
@@ -279,7 +297,7 @@ async def measure_fixed_batch(backend: str, args, device: str, fixed_dir: Path, 
     overrides = engine_overrides(args, backend, device)
     context = args.prompt_len + args.new_tokens + 64
     server, key, startup_s = start_server(backend, fixed_dir, overrides, args.num_requests, context)
-    client = make_client(backend, server.url, api_key=key)
+    client = make_client(engine_of(backend), server.url, api_key=key)
     try:
         batch = await fixed_batch(client, args, vocab)
     finally:

@@ -12,7 +12,7 @@
 #                                                      actor's), then the overrides given
 #   benchmarks/engine/engines_h200.sh bench [BACKENDS [ARGS ...]]
 #                                                      benchmarks/engine/engines_gpu.py for BACKENDS
-#                                                      (embedded,vllm,sglang: the installed ones run), with
+#                                                      (embedded,vllm,vllm_eager,sglang: the installed ones run), with
 #                                                      its further ARGS (e.g. --deadline-s 600)
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the

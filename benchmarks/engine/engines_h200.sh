@@ -14,11 +14,16 @@
 #                                                      benchmarks/engine/engines_gpu.py for BACKENDS
 #                                                      (embedded,vllm,vllm_eager,sglang: the installed ones run), with
 #                                                      its further ARGS (e.g. --deadline-s 600)
+#   benchmarks/engine/engines_h200.sh all ENGINE [ARGS ...]    all of it for ENGINE: the install beside `tandem prepare
+#                                                      all` and the cold start (`tandem sft`, unless it is
+#                                                      there), the recipe (20 steps), then the bench of
+#                                                      embedded,ENGINE (and vllm_eager) with ARGS; exits with
+#                                                      the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
 set -euo pipefail
-cmd=${1:?usage: engines_h200.sh install|recipe|bench ...}
+cmd=${1:?usage: engines_h200.sh install|recipe|bench|all ...}
 out=${OUT:-/tmp/engines_h200}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_NO_USAGE_STATS=1 \
@@ -67,5 +72,21 @@ case "$cmd" in
     shift $(( $# < 2 ? $# : 2 ))
     python3 -m benchmarks.engine.engines_gpu --backends "$backends" "${args[@]}" --out "$out/engines_h200.json" "$@"
     ;;
-  *) echo "unknown command $cmd (install, recipe, bench)" >&2; exit 2 ;;
+  all)
+    eng=${2:?engine: vllm or sglang}
+    shift 2
+    bash "$0" install "$eng" > "$out/install_$eng.log" 2>&1 &  # beside the CPU-bound preparation
+    installing=$!
+    python3 -m tandemrl.cli prepare all
+    coldstart=$(python3 -c "from tandemrl.host.home import default_coldstart_dir; print(default_coldstart_dir())")
+    [ -f "$coldstart/config.json" ] || python3 -m tandemrl.cli sft examples/searchr1/config/smollm2_h200_sync.yaml
+    wait "$installing" || { cat "$out/install_$eng.log"; exit 2; }
+    recipe=0
+    bash "$0" recipe "$eng" 20 || recipe=$?  # the bench still runs: its figures stand on their own
+    backends=embedded,$eng
+    [ "$eng" = vllm ] && backends+=,vllm_eager
+    bash "$0" bench "$backends" "$@"
+    exit "$recipe"
+    ;;
+  *) echo "unknown command $cmd (install, recipe, bench, all)" >&2; exit 2 ;;
 esac

@@ -150,15 +150,13 @@ class HttpClient:
         most UNANSWERED_RETRIES times: the server either never took the request or aborts it when its
         client goes away (vLLM and SGLang abort a stream whose client disconnects), so no token reaches
         the result twice. The last failure is raised as it came."""
-        for attempt in range(UNANSWERED_RETRIES + 1):
+        for attempt in range(UNANSWERED_RETRIES):
             try:
                 return await self._http().post(self.base_url + path, json=body)
             except aiohttp.ClientConnectionError as error:
-                if attempt == UNANSWERED_RETRIES:
-                    raise
                 log.warning("%s%s: %r before any answer; sending it again", self.base_url, path, error)
                 await asyncio.sleep(0.1 * (attempt + 1))
-        raise AssertionError("unreachable")  # the loop returns or raises
+        return await self._http().post(self.base_url + path, json=body)
 
     async def _stream(self, path: str, body: dict):
         """The JSON payloads of a server-sent-event stream (`data: {...}` lines, up to `data: [DONE]`)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import socket
 import subprocess
 import sys
 import time
@@ -74,28 +75,27 @@ async def bursts(url: str, make_connector, args) -> dict:
     return {"requests": sent, "failed": sum(errors.values()), "errors": errors}
 
 
+def wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 30.0) -> None:
+    """Return once the server accepts connections on `port`; raise if it exits or takes over `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1.0).close()
+            return
+        except OSError:
+            if server.poll() is not None:
+                raise RuntimeError(f"uvicorn exited with {server.returncode} before it listened") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not listen on {port} in {timeout_s:g} s") from None
+            time.sleep(0.2)
+
+
 def main() -> None:
     args = parse_args()
     server = subprocess.Popen([sys.executable, "-c", SERVER, str(args.port)])
     url = f"http://127.0.0.1:{args.port}/generate"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                subprocess.run(
-                    [
-                        sys.executable,
-                        "-c",
-                        f"import socket; socket.create_connection(('127.0.0.1', {args.port}))",
-                    ],
-                    check=True,
-                    capture_output=True,
-                )
-                break
-            except subprocess.CalledProcessError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("uvicorn did not start in 30 s") from None
-                time.sleep(0.2)
+        wait_for_port(args.port, server)
         pools = {
             "aiohttp_default_15s": lambda: aiohttp.TCPConnector(limit=0),
             f"tandem_{KEEPALIVE_S:g}s": lambda: pooled_connector(0),

@@ -14,6 +14,7 @@ from aiohttp import web
 from tandemrl.agent.search_tool import SearchTool
 from tandemrl.host.http_pool import KEEPALIVE_S, UVICORN_KEEPALIVE_S
 from tandemrl.rollout.client import EngineClient
+from tests.aiohttp_app import serving
 
 
 class PoolClock:
@@ -36,20 +37,15 @@ async def client_ports(idle_gaps_s: list[float], clock: PoolClock) -> list[int]:
 
     app = web.Application()
     app.router.add_post("/ping", ping)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    client = EngineClient(f"http://127.0.0.1:{port}")
-    try:
-        await client.post("/ping")
-        for gap in idle_gaps_s:
-            clock.now += gap
+    async with serving(app) as address:
+        client = EngineClient(f"http://{address}")
+        try:
             await client.post("/ping")
-    finally:
-        await client.close()
-        await runner.cleanup()
+            for gap in idle_gaps_s:
+                clock.now += gap
+                await client.post("/ping")
+        finally:
+            await client.close()
     return ports
 
 

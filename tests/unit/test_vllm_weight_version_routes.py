@@ -13,6 +13,7 @@ from aiohttp import web
 
 from tandemrl.rollout.client import EngineError
 from tandemrl.rollout.vllm_client import VllmClient
+from tests.aiohttp_app import serving
 
 
 class FakeVllm:
@@ -52,20 +53,15 @@ class FakeVllm:
 
 async def push_two_versions(fake: FakeVllm) -> tuple[list[str], list[str]]:
     """Two finished updates (versions 3 and 4) through a client of `fake`; the version it reports after each."""
-    runner = web.AppRunner(fake.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
-    client = VllmClient(f"http://127.0.0.1:{port}")
     reported = []
-    try:
-        for version in (3, 4):
-            await client.finish_weight_update(version, flush=False)
-            reported.append(await client.get_weight_version())
-    finally:
-        await client.close()
-        await runner.cleanup()
+    async with serving(fake.app()) as address:
+        client = VllmClient(f"http://{address}")
+        try:
+            for version in (3, 4):
+                await client.finish_weight_update(version, flush=False)
+                reported.append(await client.get_weight_version())
+        finally:
+            await client.close()
     return reported, fake.rpcs
 
 

@@ -113,3 +113,43 @@ def test_a_temp_log_goes_at_a_clean_stop_and_stays_after_a_death(ends, tmp_path,
         server.proc.wait()
     server.stop()
     assert log_dir.exists() == (ends == "died by itself")
+
+
+class Healthy(ChildServer):
+    """A real child process that answers /health on its port."""
+
+    name = "healthy"
+
+    def command(self) -> list[str]:
+        serve = (
+            "import http.server, sys\n"
+            "class H(http.server.BaseHTTPRequestHandler):\n"
+            "    def do_GET(self):\n"
+            "        self.send_response(200); self.end_headers(); self.wfile.write(b'{}')\n"
+            "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), H).serve_forever()\n"
+        )
+        return [sys.executable, "-c", serve, str(self.port)]
+
+
+def test_a_server_waited_for_after_its_deadline_is_still_found_healthy():
+    """The driver waits for its servers one after another: the retrieval server's wait came after a
+    210 s vLLM start, past its own 180 s, and it was declared dead while it answered (H100, 2026-12-06)."""
+    server = Healthy(None, "127.0.0.1", 0.5, None)
+    server.launch()
+    try:
+        while server.health() is None:  # up, whatever the time it took
+            assert server.is_alive(), server.log_tail()
+            time.sleep(0.05)
+        while time.monotonic() < server._launched_s + server.startup_timeout_s:
+            time.sleep(0.05)
+        assert server.wait_healthy() is server
+    finally:
+        server.stop()
+
+
+def test_a_server_that_never_answers_times_out_naming_itself():
+    server = Sleeper(None, "127.0.0.1", 0.3, None)
+    server.launch()
+    with pytest.raises(TimeoutError, match=r"sleeper at http://127\.0\.0\.1:\d+ not healthy after 0 s"):
+        server.wait_healthy()
+    assert not server.is_alive()

@@ -11,9 +11,11 @@ Per backend, in this order (each backend's first three, then the fixed batches w
 the JSON is rewritten after each backend, so a run cut short keeps what it measured):
 - startup_s: launch to the first healthy /health of the SmolLM2 server (the model the recipe serves);
 - weights_check: on that server (the cold-started SmolLM2 when prepared), push an actor's weights
-  through the run's route (CUDA IPC on one GPU, gloo on CPU) and compare greedy output on probe
-  prompts with the actor's own (HF) greedy: true when every prompt matches token for token (also
-  recorded: whether the push changed the engine's output, so the check is not vacuous);
+  through the run's route (CUDA IPC on one GPU, gloo on CPU), then let the actor (HF) score the engine's
+  greedy output on probe prompts, as the run's own check does (runner/weights_check.py): true when the
+  actor ranks every engine token within runner.weights_check_tie_nats of its top (`exact`: each is
+  its top; `max_gap_nats`; also recorded: whether the push changed the engine's output, so the check is
+  not vacuous);
 - agent_step_s: a rollout step of the H200 recipe (smollm2_h200_sync.yaml: 64 prompts x group 4 =
   256 trajectories with search) from the cold-started SmolLM2: `tandem train` for 1 + --agent-steps
   steps, the mean `time/wait_data` (the actor waiting for the 256 trajectories) of the steps after the
@@ -179,16 +181,6 @@ async def fixed_batch(client, args, vocab: int) -> dict:
     return {"output_tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
-@torch.no_grad()
-def hf_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
-    """Argmax of the raw logits, EOS included (as the engines with ignore_eos: EOS is sampled, not a stop)."""
-    ids = list(prompt)
-    for _ in range(num_tokens):
-        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1]
-        ids.append(int(logits.float().argmax()))
-    return ids[len(prompt) :]
-
-
 def actor_model(model_dir: Path, device: str):
     """The 'actor': the served model with every MLP down-projection halved (changes greedy output)."""
     from transformers import AutoModelForCausalLM
@@ -206,7 +198,12 @@ def actor_model(model_dir: Path, device: str):
 async def weights_check(backend: str, client, url: str, key, model_dir: Path, device: str, args) -> dict:
     from transformers import AutoTokenizer
 
+    from tandemrl.config.schema import RunnerConfig
     from tandemrl.rollout.backends import make_weight_sender
+    from tandemrl.runner.weights_check import judge
+    from tandemrl.trainer.greedy_gaps import argmax_gaps
+
+    tie_nats = RunnerConfig.weights_check_tie_nats
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(p) for p in PROBES]
@@ -221,13 +218,18 @@ async def weights_check(backend: str, client, url: str, key, model_dir: Path, de
     for c in sender.clients:
         await c.close()
     engine = [(await client.generate(p, params)).output_ids for p in prompts]
-    actor = [hf_greedy(model, p, args.probe_tokens) for p in prompts]
+    report = judge(
+        [engine], [[argmax_gaps(model, p, ids) for p, ids in zip(prompts, engine, strict=True)]], tie_nats
+    )
     return {
-        "weights_check": engine == actor,
+        "weights_check": report["weights_check"],
+        "exact": report["exact"],
+        "max_gap_nats": report["max_gap_nats"],
+        "tie_nats": tie_nats,
         "route": route,
         "push_s": pushed["seconds"],
         "push_changed_output": engine != before,
-        "mismatches": [i for i, (e, a) in enumerate(zip(engine, actor, strict=True)) if e != a],
+        "divergences": report["divergences"],
     }
 
 

@@ -121,13 +121,18 @@ class ActorWorker:
         assert weight_version == self.actor.weight_version, (weight_version, self.actor.weight_version)
         return self._loop.run_until_complete(self.actor.sync_weights(self._sender))
 
-    def greedy(self, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
-        """Greedy continuations (argmax of the raw logits, EOS included) under exactly the weights a push
-        sends (`iter_full_weights`, in the compute dtype), so an engine that took them answers the same
-        (runner/weights_check.py). Every rank takes part in gathering each tensor; only rank 0 keeps them,
-        builds the model in the compute dtype and decodes."""
+    def greedy_gaps(
+        self, prompts: list[list[int]], continuations: list[list[int]]
+    ) -> list[tuple[list[int], list[float]]]:
+        """For each prompt and an engine's greedy continuation of it: the actor's argmax token at each
+        position and how many nats below it the actor ranks the engine's token (trainer/greedy_gaps.py).
+        It uses exactly the weights a push sends (`iter_full_weights`, in the compute dtype), for
+        runner/weights_check.py. Every rank takes part in gathering each tensor; only rank 0 keeps
+        them, builds the model in the compute dtype and scores."""
         import torch
         from transformers import AutoModelForCausalLM
+
+        from tandemrl.trainer.greedy_gaps import argmax_gaps
 
         weights = self.actor.iter_full_weights()
         if self.actor.rank != 0:
@@ -140,15 +145,7 @@ class ActorWorker:
             model = AutoModelForCausalLM.from_config(config, dtype=self.actor.compute_dtype).eval()
         model.load_state_dict(state, strict=False)
         model.tie_weights()
-        outputs = []
-        with torch.no_grad():
-            for prompt in prompts:
-                ids = list(prompt)
-                for _ in range(num_tokens):
-                    logits = model(torch.tensor([ids], device=self.actor.device)).logits[0, -1]
-                    ids.append(int(logits.float().argmax()))
-                outputs.append(ids[len(prompt) :])
-        return outputs
+        return [argmax_gaps(model, p, c) for p, c in zip(prompts, continuations, strict=True)]
 
     def save_checkpoint(self, directory: str, extra: dict[str, object] | None = None) -> None:
         """The actor's checkpoint with `extra` (relative path -> object, e.g. data/data.pt) inside it,

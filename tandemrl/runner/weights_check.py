@@ -1,9 +1,14 @@
-"""`runner.weights_check_tokens` (0: off): after a run's last weight sync, every engine's greedy output on
-probe prompts must equal the actor's greedy output under the weights it pushed, token for token. The
-result goes to `<output_dir>/weights_check.json`; a mismatch raises `WeightsCheckError` naming the
-engine and the prompt. It checks the sync end to end (route, names, dtypes, tied heads, the engine's
-own loading), for any backend. Invariant: it runs with the rollout stopped, so nothing else is batched
-with the probes.
+"""`runner.weights_check_tokens` (0: off): after a run's last weight sync, each engine answers probe prompts
+greedily, and the actor scores that output under the weights it pushed. The check passes when the actor
+ranks every token the engine chose within `runner.weights_check_tie_nats` of its own top choice. With
+the default of 0.5 nats, near-ties that two correct bf16 forwards break differently pass; wrong weights
+put a token nats below and fail (trainer/greedy_gaps.py gives the measurements). `exact` says whether
+the engine's output was the actor's greedy token for token.
+
+The result goes to `<output_dir>/weights_check.json`. A failure raises `WeightsCheckError` naming the
+engine, the prompt, the position and the gap. It checks the sync end to end, for any backend: route,
+names, dtypes, tied heads, the engine's own loading. Invariant: it runs with the rollout stopped, so
+nothing else is batched with the probes.
 """
 
 from __future__ import annotations
@@ -31,40 +36,79 @@ class WeightsCheckError(RuntimeError):
 
 
 async def check_weights(ctx: RunContext) -> dict:
-    num_tokens = ctx.config.runner.weights_check_tokens
+    runner = ctx.config.runner
     prompts = [ctx.driver.tokenizer.encode(text) for text in PROBES]
-    actor = await ctx.actor.call("greedy", prompts, num_tokens)
-    params = {"max_new_tokens": num_tokens, "temperature": 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": runner.weights_check_tokens, "temperature": 0.0, "ignore_eos": True}
     engines = []
     for engine in ctx.engines:
         results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         engines.append([r.output_ids for r in results])
-    mismatches = [
-        {"engine": e, "prompt": PROBES[p], "actor": actor[p], "engine_ids": ids[p]}
-        for e, ids in enumerate(engines)
-        for p in range(len(prompts))
-        if ids[p] != actor[p]
-    ]
-    report = {
-        "weights_check": not mismatches,
-        "weight_version": ctx.weight_version,
-        "backend": ctx.config.rollout.backend,
-        "num_tokens": num_tokens,
-        "prompts": PROBES,
-        "actor": actor,
-        "engines": engines,
-        "mismatches": mismatches,
-    }
+    scored = [await ctx.actor.call("greedy_gaps", prompts, ids) for ids in engines]
+    report = judge(engines, scored, runner.weights_check_tie_nats)
+    report.update(
+        weight_version=ctx.weight_version,
+        backend=ctx.config.rollout.backend,
+        num_tokens=runner.weights_check_tokens,
+        prompts=PROBES,
+    )
     (ctx.output_dir / "weights_check.json").write_text(json.dumps(report, indent=2) + "\n")
-    if mismatches:
-        first = mismatches[0]
-        raise WeightsCheckError(
-            f"after the weight sync to version {ctx.weight_version}, rollout engine {first['engine']} "
-            f"({ctx.config.rollout.backend}) answered {first['prompt']!r} greedily with {first['engine_ids']} "
-            f"where the actor gives {first['actor']} ({len(mismatches)} mismatch(es); "
-            f"{ctx.output_dir / 'weights_check.json'})"
-        )
+    if not report["weights_check"]:
+        raise WeightsCheckError(failure_message(report, ctx.output_dir / "weights_check.json"))
     log.info(
-        "weights check passed: %d engine(s) x %d probes equal the actor's greedy", len(engines), len(prompts)
+        "weights check passed: %d engine(s) x %d probes, %s",
+        len(engines),
+        len(prompts),
+        "each the actor's greedy exactly"
+        if report["exact"]
+        else f"largest gap {report['max_gap_nats']:.3f} nats (a near-tie)",
     )
     return report
+
+
+def judge(engines: list[list[list[int]]], scored: list[list[tuple[list[int], list[float]]]], tie_nats: float):
+    """`engines[e][p]`: engine e's greedy ids for probe p; `scored[e][p]`: the actor's argmax and gaps over
+    them (trainer/greedy_gaps.py). Every probe where the engine left the actor's argmax is a divergence;
+    the check holds when no gap exceeds `tie_nats`."""
+    divergences = []
+    for e, (ids, actor) in enumerate(zip(engines, scored, strict=True)):
+        for p, (engine_ids, (argmax, gaps)) in enumerate(zip(ids, actor, strict=True)):
+            if engine_ids != argmax:
+                worst = max(range(len(gaps)), key=gaps.__getitem__)
+                divergences.append(
+                    {
+                        "engine": e,
+                        "prompt": p,
+                        "first_position": next(
+                            i for i, (a, b) in enumerate(zip(engine_ids, argmax, strict=True)) if a != b
+                        ),
+                        "position": worst,
+                        "max_gap_nats": gaps[worst],
+                        "engine_ids": engine_ids,
+                        "actor_argmax": argmax,
+                        "gaps_nats": gaps,
+                    }
+                )
+    max_gap = max((d["max_gap_nats"] for d in divergences), default=0.0)
+    return {
+        "weights_check": max_gap <= tie_nats,
+        "exact": not divergences,
+        "tie_nats": tie_nats,
+        "max_gap_nats": max_gap,
+        "engines": engines,
+        "divergences": divergences,
+    }
+
+
+def failure_message(report: dict, path) -> str:
+    """One line naming the first probe beyond the margin: engine, prompt, position, gap, the way out."""
+    tie_nats = report["tie_nats"]
+    failed = [d for d in report["divergences"] if d["max_gap_nats"] > tie_nats]
+    first = failed[0]
+    return (
+        f"after the weight sync to version {report['weight_version']}, rollout engine {first['engine']} "
+        f"({report['backend']}) answered {report['prompts'][first['prompt']]!r} greedily with "
+        f"{first['engine_ids']}; at token {first['position']} the actor puts the engine's token "
+        f"{first['max_gap_nats']:.2f} nats below its own top {first['actor_argmax'][first['position']]}, "
+        f"beyond runner.weights_check_tie_nats={tie_nats}: the engine does not run the weights the actor "
+        f"pushed ({len(failed)} probe(s); {path})"
+    )

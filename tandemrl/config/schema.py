@@ -59,8 +59,8 @@ class RunnerConfig:
     # At most MAX_WEIGHTS_CHECK_TOKENS: a wrong weight shows within a few tokens
     weights_check_tokens: int = 0
     # how far below the actor's top token an engine's greedy token may be: a near-tie that two correct
-    # bf16 forwards break differently (up to 0.19 nats measured), where wrong weights put a token 1.5 to
-    # 18 nats below (trainer/greedy_gaps.py); 0: the engine's output must be the actor's greedy exactly
+    # bf16 forwards break differently (up to 0.19 nats measured), where wrong weights put a token 1.19
+    # nats or more below (trainer/greedy_gaps.py); 0: the engine's output must be the actor's greedy exactly
     weights_check_tie_nats: float = 0.5
 
     def __post_init__(self):
@@ -89,8 +89,8 @@ class RunnerConfig:
             and 0 <= self.weights_check_tie_nats <= MAX_WEIGHTS_CHECK_TIE_NATS,
             "runner.weights_check_tie_nats",
             self.weights_check_tie_nats,
-            f"must be a number of nats from 0 to {MAX_WEIGHTS_CHECK_TIE_NATS} (a wider margin passes an engine "
-            "that kept its old weights: it put tokens 1.5 nats below the actor's top)",
+            f"must be a number of nats from 0 to {MAX_WEIGHTS_CHECK_TIE_NATS} (a wider margin lets wrong weights "
+            "pass: an engine that missed a real update put its tokens 1.19 nats or more below the actor's top)",
             "Use 0 for exact greedy equality, or e.g. 0.5.",
         )
         _check_finite_positive("runner.engine_health_interval_s", self.engine_health_interval_s)

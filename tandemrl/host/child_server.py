@@ -141,7 +141,7 @@ class ChildServer:
     def wait_healthy(self):
         """Block until `/health` answers (raises with the log's tail if the child exits or times out).
         The child is asked at least once however late this is called: a driver that first waited for a
-        slower server (a vLLM start on a fresh GPU took 210 s) still finds this one healthy."""
+        slower server (a first vLLM start on a fresh GPU took 247 s) still finds this one healthy."""
         assert self.proc is not None, "launch() first"
         deadline = self._launched_s + self.startup_timeout_s
         while True:

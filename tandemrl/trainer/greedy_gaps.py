@@ -5,10 +5,13 @@ behind the weights check (runner/weights_check.py) and the engines benchmark's c
 Exact equality is not the measure, because two correct bf16 forwards disagree at near-ties. Flash
 attention with a KV cache against HF's full recompute, or bf16 against fp32, sums in another order. So
 greedy picks a different token where the top two are a few hundredths of a nat apart, and the texts part
-from there. On SmolLM2 (CPU) that happened in 1 of 4 probes in each of these pairs: bf16 against fp32,
-eager against SDPA attention, the cold-started model. The rival was at most 0.19 nats below the top. An
-engine that kept its old weights put its tokens 1.5 to 18 nats below the actor's top in every probe
-(`benchmarks/robustness/weights_check_ties.py`).
+from there. On SmolLM2 (CPU), over the runner's 4 probes and 16 real questions, bf16 against fp32 and
+eager against SDPA attention parted on 4 or 5 of the 20 prompts. The engine's token there was at most
+0.19 nats below the actor's top. Wrong weights were far below:
+- an engine still on the base model, scored by the cold-started actor (a real update never pushed), parted
+  on 19 of 20 prompts, each by 1.19 nats or more;
+- one whose MLPs were not halved as the actor's were parted on all 20, each by 2.3 nats or more.
+`benchmarks/results/robustness/weights_check_ties.json` has the figures.
 """
 
 from __future__ import annotations

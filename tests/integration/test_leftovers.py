@@ -133,7 +133,7 @@ class Healthy(ChildServer):
 
 def test_a_server_waited_for_after_its_deadline_is_still_found_healthy():
     """The driver waits for its servers one after another: the retrieval server's wait came after a
-    210 s vLLM start, past its own 180 s, and it was declared dead while it answered (H100, 2026-12-06)."""
+    247 s vLLM start, past its own 180 s, and it was declared dead while it answered (H100, 2026-12-06)."""
     server = Healthy(None, "127.0.0.1", 0.5, None)
     server.launch()
     try:

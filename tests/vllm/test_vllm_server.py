@@ -277,5 +277,6 @@ def test_tandem_launches_vllm_and_trains_over_gloo(smollm2_dir, minilm_dir, tmp_
     rows = [json.loads(line) for line in Path(out, "trajectories", "step_2.jsonl").read_text().splitlines()]
     versions = [v for r in rows for v, m in zip(r["weight_versions"], r["loss_mask"], strict=True) if m]
     assert versions and all(0 <= v <= 1 for v in versions)
-    check = json.loads(Path(out, "weights_check.json").read_text())  # vLLM's greedy equals the actor's
+    check = json.loads(Path(out, "weights_check.json").read_text())  # the actor scores vLLM's greedy tokens
     assert check["weights_check"] and check["backend"] == "vllm" and check["weight_version"] == 2, check
+    assert check["max_gap_nats"] <= check["tie_nats"] == 0.5 and len(check["engines"][0]) == 4, check

@@ -36,6 +36,7 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_off_policy_correction(config)
     _derive_recompute_logprobs(config)
     _derive_pause_mode(config)
+    _derive_startup_timeout(config)
     _derive_prefix_cache_age(config)
     _validate_cross_section(config)
     _validate_sizes(config)
@@ -257,6 +258,18 @@ def _derive_pause_mode(config: TandemConfig) -> None:
             f"rollout.pause_mode={rollout.pause_mode!r} with rollout.backend=vllm: "
             f"{UNSUPPORTED_PAUSE_MODES[rollout.pause_mode]}. Set rollout.pause_mode=in_place (vLLM's keep) or "
             "drain, or leave it unset."
+        )
+
+
+STARTUP_TIMEOUT_S = {"embedded": 300.0, "vllm": 900.0, "sglang": 900.0}  # see rollout.startup_timeout_s
+
+
+def _derive_startup_timeout(config: TandemConfig) -> None:
+    rollout = config.rollout
+    if rollout.startup_timeout_s is None:
+        rollout.startup_timeout_s = STARTUP_TIMEOUT_S[rollout.backend]
+        config.derived["rollout.startup_timeout_s"] = (
+            f"{rollout.startup_timeout_s:g} (the default for rollout.backend={rollout.backend})"
         )
 
 

@@ -135,7 +135,10 @@ class RolloutConfig:
         None  # disk sync: a directory the engines can read; None: <output_dir>/weight_sync
     )
     sync_bucket_mb: int = 256
-    startup_timeout_s: float = 300.0
+    # launch to healthy, per launched engine; None: derived, 300 s for the embedded engine, 900 s for vLLM
+    # and SGLang (a first vLLM start of SmolLM2-135M on a fresh H100 took 247 s: CUDA graphs, torch.compile
+    # and its warm-up; a larger model loads and captures longer)
+    startup_timeout_s: float | None = None
     # the embedded engine's own settings, whole and under their engine names (tandemrl/config/engine.py)
     engine: EngineOptions = field(default_factory=EngineOptions)
     # an announced weight update whose tensors do not arrive within this is aborted (old weights kept)
@@ -146,7 +149,7 @@ class RolloutConfig:
 
     def __post_init__(self):
         _check_finite_positive("rollout.weight_update_timeout_s", self.weight_update_timeout_s)
-        _check_finite_positive("rollout.startup_timeout_s", self.startup_timeout_s)
+        _check_finite_positive("rollout.startup_timeout_s", self.startup_timeout_s, allow_none=True)
         if self.pause_mode is not None:
             _check_choice("rollout.pause_mode", self.pause_mode, PAUSE_MODES)
         _check_choice("rollout.backend", self.backend, ROLLOUT_BACKENDS)

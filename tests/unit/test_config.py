@@ -399,3 +399,23 @@ def test_a_repeated_override_takes_its_last_value():
     """README, Configuring: benchmark scripts append a run's own override to a list of shared ones."""
     config = load_config(ASYNC, ["rollout.pause_mode=in_place", "rollout.pause_mode=retract"])
     assert config.rollout.pause_mode == "retract"
+
+
+@pytest.mark.parametrize("backend, seconds", [("embedded", 300.0), ("vllm", 900.0), ("sglang", 900.0)])
+def test_the_start_up_timeout_follows_the_backend_unless_set(backend, seconds):
+    """A first vLLM start of SmolLM2-135M on a fresh H100 took 247 s of the 300 s every backend had."""
+    config = load_config(None, [f"rollout.backend={backend}", "rollout.server_addrs=[127.0.0.1:30000]"])
+    assert config.rollout.startup_timeout_s == seconds
+    assert (
+        config.derived["rollout.startup_timeout_s"]
+        == f"{seconds:g} (the default for rollout.backend={backend})"
+    )
+    chosen = load_config(
+        None,
+        [
+            f"rollout.backend={backend}",
+            "rollout.server_addrs=[127.0.0.1:30000]",
+            "rollout.startup_timeout_s=45",
+        ],
+    )
+    assert chosen.rollout.startup_timeout_s == 45 and "rollout.startup_timeout_s" not in chosen.derived

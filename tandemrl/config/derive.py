@@ -37,6 +37,7 @@ def derive_and_validate(config: TandemConfig) -> list[str]:
     _derive_recompute_logprobs(config)
     _derive_pause_mode(config)
     _derive_startup_timeout(config)
+    _derive_cpus_per_engine(config)
     _derive_prefix_cache_age(config)
     _validate_cross_section(config)
     _validate_sizes(config)
@@ -270,6 +271,17 @@ def _derive_startup_timeout(config: TandemConfig) -> None:
         rollout.startup_timeout_s = STARTUP_TIMEOUT_S[rollout.backend]
         config.derived["rollout.startup_timeout_s"] = (
             f"{rollout.startup_timeout_s:g} (the default for rollout.backend={rollout.backend})"
+        )
+
+
+def _derive_cpus_per_engine(config: TandemConfig) -> None:
+    cluster, backend = config.cluster, config.rollout.backend
+    if cluster.cpus_per_engine is None:
+        cluster.cpus_per_engine = 2 if backend == "embedded" else 0
+        config.derived["cluster.cpus_per_engine"] = (
+            "2 (rollout.backend=embedded: its loop thread paces the engine)"
+            if backend == "embedded"
+            else f"0 (rollout.backend={backend}: its server runs several processes of its own, left to the OS)"
         )
 
 

@@ -236,7 +236,10 @@ class ClusterConfig:
     # an engine share a GPU and the node has the cores to spare; never: the OS schedules everything anywhere
     cpu_pinning: str = "auto"
     cpus_per_actor_rank: int = 2
-    cpus_per_engine: int = 2  # 0: the engines share the rest of the run's cores
+    # 0: the engines share the rest of the run's cores. None: derived, 2 for the embedded engine (one host
+    # thread paces it) and 0 for vLLM and SGLang, whose API server, engine core and compile workers are
+    # processes of their own: pinned to 2 cores on an H100, vLLM's first start took 247 s
+    cpus_per_engine: int | None = None
 
     def __post_init__(self):
         _check_positive("cluster.num_nodes", self.num_nodes)
@@ -246,6 +249,8 @@ class ClusterConfig:
             ("cpus_per_actor_rank", self.cpus_per_actor_rank, 1),
             ("cpus_per_engine", self.cpus_per_engine, 0),
         ):
+            if value is None and key == "cpus_per_engine":
+                continue  # derived from rollout.backend (config/derive.py)
             _check(
                 isinstance(value, int) and low <= value <= MAX_RESERVED_CPUS,
                 f"cluster.{key}",

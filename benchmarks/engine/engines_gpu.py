@@ -25,7 +25,9 @@ the JSON is rewritten after each backend, so a run cut short keeps what it measu
   the backend's own client (HTTP, as the runner drives it): output tokens / wall seconds, on a server of
   its own (fixed_batch_startup_s: its launch to healthy).
 `vllm_eager` in --backends is vLLM under --enforce-eager (no CUDA graphs, no torch.compile), measured as a
-backend of its own: what its shorter start costs in throughput.
+backend of its own: what its shorter start costs in throughput. `vllm_pinned` is vLLM with 2 cores of its
+own in the agent step's run (cluster.cpus_per_engine=2, the embedded engine's default): what pinning its
+processes costs or saves.
 A backend that is not installed (its interpreter cannot import it) is skipped, and the JSON says why.
 The embedded engine's ratio to the best other backend is written per workload.
 """
@@ -56,8 +58,11 @@ from benchmarks.engine.model_shapes import QWEN25_15B  # noqa: E402
 BACKENDS = ("embedded", "vllm", "sglang")
 # a backend under other flags of its own, measured as a backend of its own: name -> (backend, overrides)
 VARIANTS = {
-    "vllm_eager": ("vllm", ["rollout.vllm.extra_args=[--enforce-eager]"])
-}  # no CUDA graphs, no compile
+    "vllm_eager": ("vllm", ["rollout.vllm.extra_args=[--enforce-eager]"]),  # no CUDA graphs, no compile
+    # the agent step's server on 2 cores of its own, as every engine was before cluster.cpus_per_engine
+    # was derived per backend (vLLM's default is now the shared cores)
+    "vllm_pinned": ("vllm", ["cluster.cpus_per_engine=2"]),
+}
 PROBES = ["The capital of France is", "Question: who wrote Hamlet?\nAnswer:", "1, 2, 3, 4,", "Water boils at"]
 
 

@@ -12,12 +12,12 @@
 #                                                      actor's), then the overrides given
 #   benchmarks/engine/engines_h200.sh bench [BACKENDS [ARGS ...]]
 #                                                      benchmarks/engine/engines_gpu.py for BACKENDS
-#                                                      (embedded,vllm,vllm_eager,sglang: the installed ones run), with
+#                                                      (embedded,vllm,vllm_eager,vllm_pinned,sglang: the installed ones run), with
 #                                                      its further ARGS (e.g. --deadline-s 600)
 #   benchmarks/engine/engines_h200.sh all ENGINE [ARGS ...]    all of it for ENGINE: the install beside `tandem prepare
 #                                                      all` and the cold start (`tandem sft`, unless it is
 #                                                      there), the recipe (20 steps), then the bench of
-#                                                      embedded,ENGINE (and vllm_eager) with ARGS; exits with
+#                                                      embedded,ENGINE (and vllm_pinned) with ARGS; exits with
 #                                                      the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
@@ -84,7 +84,7 @@ case "$cmd" in
     recipe=0
     bash "$0" recipe "$eng" 20 || recipe=$?  # the bench still runs: its figures stand on their own
     backends=embedded,$eng
-    [ "$eng" = vllm ] && backends+=,vllm_eager
+    [ "$eng" = vllm ] && backends+=,vllm_pinned  # vllm_eager was measured (engines_h100_f5d3d9c.json)
     bash "$0" bench "$backends" "$@"
     exit "$recipe"
     ;;

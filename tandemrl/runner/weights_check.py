@@ -44,7 +44,11 @@ async def check_weights(ctx: RunContext) -> dict:
     for engine in ctx.engines:
         results = await asyncio.gather(*(engine.generate(p, params) for p in prompts))
         engines.append([r.output_ids for r in results])
-    scored = [await ctx.actor.call("greedy_gaps", prompts, ids) for ids in engines]
+    # one actor call for every engine: each call gathers the full weights and builds a model to score
+    flat = await ctx.actor.call(
+        "greedy_gaps", prompts * len(engines), [ids for out in engines for ids in out]
+    )
+    scored = [flat[e * len(prompts) : (e + 1) * len(prompts)] for e in range(len(engines))]
     report = judge(engines, scored, runner.weights_check_tie_nats)
     report.update(
         weight_version=ctx.weight_version,

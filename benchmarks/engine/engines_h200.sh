@@ -16,9 +16,9 @@
 #                                                      its further ARGS (e.g. --deadline-s 600)
 #   benchmarks/engine/engines_h200.sh all ENGINE [ARGS ...]    all of it for ENGINE: the install beside `tandem prepare
 #                                                      all` and the cold start (`tandem sft`, unless it is
-#                                                      there), the recipe (20 steps), then the bench of
-#                                                      embedded,ENGINE (and vllm_pinned) with ARGS; exits with
-#                                                      the recipe's status
+#                                                      there), the recipe (20 steps, stopped after
+#                                                      $RECIPE_TIMEOUT_S, 900), then the bench of
+#                                                      embedded,ENGINE with ARGS; exits with the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
@@ -82,10 +82,11 @@ case "$cmd" in
     [ -f "$coldstart/config.json" ] || python3 -m tandemrl.cli sft examples/searchr1/config/smollm2_h200_sync.yaml
     wait "$installing" || { cat "$out/install_$eng.log"; exit 2; }
     recipe=0
-    bash "$0" recipe "$eng" 20 || recipe=$?  # the bench still runs: its figures stand on their own
-    backends=embedded,$eng
-    [ "$eng" = vllm ] && backends+=,vllm_pinned  # vllm_eager was measured (engines_h100_f5d3d9c.json)
-    bash "$0" bench "$backends" "$@"
+    # the bench still runs when the recipe fails or hangs: its figures stand on their own; tandem's SIGTERM
+    # handler stops the launched servers (docs/RELIABILITY.md), SIGKILL follows 60 s later
+    timeout --kill-after=60 "${RECIPE_TIMEOUT_S:-900}" bash "$0" recipe "$eng" 20 || recipe=$?
+    # the two the acceptance compares; vllm_eager and vllm_pinned are for `bench` alone (the device time is 30 min)
+    bash "$0" bench "embedded,$eng" "$@"
     exit "$recipe"
     ;;
   *) echo "unknown command $cmd (install, recipe, bench, all)" >&2; exit 2 ;;

@@ -7,7 +7,9 @@ weight-version routes exist only then) and our worker extension (rollout/vllm_wo
 group, the IPC and disk loaders the client calls). `rollout.engine.speculative: ngram` becomes vLLM's
 --speculative-config (`speculative_config` below). On CPU: --enforce-eager, float32 and
 VLLM_CPU_KVCACHE_SPACE (else vLLM asks for most of the machine's memory). The run's API key travels as
-VLLM_API_KEY in the environment, never on the command line; note that vLLM checks it on its /v1 routes
+VLLM_API_KEY in the environment, never on the command line; vLLM's compile cache (torch.compile and
+CUDA-graph artefacts, `VLLM_CACHE_ROOT`) lives in the tandem home, `$TANDEM_HOME/cache/vllm`, beside the
+models it was built for, unless the caller's environment names one; note that vLLM checks it on its /v1 routes
 only, not on the dev routes, which is why launched servers bind 127.0.0.1 on one node.
 
 Started as `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel
@@ -26,6 +28,7 @@ from pathlib import Path
 
 from tandemrl.config.rollout import check_vllm_speculative_device
 from tandemrl.host.child_server import ChildServer
+from tandemrl.host.home import tandem_home
 from tandemrl.rollout.sglang_process import engine_env
 from tandemrl.rollout.vllm_client import WORKER_EXTENSION
 
@@ -100,6 +103,7 @@ class VllmServer(ChildServer):
             env["VLLM_CPU_KVCACHE_SPACE"] = str(int(kv_cache_gb))  # vLLM parses whole GiB
         # "" clears a key the parent's environment may hold for external servers
         env["VLLM_API_KEY"] = api_key or ""
+        env["VLLM_CACHE_ROOT"] = os.environ.get("VLLM_CACHE_ROOT") or str(tandem_home() / "cache" / "vllm")
         super().__init__(port, host, startup_timeout_s, log_path, env={**env, **engine_env(pythonpath or [])})
         self.model_dir, self.max_model_len, self.max_num_seqs = str(model_dir), max_model_len, max_num_seqs
         self.device, self.dtype, self.tensor_parallel_size = device, dtype, tensor_parallel_size

@@ -100,6 +100,16 @@ def test_sglang_command_line_and_key_file(tmp_path):
     assert not path.exists()
 
 
+def test_vllm_compile_cache_lives_in_the_tandem_home_unless_the_caller_names_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    cpu = engine_config(tmp_path, "vllm", "cluster.use_ray=false", "rollout.device=cpu")
+    ((_, spec, _),) = Services(cpu)._specs()[0]
+    assert build_server(spec, "127.0.0.1").env["VLLM_CACHE_ROOT"] == str(tmp_path / "home" / "cache" / "vllm")
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "mine"))
+    assert build_server(spec, "127.0.0.1").env["VLLM_CACHE_ROOT"] == str(tmp_path / "mine")
+
+
 def test_vllm_command_lines_on_cpu_and_gpu(tmp_path):
     cpu = engine_config(tmp_path, "vllm", "cluster.use_ray=false", "rollout.device=cpu")
     services = Services(cpu)

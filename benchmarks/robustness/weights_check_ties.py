@@ -24,6 +24,7 @@ largest gap over wrong-weight pairs.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
@@ -76,10 +77,13 @@ def recompute_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
 def cached_greedy(model, prompt: list[int], num_tokens: int) -> list[int]:
     """Greedy with a KV cache, one new token a forward, EOS taken like any token (the engines' ignore_eos;
     `generate(min_new_tokens=...)` would instead forbid EOS and pick the runner-up)."""
+    # transformers 5.25 renamed the forward's `past_key_values` to `cache` (the old name warns until 5.40);
+    # the GPU machine has 5.17, which knows only the old one
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out = model(torch.tensor([prompt]), use_cache=True)
     ids = [int(out.logits[0, -1].float().argmax())]
     while len(ids) < num_tokens:
-        out = model(torch.tensor([[ids[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([[ids[-1]]]), use_cache=True, **{key: getattr(out, key)})
         ids.append(int(out.logits[0, -1].float().argmax()))
     return ids
 

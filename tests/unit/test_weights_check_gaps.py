@@ -3,6 +3,8 @@ greedy token passes when the actor ranks it within `runner.weights_check_tie_nat
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -95,3 +97,14 @@ def test_the_tie_margin_is_a_number_of_nats_from_0_to_1(value, why):
     with pytest.raises(ConfigError, match=rf"runner.weights_check_tie_nats=\S+: .*{why}"):
         load_config(None, [f"runner.weights_check_tie_nats={value}"])
     assert load_config(None, ["runner.weights_check_tie_nats=0"]).runner.weights_check_tie_nats == 0
+
+
+def test_the_robustness_benchmarks_cached_greedy_equals_recompute_without_a_deprecated_kwarg(model):
+    """benchmarks/robustness/weights_check_ties.py's KV-cache greedy: the forward's cache argument is
+    `cache` from transformers 5.25 (`past_key_values` warns there) and `past_key_values` before."""
+    from benchmarks.robustness.weights_check_ties import cached_greedy, recompute_greedy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        cached = cached_greedy(model, PROMPT, 8)
+    assert cached == recompute_greedy(model, PROMPT, 8) == greedy(model, PROMPT, 8)

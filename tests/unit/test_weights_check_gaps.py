@@ -87,13 +87,13 @@ def test_a_failure_names_the_engine_the_probe_the_position_and_the_gap():
 @pytest.mark.parametrize(
     "value, why",
     [
-        ("-0.1", "must be a number of nats from 0 to 1.0"),
-        ("1.5", "must be a number of nats from 0 to 1.0"),
+        ("-0.1", "must be a number of nats from 0 to 2.0"),
+        ("2.5", "must be a number of nats from 0 to 2.0"),
         ("nan", "expected a finite number"),
         ("true", "expected a finite number"),
     ],
 )
-def test_the_tie_margin_is_a_number_of_nats_from_0_to_1(value, why):
+def test_the_tie_margin_is_a_number_of_nats_from_0_to_2(value, why):
     with pytest.raises(ConfigError, match=rf"runner.weights_check_tie_nats=\S+: .*{why}"):
         load_config(None, [f"runner.weights_check_tie_nats={value}"])
     assert load_config(None, ["runner.weights_check_tie_nats=0"]).runner.weights_check_tie_nats == 0
@@ -108,3 +108,37 @@ def test_the_robustness_benchmarks_cached_greedy_equals_recompute_without_a_depr
         warnings.simplefilter("error", FutureWarning)
         cached = cached_greedy(model, PROMPT, 8)
     assert cached == recompute_greedy(model, PROMPT, 8) == greedy(model, PROMPT, 8)
+
+
+def test_an_actor_on_packed_varlen_attention_scores_as_sdpa_does(model, tiny_llama_dir):
+    """The H100 recipe's actor ran `tandem_varlen` attention (trainer/varlen.py), which needs the packed
+    row's sample boundaries: the scoring forward gives them (it raised ValueError before)."""
+    from tandemrl.trainer.varlen import VARLEN_ATTN, register_varlen_attention
+
+    register_varlen_attention()
+    varlen = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.float32, attn_implementation=VARLEN_ATTN
+    ).eval()
+    engine = greedy(model, PROMPT, 6)
+    engine[2] = 7  # off the argmax, so a gap is scored too
+    argmax, gaps = argmax_gaps(varlen, PROMPT, engine)
+    want_argmax, want_gaps = argmax_gaps(model, PROMPT, engine)
+    assert argmax == want_argmax and gaps[2] > 0
+    assert gaps == pytest.approx(want_gaps, abs=1e-4)
+
+
+def test_a_bf16_model_is_scored_with_fp32_logits(tiny_llama_dir):
+    """bf16 logits are rounded to steps of 2^-8 of their size; the gaps come from an fp32 head instead."""
+    bf16 = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
+    engine = [5, 9, 13, 17]
+    _, gaps = argmax_gaps(bf16, PROMPT, engine)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT + engine[:-1]])
+        hidden = bf16.base_model(input_ids=ids).last_hidden_state[0, len(PROMPT) - 1 :]
+        exact = torch.log_softmax(hidden.float() @ bf16.get_output_embeddings().weight.float().T, dim=-1)
+        rounded = torch.log_softmax(bf16(ids).logits[0, len(PROMPT) - 1 :].float(), dim=-1)
+    taken = torch.tensor(engine)[:, None]
+    want = (exact.max(dim=-1).values - exact.gather(1, taken)[:, 0]).tolist()
+    coarse = (rounded.max(dim=-1).values - rounded.gather(1, taken)[:, 0]).tolist()
+    assert gaps == pytest.approx(want, abs=1e-5)
+    assert gaps != pytest.approx(coarse, abs=1e-5)  # the bf16 forward's own logits would read otherwise

@@ -8,7 +8,8 @@ SmolLM2-135M-Instruct, on CPU.
 - Same weights, another forward. These pairs should pass:
   - a bf16 engine scored by an fp32 actor;
   - eager attention scored by SDPA, both bf16;
-  - an fp32 engine with a KV cache (HF `generate`) scored by a full recompute.
+  - an fp32 engine with a KV cache scored by a full recompute;
+  - a bf16 engine with a KV cache scored by a bf16 full recompute (the runner's case on the GPU).
 - Wrong weights. These pairs must fail:
   - an engine that kept its weights, scored by an actor whose MLP down-projections were halved (the
     engines benchmark's push, benchmarks/engine/engines_gpu.py);
@@ -135,6 +136,8 @@ def main(argv=None) -> None:
             load(base, torch.bfloat16, "eager"), b16, prompts, args.tokens
         ),
         "fp32 KV-cache engine, fp32 recompute actor": measure(f32, f32, prompts, args.tokens, cached_greedy),
+        # the runner's case on the GPU: an engine decoding bf16 with a KV cache, the actor scoring in bf16
+        "bf16 KV-cache engine, bf16 recompute actor": measure(b16, b16, prompts, args.tokens, cached_greedy),
     }
     wrong = {
         "unpushed bf16 engine, halved-MLP bf16 actor": measure(
@@ -170,12 +173,18 @@ def main(argv=None) -> None:
         "same_weights_largest_gap_nats": max(r["max_gap_nats"] for r in same.values()),
         "wrong_weights_smallest_prompt_gap_nats": min(r["min_prompt_max_gap_nats"] for r in wrong.values()),
         "wrong_weights_largest_gap_nats_min_over_pairs": min(r["max_gap_nats"] for r in wrong.values()),
+        # the runner's own statistic: the largest gap over its probes (PROBES), the least over wrong pairs
+        "wrong_weights_probe_largest_gap_nats_min_over_pairs": min(
+            max(p["max_gap_nats"] for name, p in r["per_prompt"].items() if name.startswith("probe: "))
+            for r in wrong.values()
+        ),
         "same_weights": same,
         "wrong_weights": wrong,
     }
     print(
         f"same weights: largest gap {report['same_weights_largest_gap_nats']:.3f} nats; wrong weights: every "
-        f"pair's largest gap >= {report['wrong_weights_largest_gap_nats_min_over_pairs']:.3f} nats "
+        f"pair's largest gap >= {report['wrong_weights_largest_gap_nats_min_over_pairs']:.3f} nats, over the "
+        f"runner's probes >= {report['wrong_weights_probe_largest_gap_nats_min_over_pairs']:.3f} "
         f"(default margin {report['tie_nats_default']})",
         flush=True,
     )

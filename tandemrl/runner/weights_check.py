@@ -1,9 +1,9 @@
 """`runner.weights_check_tokens` (0: off): after a run's last weight sync, each engine answers probe prompts
 greedily, and the actor scores that output under the weights it pushed. The check passes when the actor
 ranks every token the engine chose within `runner.weights_check_tie_nats` of its own top choice. With
-the default of 0.5 nats, near-ties that two correct bf16 forwards break differently pass (0.19 nats at
-most, measured); wrong weights put a token 1.19 nats or more below and fail (trainer/greedy_gaps.py
-gives the measurements). `exact` says whether the engine's output was the actor's greedy token for
+the default of 1.0 nats, near-ties that two correct bf16 forwards break differently pass (0.2 nats at
+most on CPU; vLLM on an H100 read 0.5 under a coarser bf16 measure); wrong weights put a token 6.8 nats
+or more below on some probe and fail (trainer/greedy_gaps.py gives the measurements). `exact` says whether the engine's output was the actor's greedy token for
 token; after a divergence `actor_argmax` is the actor's choice on the engine's own prefix.
 
 The result goes to `<output_dir>/weights_check.json`. A failure raises `WeightsCheckError` naming the

@@ -264,4 +264,4 @@ def test_weights_check_after_the_last_sync(tmp_path, tiny_llama_dir, small_kb):
     report = json.loads((Path(config.runner.output_dir) / "weights_check.json").read_text())
     assert report["weights_check"] is True and report["weight_version"] == ctx.weight_version == 2
     assert report["exact"] is True and report["divergences"] == [] and report["max_gap_nats"] == 0.0
-    assert [len(ids) for ids in report["engines"][0]] == [6] * 4 and report["tie_nats"] == 0.5
+    assert [len(ids) for ids in report["engines"][0]] == [6] * 4 and report["tie_nats"] == 1.0

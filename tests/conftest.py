@@ -42,6 +42,11 @@ if OWNS_EMPTY_HOME:
     EMPTY_HOME = Path(tempfile.mkdtemp(prefix="tandem-empty-home-"))
     os.environ[SESSION_HOME_ENV] = os.environ["TANDEM_HOME"] = str(EMPTY_HOME)
     atexit.register(shutil.rmtree, EMPTY_HOME, True)  # also when the session ends without sessionfinish
+    if "VLLM_CACHE_ROOT" not in os.environ:  # vLLM's compile cache would go to the tandem home
+        # (rollout/vllm_server.py), which stays empty here: the session gets its own (make test-vllm)
+        vllm_cache = tempfile.mkdtemp(prefix="tandem-test-vllm-cache-")
+        os.environ["VLLM_CACHE_ROOT"] = vllm_cache
+        atexit.register(shutil.rmtree, vllm_cache, True)
 else:
     OUTER_TANDEM_HOME = None
     EMPTY_HOME = Path(os.environ[SESSION_HOME_ENV])

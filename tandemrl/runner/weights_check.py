@@ -3,8 +3,9 @@ greedily, and the actor scores that output under the weights it pushed. The chec
 ranks every token the engine chose within `runner.weights_check_tie_nats` of its own top choice. With
 the default of 1.0 nats, near-ties that two correct bf16 forwards break differently pass (0.2 nats at
 most on CPU; vLLM on an H100 read 0.5 under a coarser bf16 measure); wrong weights put a token 6.8 nats
-or more below on some probe and fail (trainer/greedy_gaps.py gives the measurements). `exact` says whether the engine's output was the actor's greedy token for
-token; after a divergence `actor_argmax` is the actor's choice on the engine's own prefix.
+or more below on some probe and fail (trainer/greedy_gaps.py gives the measurements). `exact` says
+whether the engine's output was the actor's greedy token for token; after a divergence `actor_argmax`
+is the actor's choice on the engine's own prefix.
 
 The result goes to `<output_dir>/weights_check.json`. A failure raises `WeightsCheckError` naming the
 engine, the prompt, the position and the gap. It checks the sync end to end, for any backend: route,

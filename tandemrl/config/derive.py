@@ -274,14 +274,21 @@ def _derive_startup_timeout(config: TandemConfig) -> None:
         )
 
 
+_SERVER_PROCESSES = "its server runs several processes of its own, left to the OS"
+# see cluster.cpus_per_engine: the cores pinned to each engine, and why
+CPUS_PER_ENGINE = {
+    "embedded": (2, "its loop thread paces the engine"),
+    "vllm": (0, _SERVER_PROCESSES),
+    "sglang": (0, _SERVER_PROCESSES),
+}
+
+
 def _derive_cpus_per_engine(config: TandemConfig) -> None:
     cluster, backend = config.cluster, config.rollout.backend
     if cluster.cpus_per_engine is None:
-        cluster.cpus_per_engine = 2 if backend == "embedded" else 0
+        cluster.cpus_per_engine, why = CPUS_PER_ENGINE[backend]
         config.derived["cluster.cpus_per_engine"] = (
-            "2 (rollout.backend=embedded: its loop thread paces the engine)"
-            if backend == "embedded"
-            else f"0 (rollout.backend={backend}: its server runs several processes of its own, left to the OS)"
+            f"{cluster.cpus_per_engine} (rollout.backend={backend}: {why})"
         )
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from tandemrl.trainer.policy import uses_packed_rows
+
 
 @torch.no_grad()
 def argmax_gaps(model, prompt: list[int], continuation: list[int]) -> tuple[list[int], list[float]]:
@@ -33,8 +35,6 @@ def argmax_gaps(model, prompt: list[int], continuation: list[int]) -> tuple[list
     0.125-0.25 nats, which measured a vLLM near-tie as 0.25 and 0.5 nats on an H100. A model whose
     attention packs rows (the actor's `tandem_varlen` or flash kinds, trainer/policy.py
     `uses_packed_rows`) gets the row's sample boundaries, as the trainer passes them."""
-    from tandemrl.trainer.policy import uses_packed_rows
-
     if not continuation:
         return [], []
     ids = torch.tensor([list(prompt) + list(continuation[:-1])], device=model.device)

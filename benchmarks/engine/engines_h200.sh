@@ -6,10 +6,14 @@
 #
 #   benchmarks/engine/engines_h200.sh install ENGINE          join the parts, pip --target /tmp/eng_site_ENGINE (once)
 #   benchmarks/engine/engines_h200.sh recipe ENGINE [STEPS [KEY=VALUE ...]]
-#                                                      smollm2_h200_async.yaml on ENGINE, STEPS (20) steps,
-#                                                      no validation, runner.weights_check_tokens=16 (the run
-#                                                      fails unless every engine's greedy output equals the
-#                                                      actor's), then the overrides given
+#                                                      smollm2_h200_async.yaml ($RECIPE_CONFIG) on ENGINE, STEPS
+#                                                      (20) steps, no validation, runner.weights_check_tokens=16
+#                                                      (each segment fails unless every engine's greedy output
+#                                                      is the actor's), then the overrides given. One segment
+#                                                      per pause mode the engine has, each resumed from the
+#                                                      last one's closing checkpoint into the same output_dir:
+#                                                      vllm in_place; sglang and embedded retract, in_place,
+#                                                      drain (steps split evenly, STEPS >= the modes)
 #   benchmarks/engine/engines_h200.sh bench [BACKENDS [ARGS ...]]
 #                                                      benchmarks/engine/engines_gpu.py for BACKENDS
 #                                                      (embedded,vllm,vllm_eager,vllm_pinned,sglang: the installed ones run), with
@@ -45,23 +49,46 @@ install() {
 engine_overrides() {  # the engine's own environment and a GPU share that leaves room for the actor
   local eng=$1 site
   site=$(site_of "$eng")
-  echo "rollout.backend=$eng rollout.$eng.pythonpath=[$site]"
-  if [ "$eng" = vllm ]; then echo "rollout.pause_mode=in_place rollout.vllm.gpu_memory_utilization=0.35"; fi
-  if [ "$eng" = sglang ]; then echo "rollout.sglang.mem_fraction_static=0.35"; fi
+  echo "rollout.backend=$eng"
+  if [ "$eng" = vllm ]; then echo "rollout.vllm.pythonpath=[$site] rollout.vllm.gpu_memory_utilization=0.35"; fi
+  if [ "$eng" = sglang ]; then echo "rollout.sglang.pythonpath=[$site] rollout.sglang.mem_fraction_static=0.35"; fi
+}
+
+pause_modes() {  # the pause modes ENGINE takes (vLLM has no retract: rollout/vllm_client.py)
+  if [ "$1" = vllm ]; then echo in_place; else echo retract in_place drain; fi
 }
 
 case "$cmd" in
   install) install "${2:?engine: vllm or sglang}" ;;
   recipe)
-    eng=${2:?engine: vllm or sglang}; steps=${3:-20}; run_dir=runs/engines_h200_$eng
+    eng=${2:?engine: vllm, sglang or embedded}; steps=${3:-20}; run_dir=${RECIPE_DIR:-runs/engines_h200_$eng}
     shift $(( $# < 3 ? $# : 3 ))
-    # shellcheck disable=SC2046
-    python3 -m tandemrl.cli train examples/searchr1/config/smollm2_h200_async.yaml \
-      runner.max_steps="$steps" runner.val_interval=0 runner.val_before_train=false runner.weights_check_tokens=16 \
-      runner.output_dir="$run_dir" $(engine_overrides "$eng") "$@"
-    for f in metrics.jsonl weights_check.json startup.json; do cp "$run_dir/$f" "$out/${eng}_$f"; done
-    python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print('weights_check', r['weights_check']); assert r['weights_check']" \
-      "$run_dir/weights_check.json"
+    read -r -a modes <<< "$(pause_modes "$eng")"
+    [ "$steps" -ge "${#modes[@]}" ] || { echo "recipe $eng: STEPS $steps < ${#modes[@]} pause modes" >&2; exit 2; }
+    [ ! -e "$run_dir" ] || { echo "recipe $eng: $run_dir exists; move it away first" >&2; exit 2; }
+    resume=()
+    for k in $(seq 1 "${#modes[@]}"); do
+      mode=${modes[k-1]} end=$(( steps * k / ${#modes[@]} ))
+      echo "recipe $eng: steps to $end with rollout.pause_mode=$mode ${resume[*]}"
+      # shellcheck disable=SC2046
+      python3 -m tandemrl.cli train "${RECIPE_CONFIG:-examples/searchr1/config/smollm2_h200_async.yaml}" \
+        runner.max_steps="$end" runner.val_interval=0 runner.val_before_train=false runner.weights_check_tokens=16 \
+        runner.output_dir="$run_dir" rollout.pause_mode="$mode" "${resume[@]}" $(engine_overrides "$eng") "$@"
+      # the segment's own check and start-up (the next segment writes its own over them)
+      for f in weights_check.json startup.json; do cp "$run_dir/$f" "$out/${eng}_${mode}_$f"; done
+      resume=("runner.resume_from=$run_dir/checkpoints/global_step_$end")  # a run always saves its last step
+    done
+    cp "$run_dir/metrics.jsonl" "$out/${eng}_metrics.jsonl"  # every segment's steps: one history
+    python3 - "$out" "$eng" "$steps" "${modes[@]}" <<'PY'
+import json, sys
+out, eng, steps, modes = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4:]
+rows = [json.loads(line) for line in open(f"{out}/{eng}_metrics.jsonl")]
+versions = [int(r["rollout/weight_version"]) for r in rows]
+checks = {m: json.load(open(f"{out}/{eng}_{m}_weights_check.json"))["weights_check"] for m in modes}
+print(f"recipe {eng}: steps {[r['step'] for r in rows]}, weight versions {versions}, weights_check {checks}")
+assert [r["step"] for r in rows] == list(range(1, steps + 1)) and versions == list(range(1, steps + 1))
+assert all(checks.values())
+PY
     ;;
   bench)
     args=()

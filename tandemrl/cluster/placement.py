@@ -266,6 +266,7 @@ def describe_plan(config: TandemConfig, plan: PlacementPlan) -> list[str]:
     ]
     lines += [f"  {key} derived: {how}" for key, how in config.derived.items()]
     lines.append(f"weight sync: {describe_route(plan)}")
+    lines.append(f"rollout.pause_mode = {rollout.pause_mode} (how the engines stand for each weight sync)")
     policy, why = resolve_colocated_policy(config, plan.shares_gpu)
     lines.append(f"cluster.colocated_policy = {policy} ({why})")
     return lines

@@ -43,6 +43,7 @@ def test_glm_dry_run_prints_the_two_node_plan():
         "rollout_buffer.max_inflight_groups = 77" in out and "rollout_buffer.max_buffered_groups = 256" in out
     )
     assert "weight sync: NCCL broadcast from actor rank 0 (node 0) to 2 engine(s) on node(s) 1" in out
+    assert "rollout.pause_mode = retract (how the engines stand for each weight sync)" in out
     assert (
         "-m sglang.launch_server --model-path /path/to/GLM-4.7-Flash --tp-size 4 --mem-fraction-static 0.85"
         in out

@@ -205,27 +205,35 @@ def actor_model(model_dir: Path, device: str):
 
 
 async def weights_check(backend: str, client, url: str, key, model_dir: Path, device: str, args) -> dict:
+    from tandemrl.rollout.backends import make_weight_sender
+
+    route = "gloo" if device == "cpu" else "cuda_ipc"
+    sender = make_weight_sender(engine_of(backend), route, [url], 256, api_key=key, pause_mode="drain")
+    return {**await check_push(client, sender, model_dir, device, args.probe_tokens), "route": route}
+
+
+async def check_push(client, sender, model_dir: Path, device: str, probe_tokens: int) -> dict:
+    """Push `actor_model`'s weights through `sender` (its clients are closed after), then let the actor
+    score the engine's greedy output on PROBES, as the run's weights check does (runner/weights_check.py)."""
     from transformers import AutoTokenizer
 
     from tandemrl.config.schema import RunnerConfig
-    from tandemrl.rollout.backends import make_weight_sender
     from tandemrl.runner.weights_check import judge
     from tandemrl.trainer.greedy_gaps import argmax_gaps
 
     tie_nats = RunnerConfig.weights_check_tie_nats
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tokenizer.encode(p) for p in PROBES]
-    params = {"max_new_tokens": args.probe_tokens, "temperature": 0.0, "ignore_eos": True}
+    params = {"max_new_tokens": probe_tokens, "temperature": 0.0, "ignore_eos": True}
     before = [(await client.generate(p, params)).output_ids for p in prompts]
     model = actor_model(model_dir, device)
-    route = "gloo" if device == "cpu" else "cuda_ipc"
-    sender = make_weight_sender(engine_of(backend), route, [url], 256, api_key=key, pause_mode="drain")
-    await sender.connect()
-    named = [(n, t.detach()) for n, t in model.named_parameters()]  # tied weights once, as the actor
-    pushed = await sender.push(named, weight_version=1)
-    for c in sender.clients:
-        await c.close()
+    try:
+        await sender.connect()
+        named = [(n, t.detach()) for n, t in model.named_parameters()]  # tied weights once, as the actor
+        pushed = await sender.push(named, weight_version=1)
+    finally:
+        for c in sender.clients:
+            await c.close()
     engine = [(await client.generate(p, params)).output_ids for p in prompts]
     report = judge(
         [engine], [[argmax_gaps(model, p, ids) for p, ids in zip(prompts, engine, strict=True)]], tie_nats
@@ -235,7 +243,6 @@ async def weights_check(backend: str, client, url: str, key, model_dir: Path, de
         "exact": report["exact"],
         "max_gap_nats": report["max_gap_nats"],
         "tie_nats": tie_nats,
-        "route": route,
         "push_s": pushed["seconds"],
         "push_changed_output": engine != before,
         "divergences": report["divergences"],

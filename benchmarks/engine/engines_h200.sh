@@ -18,16 +18,19 @@
 #                                                      benchmarks/engine/engines_gpu.py for BACKENDS
 #                                                      (embedded,vllm,vllm_eager,vllm_pinned,sglang: the installed ones run), with
 #                                                      its further ARGS (e.g. --deadline-s 600)
+#   benchmarks/engine/engines_h200.sh probe                   sglang only: benchmarks/engine/sglang_distributed.py, the
+#                                                      update_weights_from_distributed calls on a gloo group
 #   benchmarks/engine/engines_h200.sh all ENGINE [ARGS ...]    all of it for ENGINE: the install beside `tandem prepare
 #                                                      all` and the cold start (`tandem sft`, unless it is
 #                                                      there), the recipe (20 steps, stopped after
 #                                                      $RECIPE_TIMEOUT_S, 900), then the bench of
-#                                                      embedded,ENGINE with ARGS; exits with the recipe's status
+#                                                      embedded,ENGINE with ARGS, then (sglang) the probe;
+#                                                      exits with the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
 set -euo pipefail
-cmd=${1:?usage: engines_h200.sh install|recipe|bench|all ...}
+cmd=${1:?usage: engines_h200.sh install|recipe|bench|probe|all ...}
 out=${OUT:-/tmp/engines_h200}
 mkdir -p "$out"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 VLLM_NO_USAGE_STATS=1 \
@@ -99,6 +102,10 @@ PY
     shift $(( $# < 2 ? $# : 2 ))
     python3 -m benchmarks.engine.engines_gpu --backends "$backends" "${args[@]}" --out "$out/engines_h200.json" "$@"
     ;;
+  probe)
+    python3 -m benchmarks.engine.sglang_distributed --sglang-pythonpath "$(site_of sglang)" \
+      --out "$out/sglang_distributed.json"
+    ;;
   all)
     eng=${2:?engine: vllm or sglang}
     shift 2
@@ -114,7 +121,8 @@ PY
     timeout --kill-after=60 "${RECIPE_TIMEOUT_S:-900}" bash "$0" recipe "$eng" 20 || recipe=$?
     # the two the acceptance compares; vllm_eager and vllm_pinned are for `bench` alone (the device time is 30 min)
     bash "$0" bench "embedded,$eng" "$@"
+    if [ "$eng" = sglang ]; then bash "$0" probe || echo "probe: exit $?"; fi
     exit "$recipe"
     ;;
-  *) echo "unknown command $cmd (install, recipe, bench, all)" >&2; exit 2 ;;
+  *) echo "unknown command $cmd (install, recipe, bench, probe, all)" >&2; exit 2 ;;
 esac

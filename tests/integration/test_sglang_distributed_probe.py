@@ -1,7 +1,7 @@
 """benchmarks/engine/sglang_distributed.py against the FAKE SGLang server (tests/fake_sglang.py, which keeps
 SGLang 0.5.15's request structs and joins the weight group as its TP ranks do): the probe the GPU machine
-points at a real server records each weight-update call with its answer, and a push that the server refuses
-is recorded, not lost. The fake runs no model, so its greedy output says nothing of the weights here."""
+points at a real server records each weight-update call with its answer, and a push that fails is recorded
+and written, not lost. The fake runs no model, so its greedy output says nothing of the weights here."""
 
 from __future__ import annotations
 

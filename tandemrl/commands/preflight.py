@@ -140,9 +140,10 @@ def check_before_services(config: TandemConfig) -> None:
     if config.retrieval.launch:
         index_dir(config)
     if config.rollout.backend != "sglang" or config.rollout.model.model_path is not None:
-        from tandemrl.config.derive import check_context_len
+        from tandemrl.config.derive import check_context_len, check_logit_head
 
         check_context_len(config, Path(model_path(config)))  # the driver's tokenizer, on this node
+        check_logit_head(Path(model_path(config)))  # the weights the actor trains too
     _check_data_files(config)
 
 

@@ -534,6 +534,23 @@ def check_context_len(config: TandemConfig, model_dir: Path) -> None:
         )
 
 
+def check_logit_head(model_dir: Path) -> None:
+    """The actor computes its logprobs from the last hidden state through its own chunked head
+    (trainer/policy.py `head_logit_scale`), which has no tanh: a model whose forward soft-caps its
+    logits (config.json `final_logit_softcapping`, Gemma 2) is refused here, before a service starts."""
+    try:
+        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # no readable config: check_model_dir and the loader name that
+    cap = hf_config.get("final_logit_softcapping") if isinstance(hf_config, dict) else None
+    if cap:
+        raise ConfigError(
+            f"the model at {str(model_dir)!r} soft-caps its logits (config.json final_logit_softcapping={cap}), "
+            "and the actor's chunked logprob head (trainer/policy.py) applies no soft cap, so its logprobs "
+            "would not be the model's. Choose a model without a final soft cap."
+        )
+
+
 def _warnings(config: TandemConfig) -> list[str]:
     warnings = []
     staleness = config.agentloop.max_actor_accept_staleness

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from tandemrl.trainer.policy import uses_packed_rows
+from tandemrl.trainer.policy import head_logit_scale, uses_packed_rows
 
 
 @torch.no_grad()
@@ -48,6 +48,9 @@ def argmax_gaps(model, prompt: list[int], continuation: list[int]) -> tuple[list
     logits = hidden[0, len(prompt) - 1 :].float() @ head.weight.float().T
     if getattr(head, "bias", None) is not None:
         logits = logits + head.bias.float()
+    scale = head_logit_scale(model.config)  # Cohere's and Granite's factor, as HF's forward applies it
+    if scale != 1.0:
+        logits = logits * scale
     logprobs = torch.log_softmax(logits, dim=-1)
     top = logprobs.argmax(dim=-1)
     taken = torch.tensor(continuation, device=logprobs.device)

@@ -135,6 +135,24 @@ def chunked_logprobs(
     )
 
 
+def head_logit_scale(config) -> float:
+    """The factor HF's causal-LM forward puts on the head's output before the softmax, which the actor's
+    own head path (`chunked_logprobs`, trainer/greedy_gaps.py) applies too: Cohere's `logit_scale`
+    multiplies the logits, Granite's `logits_scaling` divides them. A final soft cap (Gemma 2's
+    `final_logit_softcapping`) is refused: the chunked head has no tanh in its forward or backward, so
+    its logprobs would not be the model's."""
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap:
+        raise ValueError(
+            f"{config.model_type}: final_logit_softcapping={cap} caps the logits with a tanh, which the "
+            "actor's chunked logprob head (trainer/policy.py chunked_logprobs) does not apply, so its "
+            "logprobs would not be the model's. Models without a final soft cap train."
+        )
+    scale = getattr(config, "logit_scale", None)
+    scaling = getattr(config, "logits_scaling", None)
+    return float(scale if scale is not None else 1.0) / float(scaling if scaling is not None else 1.0)
+
+
 class PolicyModel(nn.Module):
     """HF causal LM -> next-token logprobs at selected positions of a packed row."""
 
@@ -142,6 +160,8 @@ class PolicyModel(nn.Module):
         super().__init__()
         self.hf = hf_model
         self.temperature = temperature
+        # softmax(scale * h W^T / T): the logit scale of the model's own forward, folded into T
+        self.logit_scale = head_logit_scale(hf_model.config)
         # set by `shard_policy` for a single rank computing below fp32: autocast over fp32 weights
         self.autocast_dtype: torch.dtype | None = None
 
@@ -191,7 +211,7 @@ class PolicyModel(nn.Module):
             head.weight,
             head.bias,
             labels_N.index_select(0, select_K),
-            self.temperature,
+            self.temperature / self.logit_scale,
             with_entropy,
             compute_dtype=self.autocast_dtype,
         )

@@ -27,7 +27,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tandemrl.host.child_server import RUN_ID_ENV
+from tandemrl.host.child_server import RUN_ID_ENV, RUN_PID_ENV
 
 GRACE_S = 3.0
 RAY_SESSION = "ray-session"  # the pipe's one message: "ray-session <dir>\n"
@@ -37,14 +37,23 @@ _reaper: subprocess.Popen | None = None  # this process's reaper, when it starte
 
 
 def start_reaper() -> subprocess.Popen:
-    """Tag this process (and so all it starts from now on) with a fresh run id; start its reaper."""
+    """Tag this process (and so all it starts from now on) with a run id; start its reaper. The id is
+    fresh unless the environment names one for this very process: one given by whoever started it
+    (`TANDEM_RUN_ID` alone, as the fault tests name their runs) is kept, but one inherited from another
+    run's process tree (`TANDEM_RUN_PID` names another process) is replaced. A `tandem train` started by a
+    driver that ran one in-process before, or by a script a run launched, is a run of its own, and its
+    reaper must not stop the other run's processes: with the inherited id, a nested run's reaper stopped
+    the shell script that had started it."""
     global _reaper
-    run_id = os.environ.setdefault(RUN_ID_ENV, uuid.uuid4().hex)
+    given, main_pid = os.environ.get(RUN_ID_ENV), os.environ.get(RUN_PID_ENV)
+    inherited = main_pid is not None and main_pid != str(os.getpid())
+    run_id = os.environ[RUN_ID_ENV] = uuid.uuid4().hex if given is None or inherited else given
+    os.environ[RUN_PID_ENV] = str(os.getpid())
     _reaper = subprocess.Popen(
         [sys.executable, "-m", "tandemrl.cluster.reaper", run_id, str(os.getpid())],
         stdin=subprocess.PIPE,
         start_new_session=True,  # a Ctrl-C in the terminal is the run's to handle, not the reaper's
-        env={k: v for k, v in os.environ.items() if k != RUN_ID_ENV},
+        env={k: v for k, v in os.environ.items() if k not in (RUN_ID_ENV, RUN_PID_ENV)},
     )
     return _reaper
 

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 # every process of a run carries its id (set by cluster/reaper.py); files a run leaves in the temp
 # directory are named by it, so the reaper of a later run can tell whose they were
 RUN_ID_ENV = "TANDEM_RUN_ID"
+# the pid of the run's main process, beside its id: a process that finds both and is not that pid was
+# started inside the run's tree, so a run it starts is one of its own (cluster/reaper.py start_reaper)
+RUN_PID_ENV = "TANDEM_RUN_PID"
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -45,8 +45,8 @@ class Run:
             start_new_session=True,
             # faulthandler: a run that does not stop in time is sent SIGABRT (`finish`), and its stderr then
             # holds every thread's stack: where it hung
-            env={
-                **os.environ,
+            env={  # the id named for this run (none inherited from a run this session ran in-process)
+                **{k: v for k, v in os.environ.items() if k != "TANDEM_RUN_PID"},
                 "TANDEM_RUN_ID": self.run_id,
                 "PYTHONPATH": os.getcwd(),
                 "PYTHONFAULTHANDLER": "1",

@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from tandemrl.cluster.reaper import GRACE_S, tagged_pids
+
 REPO = Path(__file__).resolve().parents[2]
 AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 CHILD = """
@@ -121,3 +123,50 @@ def _wait_gone(agents: dict[str, int], timeout_s: float) -> dict[str, int]:
             return left
         time.sleep(0.1)
     return left
+
+
+NESTED = """
+from tandemrl.cluster.reaper import start_reaper
+
+start_reaper().stdin.close()  # as if the run ended at once: the reaper reaps, then exits
+print(__import__("os").environ["TANDEM_RUN_ID"], flush=True)
+"""
+
+
+def test_a_run_started_inside_another_runs_tree_reaps_only_its_own():
+    """A `tandem train` whose environment carries another run's id and main pid (here a process of that
+    run, as a script the run launched would be) takes a fresh id: its reaper leaves the outer run's
+    processes alone. With the inherited id, the reaper of a nested run stopped the shell script that had
+    started it (a default-suite test that ran `tandem train` after one had run in-process)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TANDEM_RUN_ID": "outer-run", "TANDEM_RUN_PID": "1"}
+    outer = subprocess.Popen(["sleep", "600"], env=env)  # a process of the outer run
+    try:
+        nested = subprocess.run(
+            [sys.executable, "-c", NESTED], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        )
+        assert nested.returncode == 0, nested.stderr
+        inner_id = nested.stdout.strip()
+        assert inner_id and inner_id != "outer-run"
+        # the reaper is done once no process carries the inner id (its own reap ended with it)
+        _wait(lambda: not tagged_pids(inner_id), 60, "the nested run's reaper to finish")
+        time.sleep(GRACE_S + 1)  # past the SIGKILL a wrongly tagged reaper would have sent
+        assert outer.poll() is None, "the nested run's reaper stopped a process of the outer run"
+    finally:
+        outer.kill()
+        outer.wait()
+
+
+def test_an_id_given_to_a_run_is_kept():
+    """`TANDEM_RUN_ID` alone names the run (what tests/integration/test_faults.py uses to find its
+    processes); so does a second run in one process."""
+    code = (
+        NESTED
+        + 'start_reaper().stdin.close()\nprint(__import__("os").environ["TANDEM_RUN_ID"], flush=True)\n'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_RUN_PID"}
+    env.update(PYTHONPATH=str(REPO), TANDEM_RUN_ID="named-run")
+    nested = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert nested.returncode == 0, nested.stderr
+    assert nested.stdout.split() == ["named-run", "named-run"]

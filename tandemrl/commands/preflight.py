@@ -142,8 +142,9 @@ def check_before_services(config: TandemConfig) -> None:
     if config.rollout.backend != "sglang" or config.rollout.model.model_path is not None:
         from tandemrl.config.derive import check_context_len, check_logit_head
 
-        check_context_len(config, Path(model_path(config)))  # the driver's tokenizer, on this node
-        check_logit_head(Path(model_path(config)))  # the weights the actor trains too
+        model_dir = Path(model_path(config))  # the driver's tokenizer, on this node; what the actor trains
+        check_context_len(config, model_dir)
+        check_logit_head(model_dir)
     _check_data_files(config)
 
 

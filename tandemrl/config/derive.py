@@ -516,15 +516,21 @@ def check_model_dir(path: Path, key: str) -> None:
         )
 
 
+def _readable_hf_config(model_dir: Path) -> dict:
+    """The model's config.json as a dict; {} when there is none to read (check_model_dir and the loader
+    name that)."""
+    try:
+        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return hf_config if isinstance(hf_config, dict) else {}
+
+
 def check_context_len(config: TandemConfig, model_dir: Path) -> None:
     """`rollout.max_context_len` within what the served model allows (its config.json): past it the
     positions were never trained, and an absurd length sizes the engine's tables and KV cache by it (1e12
     tokens ran a 24 GiB machine out of memory at start-up)."""
-    try:
-        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # no readable config: check_model_dir and the loader name that
-    limit = model_context_limit(hf_config) if isinstance(hf_config, dict) else None
+    limit = model_context_limit(_readable_hf_config(model_dir))
     wanted = config.rollout.max_context_len
     if limit is not None and wanted > limit:
         raise ConfigError(
@@ -538,11 +544,7 @@ def check_logit_head(model_dir: Path) -> None:
     """The actor computes its logprobs from the last hidden state through its own chunked head
     (trainer/policy.py `head_logit_scale`), which has no tanh: a model whose forward soft-caps its
     logits (config.json `final_logit_softcapping`, Gemma 2) is refused here, before a service starts."""
-    try:
-        hf_config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return  # no readable config: check_model_dir and the loader name that
-    cap = hf_config.get("final_logit_softcapping") if isinstance(hf_config, dict) else None
+    cap = _readable_hf_config(model_dir).get("final_logit_softcapping")
     if cap:
         raise ConfigError(
             f"the model at {str(model_dir)!r} soft-caps its logits (config.json final_logit_softcapping={cap}), "

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "benchmarks"
-GROUPS = ("engine", "actor", "runner", "learning", "retrieval", "robustness")
+GROUPS = ("engine", "actor", "runner", "learning", "retrieval", "robustness", "device")
 # Quoted as what a script will write once it runs; each must still be missing (remove it when it lands).
 NOT_RUN_YET = {
     "benchmarks/results/learning/learning_parity_h200.json",  # README / docs/LEARNING.md: "not run yet"

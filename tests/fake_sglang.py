@@ -27,6 +27,17 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   answers 500 and reports `crashed` from then on.
 - /get_weight_version answers 404 (0.5.15: "use /model_info"); /get_model_info and /server_info have
   0.5.15's shapes (server_info: the server args, `tp_size` among them).
+- The command line is `sglang.launch_server`'s for the flags tandem sends (rollout/sglang_process.py),
+  any other flag is an error as in SGLang's argparse; `--config FILE` is merged as SGLang's
+  ConfigArgumentMerger does (server_args_config_parser.py: YAML only, a mapping whose keys become flags,
+  the command line's own flags win). With `--api-key` every request but OPTIONS and the paths under
+  /health and /metrics needs `Authorization: Bearer <key>` (scheme in any case), else 401
+  {"error": "Unauthorized"} (utils/auth.py `decide_request_auth`: tandem's endpoints are NORMAL or
+  ADMIN_OPTIONAL, and without --admin-api-key both take the api key). `python -m tests.fake_sglang`
+  takes that command line; tests/integration/test_sglang_launched.py puts a `sglang.launch_server`
+  module that runs it on the server's PYTHONPATH, so `tandem train` launches the fake through Ray.
+- It logs each control call it answers (pause mode, continue, weight update and its version, flush) to
+  stdout, one line each, which a launched server's log under the run's output dir keeps.
 
 Generation is a deterministic stand-in: token i of a request is (sum(prompt) + 7 i) % 1000 with logprob
 -0.5, one token every TOKEN_S seconds; streams are SGLang's default (cumulative). With
@@ -43,8 +54,10 @@ import argparse
 import asyncio
 import base64
 import datetime
+import hmac
 import json
 import multiprocessing
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +121,11 @@ def error(message: str, status: int = 400) -> web.Response:
     return web.json_response(body, status=status)
 
 
+def say(line: str) -> None:
+    """One control call answered, on stdout (a launched server's log)."""
+    print(f"fake SGLang: {line}", flush=True)
+
+
 @dataclass
 class Request:
     rid: str
@@ -117,8 +135,9 @@ class Request:
 
 
 class FakeSglang:
-    def __init__(self, tp_size: int = 1, num_draft_tokens: int = 0):
+    def __init__(self, tp_size: int = 1, num_draft_tokens: int = 0, api_key: str | None = None):
         self.tp_size = tp_size
+        self.api_key = api_key  # --api-key: every path but /health* and /metrics* needs it
         self.num_draft_tokens = num_draft_tokens  # --speculative-num-draft-tokens; 0: no speculation
         self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
         self.tokenizer_held = False  # abort: new requests wait at the tokenizer until continue
@@ -158,7 +177,7 @@ class FakeSglang:
         return body
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self.validation])
+        app = web.Application(middlewares=[self.authentication, self.validation])
         post = {
             "/generate": self.generate,
             "/pause_generation": self.pause,
@@ -181,6 +200,17 @@ class FakeSglang:
         app.router.add_get("/get_server_info", self.server_info)
         app.router.add_get("/fake/state", self.state)
         return app
+
+    @web.middleware
+    async def authentication(self, request, handler):
+        """SGLang's `decide_request_auth` with an api key and no admin key (utils/auth.py)."""
+        exempt = request.method == "OPTIONS" or request.path.startswith(("/health", "/metrics", "/fake/"))
+        if self.api_key is None or exempt:
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def validation(self, request, handler):
@@ -273,6 +303,7 @@ class FakeSglang:
         if mode not in PAUSE_MODES:
             raise ValueError(f"Invalid mode: {mode!r}. Expected one of {PAUSE_MODES}.")
         self.tokens_at_pause = dict(self.progress)
+        say(f"pause_generation mode={mode}, {len(self.active)} request(s) active")
         if mode == "abort":
             self.tokenizer_held = True
             self.abort_epoch += 1
@@ -286,6 +317,7 @@ class FakeSglang:
 
     async def resume(self, request: web.Request) -> web.Response:
         await self.body(request)
+        say("continue_generation")
         self.tokenizer_held = self.scheduler_paused = False
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
@@ -302,6 +334,7 @@ class FakeSglang:
             return False
         self.cache.clear()
         self.num_flushes += 1
+        say("cache flushed")
         return True
 
     async def flush_cache(self, request: web.Request) -> web.Response:
@@ -445,6 +478,7 @@ class FakeSglang:
             message += f" Weight version updated to {body['weight_version']}."
         flush = bool(body.get("flush_cache", FLUSH_DEFAULT))
         self.update_flush_flags.append(flush)
+        say(f"weight update to version {body.get('weight_version')}, flush_cache {flush}")
         if flush and not self.try_flush():
             self.crashed = True
             return error("AssertionError: Cache flush failed after updating weights", 500)
@@ -521,12 +555,60 @@ def spec_counts(num_tokens: int, num_draft_tokens: int) -> dict[str, int]:
     }
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--tp-size", type=int, default=1)
-    parser.add_argument("--speculative-num-draft-tokens", type=int, default=0)
-    args = parser.parse_args()
-    app = FakeSglang(args.tp_size, args.speculative_num_draft_tokens).app()
+LAUNCH_FLAGS = {  # sglang.launch_server's flags that tandem sends (rollout/sglang_process.py), as SGLang types them
+    "--model-path": str,
+    "--tp-size": int,
+    "--mem-fraction-static": float,
+    "--host": str,
+    "--port": int,
+    "--context-length": int,
+    "--max-running-requests": int,
+    "--random-seed": int,
+    "--dtype": str,
+    "--api-key": str,
+    "--speculative-algorithm": str,
+    "--speculative-num-draft-tokens": int,
+}
+
+
+def merge_config(argv: list[str]) -> list[str]:
+    """SGLang's ConfigArgumentMerger: the YAML file's keys as flags, then the command line (which wins)."""
+    import yaml
+
+    if argv.count("--config") > 1:
+        raise ValueError("Multiple config files specified! Only one allowed.")
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at == len(argv) - 1:
+        raise ValueError("No config file specified after --config flag!")
+    path = Path(argv[at + 1])
+    if path.suffix.lower() not in (".yaml", ".yml"):
+        raise ValueError(f"Config file must be YAML format, got: {path.suffix}")
+    if not path.exists():
+        raise ValueError(f"Config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError("Config file must contain a dictionary at root level")
+    flags = [item for key, value in data.items() for item in (f"--{key}", str(value))]
+    return flags + argv[:at] + argv[at + 2 :]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sglang serve (fake)")
+    for flag, kind in LAUNCH_FLAGS.items():
+        parser.add_argument(flag, type=kind, required=flag == "--port")
+    parser.set_defaults(tp_size=1, speculative_num_draft_tokens=0, host="127.0.0.1")
+    return parser.parse_args(merge_config(argv))
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    fake = FakeSglang(args.tp_size, args.speculative_num_draft_tokens or 0, args.api_key)
+    say(f"serving on {args.host}:{args.port}, tp_size {args.tp_size}")
     # a stream frozen by a pause must not hold the exit (aiohttp waits 60 s for open requests by default)
-    web.run_app(app, host="127.0.0.1", port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
+    web.run_app(fake.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)
+
+
+if __name__ == "__main__":
+    main()

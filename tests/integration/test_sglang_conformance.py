@@ -112,6 +112,54 @@ def test_the_fake_rejects_fields_sglang_does_not_define(fake_sglang):
     assert status == 400 and "Invalid mode" in text
 
 
+def test_the_key_from_the_config_file_guards_every_endpoint_but_health(fresh_fakes, tmp_path):
+    """tandem hands SGLang its key in a `--config` YAML (rollout/sglang_process.py); SGLang merges the file's
+    keys as flags and then asks `Authorization: Bearer <key>` of every path but /health* and /metrics*
+    (utils/auth.py): a client without the key, or with another scheme, gets 401."""
+    config = tmp_path / "args.yaml"
+    config.write_text('api-key: "k3y"\n')
+    (url,) = fresh_fakes(1, extra_args=("--config", str(config)))
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            answers = {}
+            for name, headers in {
+                "none": {},
+                "basic": {"Authorization": "Basic k3y"},
+                "wrong": {"Authorization": "Bearer other"},
+                "lower": {"Authorization": "bearer k3y"},
+            }.items():
+                async with session.get(url + "/get_model_info", headers=headers) as resp:
+                    answers[name] = (resp.status, await resp.text())
+            async with session.get(url + "/health") as resp:
+                answers["health"] = (resp.status, "")
+        keyed = EngineClient(url, kind="sglang", api_key="k3y")
+        try:
+            answers["client"] = (200, str(await keyed.get_model_info()))
+        finally:
+            await keyed.close()
+        return answers
+
+    answers = asyncio.run(run())
+    for name in ("none", "basic", "wrong"):
+        assert answers[name][0] == 401 and "Unauthorized" in answers[name][1], (name, answers[name])
+    assert answers["lower"][0] == 200 and answers["health"][0] == 200
+    assert "weight_version" in answers["client"][1]
+
+
+def test_the_fake_takes_the_launch_command_line_and_refuses_what_sglang_would():
+    from tests.fake_sglang import merge_config, parse_args
+
+    args = parse_args(["--model-path", "/m", "--tp-size", "2", "--port", "30001", "--random-seed", "3"])
+    assert (args.tp_size, args.port, args.random_seed, args.api_key) == (2, 30001, 3, None)
+    with pytest.raises(SystemExit):  # argparse: a flag SGLang does not have
+        parse_args(["--port", "1", "--no-such-flag", "x"])
+    with pytest.raises(ValueError, match="YAML"):
+        merge_config(["--port", "1", "--config", "args.json"])
+    with pytest.raises(ValueError, match="Multiple config files"):
+        merge_config(["--config", "a.yaml", "--config", "b.yaml"])
+
+
 def test_generate_plain_and_streamed(fake_sglang):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang", weight_version=3)

@@ -25,6 +25,12 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   is_fully_idle); an update sent with `flush_cache: true` while a request is queued or running fails
   SGLang's assert ("Cache flush failed after updating weights") and kills the scheduler: the fake
   answers 500 and reports `crashed` from then on.
+- /health is SGLang's `health_generate` (entrypoints/http_server.py): 503 while the server is starting
+  (until its warm-up request is done), then a one-token generation with input_ids [0] through the
+  scheduler, answered no sooner than a second (it sleeps 1 s before it looks), 200 once the scheduler has
+  put out anything since the probe began, else 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), as while the
+  scheduler is paused; the probe's request stays queued meanwhile, so a flush then is refused.
+  SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false makes /health a plain 200 once started, as in SGLang.
 - /get_weight_version answers 404 (0.5.15: "use /model_info"); /get_model_info and /server_info have
   0.5.15's shapes (server_info: the server args, `tp_size` among them).
 - The command line is `sglang.launch_server`'s for the flags tandem sends (rollout/sglang_process.py),
@@ -57,7 +63,9 @@ import datetime
 import hmac
 import json
 import multiprocessing
+import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +73,8 @@ import torch
 from aiohttp import web
 
 TOKEN_S = 0.03
+WARMUP_S = 0.3  # the fake's warm-up request: /health answers 503 until it is done (ServerStatus.Starting)
+HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 BASE = {"rid", "http_worker_ipc"}
 FIELDS = {
     "/generate": BASE
@@ -138,6 +148,10 @@ class FakeSglang:
     def __init__(self, tp_size: int = 1, num_draft_tokens: int = 0, api_key: str | None = None):
         self.tp_size = tp_size
         self.api_key = api_key  # --api-key: every path but /health* and /metrics* needs it
+        self.is_up = False  # ServerStatus.Starting until the warm-up is done
+        self.last_output_s = 0.0  # when the scheduler last put out a token (what /health waits for)
+        self.num_health_probes = 0
+        self.probes: set[asyncio.Task] = set()
         self.num_draft_tokens = num_draft_tokens  # --speculative-num-draft-tokens; 0: no speculation
         self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
         self.tokenizer_held = False  # abort: new requests wait at the tokenizer until continue
@@ -192,7 +206,9 @@ class FakeSglang:
         for path, handler in post.items():
             app.router.add_post(path, handler)
         app.router.add_route("*", "/flush_cache", self.flush_cache)
-        app.router.add_get("/health", lambda r: web.Response(status=200))
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/health_generate", self.health)
+        app.on_startup.append(self.warm_up)
         app.router.add_get("/get_model_info", self.model_info)
         app.router.add_get("/model_info", self.model_info)
         app.router.add_get("/get_weight_version", self.weight_version_gone)
@@ -274,6 +290,7 @@ class FakeSglang:
                 if self.scheduler_paused:
                     continue
                 req.output.append((sum(ids) + 7 * len(req.output)) % 1000)
+                self.last_output_s = time.monotonic()
                 self.progress[rid] = len(req.output)
                 done = len(req.output) == limit
                 yield self.output(req, return_logprob, {"type": "length", "length": limit} if done else None)
@@ -295,6 +312,39 @@ class FakeSglang:
         if reason is not None and self.num_draft_tokens > 1:
             meta.update(spec_counts(len(req.output), self.num_draft_tokens))
         return {"text": "", "output_ids": list(req.output), "meta_info": meta}
+
+    # ---- health ------------------------------------------------------------------------------------
+    async def warm_up(self, app: web.Application) -> None:
+        async def finish() -> None:
+            await asyncio.sleep(WARMUP_S)
+            self.is_up = True
+
+        app["warm_up"] = asyncio.create_task(finish())
+
+    async def health(self, request: web.Request) -> web.Response:
+        if not self.is_up:
+            return web.Response(status=503)
+        plain = os.environ.get("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "true").lower() in ("0", "false")
+        if plain and request.path == "/health":
+            return web.Response(status=200)
+        self.num_health_probes += 1
+        tic = time.monotonic()
+        rid = f"HEALTH_CHECK_{self.num_health_probes}"
+        task = asyncio.create_task(self.probe(rid))  # it outlives the answer, as SGLang's request does
+        self.probes.add(task)
+        task.add_done_callback(self.probes.discard)
+        while time.monotonic() < tic + HEALTH_CHECK_TIMEOUT_S:
+            await asyncio.sleep(1)
+            if self.last_output_s > tic:
+                return web.Response(status=200)
+        return web.Response(status=503)
+
+    async def probe(self, rid: str) -> None:
+        """The health check's request: input_ids [0], one greedy token, through the scheduler."""
+        while self.tokenizer_held:
+            await asyncio.sleep(0.005)
+        async for _ in self.run(rid, [0], {"max_new_tokens": 1, "temperature": 0.0}, False):
+            pass
 
     # ---- control -----------------------------------------------------------------------------------
     async def pause(self, request: web.Request) -> web.Response:
@@ -386,6 +436,7 @@ class FakeSglang:
                 "weight_version": self.weight_version,
                 "tokens_at_pause": self.tokens_at_pause,
                 "progress": self.progress,
+                "num_health_probes": self.num_health_probes,
             }
         )
 

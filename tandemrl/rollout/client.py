@@ -186,6 +186,10 @@ class HttpClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
+    async def is_alive(self) -> bool:
+        """What the run's watchdog asks of an external server (runner/services.py `watchdog`): /health."""
+        return await self.health()
+
     async def post(self, path: str, body: dict | None = None) -> dict | str:
         """Any other endpoint; raises EngineError on a non-200 answer."""
         return await self._post(path, body)
@@ -317,6 +321,26 @@ class EngineClient(HttpClient):
             logprobs += chunk_lps
             versions += [self.weight_version] * new
         return meta
+
+    async def is_alive(self) -> bool:
+        """SGLang is asked /model_info, not /health. SGLang 0.5.15's /health (http_server.py
+        `health_generate`, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) sends a one-token
+        generation through the scheduler and answers no sooner than a second, and not before 20 s
+        (then 503) while the scheduler is paused: a watchdog asking every second would count a healthy
+        server as dead, and its probes would sit in the scheduler when a weight update flushes the cache,
+        which SGLang refuses while any request is queued or running. /model_info is answered by the HTTP
+        server at once (SGLang's own start-up polls it); a scheduler that dies takes the server with it
+        (SGLang kills its process tree on a child's SIGQUIT), and one that hangs is SGLang's own watchdog's
+        (--watchdog-timeout). Other engines: /health."""
+        if self.kind != "sglang":
+            return await self.health()
+        try:
+            async with self._http().get(
+                self.base_url + "/model_info", timeout=aiohttp.ClientTimeout(total=5.0)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
 
     async def counters(self) -> dict[str, float]:
         """SGLang's speculation counters summed over the requests this client saw finish (`spec_totals`),

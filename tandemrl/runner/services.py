@@ -327,8 +327,9 @@ class Services:
 
     async def watchdog(self, clients: list[HttpClient], search: AgentEnv | SearchTool | None = None) -> None:
         """Runs beside the runner; raises as soon as a launched server is gone. An external server counts
-        as dead after NUM_HEALTH_FAILURES failed /health checks in a row once it has answered (one that
-        never answered is warned about once: its failures reach the agents as search errors)."""
+        as dead after NUM_HEALTH_FAILURES failed health checks in a row once it has answered (one that
+        never answered is warned about once: its failures reach the agents as search errors). The check is
+        /health, or for SGLang /model_info (rollout/client.py `EngineClient.is_alive` says why)."""
         interval_s = self.config.runner.engine_health_interval_s
         external = [] if self.engine_handles else [(f"rollout engine {i}", c) for i, c in enumerate(clients)]
         if self.retrieval_handle is None and search is not None:
@@ -343,7 +344,8 @@ class Services:
             await self.check()
             for index, (name, client) in enumerate(external):
                 try:
-                    is_healthy = await asyncio.wait_for(client.health(), timeout=max(1.0, interval_s))
+                    probe = client.health() if name == "retrieval server" else client.is_alive()
+                    is_healthy = await asyncio.wait_for(probe, timeout=max(1.0, interval_s))
                 except Exception:
                     is_healthy = False
                 url = getattr(client, "base_url", None) or client.url

@@ -160,6 +160,80 @@ def test_the_fake_takes_the_launch_command_line_and_refuses_what_sglang_would():
         merge_config(["--config", "a.yaml", "--config", "b.yaml"])
 
 
+def test_health_is_a_generation_that_a_paused_scheduler_holds(fresh_fakes, monkeypatch):
+    """SGLang's /health (http_server.py `health_generate`) sends a one-token request through the scheduler
+    and waits at least a second; while the scheduler is paused it answers 503 after
+    SGLANG_HEALTH_CHECK_TIMEOUT, and its request stays queued, so a flush is refused. /model_info, what
+    the watchdog asks SGLang (`EngineClient.is_alive`), answers all along."""
+    monkeypatch.setenv("SGLANG_HEALTH_CHECK_TIMEOUT", "2")  # the fake reads SGLang's variable
+    (url,) = fresh_fakes(1)
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        try:
+            started = time.monotonic()
+            answers = {"health": await client.health(), "health_s": time.monotonic() - started}
+            await client.pause_generation("in_place")
+            answers["paused_health"] = await client.health()
+            answers["paused_alive"] = await client.is_alive()
+            try:
+                await client.flush_cache()
+                answers["paused_flush"] = "flushed"
+            except EngineError as error:
+                answers["paused_flush"] = str(error)
+            await client.continue_generation()
+            return answers
+        finally:
+            await client.close()
+
+    answers = asyncio.run(run())
+    assert answers["health"] and answers["health_s"] >= 1.0, answers
+    assert answers["paused_health"] is False and answers["paused_alive"] is True, answers
+    assert "400" in answers["paused_flush"] and "pending requests" in answers["paused_flush"], answers
+
+
+def test_the_watchdog_keeps_a_healthy_external_sglang_and_notices_it_gone():
+    """An external SGLang (rollout.server_addrs) under the run's watchdog, checked every second: asked
+    /health, SGLang's one-second generation probe would time out every check and stop the run after
+    three; asked /model_info it stays alive through a paused scheduler, and its death is caught."""
+    from tandemrl.config.loader import load_config
+    from tandemrl.runner.services import EngineDiedError, Services
+
+    proc, url = start_fake()
+    config = load_config(
+        None,
+        [
+            "rollout.backend=sglang",
+            f"rollout.server_addrs=[{url}]",
+            "retrieval.launch=false",
+            "runner.engine_health_interval_s=1.0",
+        ],
+    )
+    services = Services(config)
+    client = EngineClient(url, kind="sglang")
+
+    async def run():
+        try:
+            watchdog = asyncio.create_task(services.watchdog([client]))
+            await asyncio.sleep(4)  # the old /health checks failed three times by then
+            await client.pause_generation("in_place")
+            await asyncio.sleep(4)
+            alive_through = not watchdog.done()
+            await client.continue_generation()
+            proc.kill()
+            with pytest.raises(EngineDiedError, match="rollout engine 0 .* failed 3 health checks in a row"):
+                await asyncio.wait_for(watchdog, timeout=60)
+            return alive_through
+        finally:
+            await client.close()
+
+    try:
+        assert asyncio.run(run())
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
 def test_generate_plain_and_streamed(fake_sglang):
     async def run():
         client = EngineClient(fake_sglang, kind="sglang", weight_version=3)

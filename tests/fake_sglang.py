@@ -15,10 +15,12 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   `init_custom_process_group` joins (tcp rendezvous, the bare group name as store prefix, torch's group
   helper); each receives every broadcast tensor; and for update_weights_from_tensor rank r opens
   `serialized_named_tensors[r]` (managers/tp_worker.py), so fewer entries than ranks fail.
-- Pause modes (managers/tokenizer_manager.py, managers/scheduler.py pause_generation): `abort` aborts
-  every request and holds new ones at the tokenizer until continue (the scheduler itself is not
-  paused); `retract` moves running requests to the waiting queue, where they re-prefill on continue;
-  `in_place` freezes them with their KV.
+- Pause modes (managers/tokenizer_manager.py, managers/scheduler.py pause_generation): every mode holds
+  new requests at the tokenizer until continue (`is_pause_cond`). `abort` aborts every request and
+  returns once none is left, looking again each second (it polls `model_update_lock`, which every
+  request holds while it lives: so it takes a second or more whenever a request was running); the
+  scheduler itself is not paused. `retract` moves running requests to the waiting queue, where they
+  re-prefill on continue; `in_place` freezes them with their KV.
 - The cache: prefixes stay cached under the weight version that computed them, until a flush. A
   prefill that reuses a prefix cached under another version counts as a stale prefill (/fake/state).
   `/flush_cache` succeeds only with no request queued or running, else 400 (Scheduler.flush_cache,
@@ -154,7 +156,7 @@ class FakeSglang:
         self.probes: set[asyncio.Task] = set()
         self.num_draft_tokens = num_draft_tokens  # --speculative-num-draft-tokens; 0: no speculation
         self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
-        self.tokenizer_held = False  # abort: new requests wait at the tokenizer until continue
+        self.tokenizer_held = False  # any pause: new requests wait at the tokenizer until continue
         self.abort_epoch = 0
         self.aborted_rids: set[str] = set()
         self.weight_version = "default"
@@ -250,7 +252,7 @@ class FakeSglang:
         rid = str(body.get("rid") or f"r{id(body)}")
         if rid in self.active:
             raise ValueError(f"Duplicate request ID: {rid}")
-        while self.tokenizer_held:  # a pause in abort mode holds new requests at the tokenizer
+        while self.tokenizer_held:  # a pause holds new requests at the tokenizer
             await asyncio.sleep(0.005)
         if not body.get("stream"):
             outputs = [out async for out in self.run(rid, ids, params, bool(body.get("return_logprob")))]
@@ -354,11 +356,14 @@ class FakeSglang:
             raise ValueError(f"Invalid mode: {mode!r}. Expected one of {PAUSE_MODES}.")
         self.tokens_at_pause = dict(self.progress)
         say(f"pause_generation mode={mode}, {len(self.active)} request(s) active")
+        self.tokenizer_held = True
         if mode == "abort":
-            self.tokenizer_held = True
-            self.abort_epoch += 1
-            while self.active:  # SGLang's tokenizer aborts until no request is left
-                await asyncio.sleep(0.005)
+            while True:  # SGLang's tokenizer aborts all, then looks each second until no request is left
+                self.abort_epoch += 1
+                await asyncio.sleep(0)
+                if not self.active:
+                    break
+                await asyncio.sleep(1.0)
         else:
             self.scheduler_paused = True
             for req in self.active.values():

@@ -326,9 +326,9 @@ class EngineClient(HttpClient):
         """SGLang is asked /model_info, not /health. SGLang 0.5.15's /health (http_server.py
         `health_generate`, SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION on by default) sends a one-token
         generation through the scheduler and answers no sooner than a second, and not before 20 s
-        (then 503) while the scheduler is paused: a watchdog asking every second would count a healthy
-        server as dead, and its probes would sit in the scheduler when a weight update flushes the cache,
-        which SGLang refuses while any request is queued or running. /model_info is answered by the HTTP
+        (then 503) while generation is paused: a watchdog asking every second would count a healthy
+        server as dead, and a probe running in the scheduler when a `drain` update flushes the cache
+        would make SGLang refuse the flush (it flushes only with no request queued or running). /model_info is answered by the HTTP
         server at once (SGLang's own start-up polls it); a scheduler that dies takes the server with it
         (SGLang kills its process tree on a child's SIGQUIT), and one that hangs is SGLang's own watchdog's
         (--watchdog-timeout). Other engines: /health."""

@@ -178,9 +178,13 @@ class HttpClient:
                 yield chunk
 
     async def health(self) -> bool:
+        return await self._answers_ok("/health")
+
+    async def _answers_ok(self, path: str) -> bool:
+        """Whether GET `path` answers 200 within 5 s."""
         try:
             async with self._http().get(
-                self.base_url + "/health", timeout=aiohttp.ClientTimeout(total=5.0)
+                self.base_url + path, timeout=aiohttp.ClientTimeout(total=5.0)
             ) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError):
@@ -332,15 +336,7 @@ class EngineClient(HttpClient):
         server at once (SGLang's own start-up polls it); a scheduler that dies takes the server with it
         (SGLang kills its process tree on a child's SIGQUIT), and one that hangs is SGLang's own watchdog's
         (--watchdog-timeout). Other engines: /health."""
-        if self.kind != "sglang":
-            return await self.health()
-        try:
-            async with self._http().get(
-                self.base_url + "/model_info", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError):
-            return False
+        return await self._answers_ok("/model_info" if self.kind == "sglang" else "/health")
 
     async def counters(self) -> dict[str, float]:
         """SGLang's speculation counters summed over the requests this client saw finish (`spec_totals`),

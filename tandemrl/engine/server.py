@@ -114,8 +114,10 @@ class EngineServer:
         app.router.add_get("/health", self.health)
         app.router.add_get("/health_generate", self.health)
         app.router.add_get("/get_server_info", self.server_info)
+        app.router.add_get("/server_info", self.server_info)  # SGLang 0.5.15's name; get_ is its old one
         app.router.add_get("/metrics", self.server_info)
         app.router.add_get("/get_model_info", self.model_info)
+        app.router.add_get("/model_info", self.model_info)  # what a run's watchdog asks an SGLang-kind engine
         WeightUpdateRoutes(self.loop, self.weight_update_timeout_s).add_to(app)
         app.on_startup.append(_mark_starting)
         app.on_startup.append(self._watch_loop)

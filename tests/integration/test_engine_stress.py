@@ -1,5 +1,6 @@
 """Stress: 200 concurrent requests against one engine process for 60 s while a controller pauses it
-every 0.2 s in a random mode (abort, retract, in_place, or the client-side drain) and pushes new weights
+every 0.2 s (each mode once in every four pauses, in random order: abort, retract, in_place, or the
+client-side drain) and pushes new weights
 over gloo each time. Every request must return exactly once, with no token lost and versions in order.
 Run once more, shorter, with n-gram speculative decoding (`serve-engine --speculative ngram`)."""
 
@@ -56,9 +57,14 @@ class Stress:
 
     async def controller(self, deadline: float) -> None:
         version = int(await self.client.get_weight_version())
-        while time.monotonic() < deadline:
+        modes: list[str] = []
+        # every mode once in each block of four, in a seeded random order; past the deadline only until
+        # each has run once (how many pauses fit in the time depends on the machine)
+        while time.monotonic() < deadline or not all(self.num_pauses.values()):
             await asyncio.sleep(INTERVAL_S)
-            mode = self.rng.choice(list(self.num_pauses))
+            if not modes:
+                modes = self.rng.sample(list(self.num_pauses), k=len(self.num_pauses))
+            mode = modes.pop()
             self.num_pauses[mode] += 1
             if mode == "drain":  # the client's mode: stop admitting, wait for in-flight requests
                 self.admitting.clear()

@@ -331,21 +331,25 @@ class Services:
         never answered is warned about once: its failures reach the agents as search errors). The check is
         /health, or for SGLang /model_info (rollout/client.py `EngineClient.is_alive` says why)."""
         interval_s = self.config.runner.engine_health_interval_s
-        external = [] if self.engine_handles else [(f"rollout engine {i}", c) for i, c in enumerate(clients)]
+        # (name, client, its check): an engine's `is_alive`, the retrieval server's /health
+        external = (
+            []
+            if self.engine_handles
+            else [(f"rollout engine {i}", c, c.is_alive) for i, c in enumerate(clients)]
+        )
         if self.retrieval_handle is None and search is not None:
-            external.append(("retrieval server", search))
+            external.append(("retrieval server", search, search.health))
         failures = [0] * len(external)
         retrieval_limit = max(NUM_HEALTH_FAILURES, math.ceil(RETRIEVAL_DEAD_AFTER_S / interval_s))
         limits = [
-            retrieval_limit if name == "retrieval server" else NUM_HEALTH_FAILURES for name, _ in external
+            retrieval_limit if name == "retrieval server" else NUM_HEALTH_FAILURES for name, _, _ in external
         ]
-        has_answered = [name != "retrieval server" for name, _ in external]
+        has_answered = [name != "retrieval server" for name, _, _ in external]
         while True:
             await self.check()
-            for index, (name, client) in enumerate(external):
+            for index, (name, client, is_up) in enumerate(external):
                 try:
-                    probe = client.health() if name == "retrieval server" else client.is_alive()
-                    is_healthy = await asyncio.wait_for(probe, timeout=max(1.0, interval_s))
+                    is_healthy = await asyncio.wait_for(is_up(), timeout=max(1.0, interval_s))
                 except Exception:
                     is_healthy = False
                 url = getattr(client, "base_url", None) or client.url

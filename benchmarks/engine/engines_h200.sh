@@ -78,7 +78,14 @@ case "$cmd" in
         runner.max_steps="$end" runner.val_interval=0 runner.val_before_train=false runner.weights_check_tokens=16 \
         runner.output_dir="$run_dir" rollout.pause_mode="$mode" "${resume[@]}" $(engine_overrides "$eng") "$@"
       # the segment's own check and start-up (the next segment writes its own over them)
-      for f in weights_check.json startup.json; do cp "$run_dir/$f" "$out/${eng}_${mode}_$f"; done
+      for f in weights_check.json startup.json config.yaml; do cp "$run_dir/$f" "$out/${eng}_${mode}_$f"; done
+      for log in "$run_dir"/logs/*.log; do  # the servers' logs, cut to what comes back (head, tail, control calls)
+        name=$(basename "$log" .log)
+        head -n 400 "$log" > "$out/${eng}_${mode}_${name}_head.log"
+        tail -n 400 "$log" > "$out/${eng}_${mode}_${name}_tail.log"
+        grep -E 'pause|continue|update_weights|flush|abort|Error|error' "$log" | tail -n 2000 \
+          > "$out/${eng}_${mode}_${name}_control.log" || true
+      done
       resume=("runner.resume_from=$run_dir/checkpoints/global_step_$end")  # a run always saves its last step
     done
     cp "$run_dir/metrics.jsonl" "$out/${eng}_metrics.jsonl"  # every segment's steps: one history

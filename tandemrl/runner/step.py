@@ -198,6 +198,16 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     if mode == "drain" and not was_paused:
         ctx.driver.resume_admission()
     marks_s.append(time.monotonic())
+    log.info(
+        "weight version %d on %d engine(s), rollout.pause_mode=%s%s: pause %.2f s, push %.2f s, continue %.2f s",
+        weight_version,
+        len(ctx.engines),
+        mode,
+        " (atomic, no pause)" if is_atomic_in_place else " (stood down)" if is_stood_down else "",
+        marks_s[1] - marks_s[0],
+        marks_s[2] - marks_s[1],
+        marks_s[3] - marks_s[2],
+    )
     return {
         "time/sync_weights": marks_s[3] - marks_s[0],
         "time/sync_weights/pause": marks_s[1] - marks_s[0],

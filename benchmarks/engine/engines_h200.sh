@@ -24,7 +24,7 @@
 #                                                      all` and the cold start (`tandem sft`, unless it is
 #                                                      there), the recipe (20 steps, stopped after
 #                                                      $RECIPE_TIMEOUT_S, 900), then the bench of
-#                                                      embedded,ENGINE with ARGS, then (sglang) the probe;
+#                                                      ENGINE,embedded with ARGS, then (sglang) the probe;
 #                                                      exits with the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
@@ -127,7 +127,7 @@ PY
     # handler stops the launched servers (docs/RELIABILITY.md), SIGKILL follows 60 s later
     timeout --kill-after=60 "${RECIPE_TIMEOUT_S:-900}" bash "$0" recipe "$eng" 20 || recipe=$?
     # the two the acceptance compares; vllm_eager and vllm_pinned are for `bench` alone (the device time is 30 min)
-    bash "$0" bench "embedded,$eng" "$@"
+    bash "$0" bench "$eng,embedded" "$@"  # ENGINE first: its entry is written before the embedded one's
     if [ "$eng" = sglang ]; then bash "$0" probe || echo "probe: exit $?"; fi
     exit "$recipe"
     ;;

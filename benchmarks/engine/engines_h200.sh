@@ -21,11 +21,12 @@
 #   benchmarks/engine/engines_h200.sh probe                   sglang only: benchmarks/engine/sglang_distributed.py, the
 #                                                      update_weights_from_distributed calls on a gloo group
 #   benchmarks/engine/engines_h200.sh all ENGINE [ARGS ...]    all of it for ENGINE: the install beside `tandem prepare
-#                                                      all` and the cold start (`tandem sft`, unless it is
-#                                                      there), the recipe (20 steps, stopped after
-#                                                      $RECIPE_TIMEOUT_S, 900), then the bench of
-#                                                      ENGINE,embedded with ARGS, then (sglang) the probe;
-#                                                      exits with the recipe's status
+#                                                      all` and the cold start (`tandem sft` with $SFT_ARGS,
+#                                                      unless it is there), the bench of ENGINE with ARGS,
+#                                                      the recipe (20 steps, stopped after
+#                                                      $RECIPE_TIMEOUT_S, 900), the bench of embedded
+#                                                      (engines_h200_embedded.json), then (sglang) the
+#                                                      probe; exits with the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
@@ -80,6 +81,7 @@ case "$cmd" in
       # the segment's own check and start-up (the next segment writes its own over them)
       for f in weights_check.json startup.json config.yaml; do cp "$run_dir/$f" "$out/${eng}_${mode}_$f"; done
       for log in "$run_dir"/logs/*.log; do  # the servers' logs, cut to what comes back (head, tail, control calls)
+        [ -f "$log" ] || continue
         name=$(basename "$log" .log)
         head -n 400 "$log" > "$out/${eng}_${mode}_${name}_head.log"
         tail -n 400 "$log" > "$out/${eng}_${mode}_${name}_tail.log"
@@ -107,7 +109,7 @@ PY
     done
     backends=${2:-embedded,vllm,sglang}
     shift $(( $# < 2 ? $# : 2 ))
-    python3 -m benchmarks.engine.engines_gpu --backends "$backends" "${args[@]}" --out "$out/engines_h200.json" "$@"
+    python3 -m benchmarks.engine.engines_gpu --backends "$backends" "${args[@]}" --out "$out/${BENCH_JSON:-engines_h200.json}" "$@"
     ;;
   probe)
     python3 -m benchmarks.engine.sglang_distributed --sglang-pythonpath "$(site_of sglang)" \
@@ -120,14 +122,17 @@ PY
     installing=$!
     python3 -m tandemrl.cli prepare all
     coldstart=$(python3 -c "from tandemrl.host.home import default_coldstart_dir; print(default_coldstart_dir())")
-    [ -f "$coldstart/config.json" ] || python3 -m tandemrl.cli sft examples/searchr1/config/smollm2_h200_sync.yaml
+    # shellcheck disable=SC2086
+    [ -f "$coldstart/config.json" ] || python3 -m tandemrl.cli sft examples/searchr1/config/smollm2_h200_sync.yaml ${SFT_ARGS:-}
     wait "$installing" || { cat "$out/install_$eng.log"; exit 2; }
+    # ENGINE's bench first (one start-up, its entry written at once), then the recipe, then the embedded
+    # engine's bench beside it on the same machine (its own file), then (sglang) the probe
+    bash "$0" bench "$eng" "$@" || echo "bench $eng: exit $?"
     recipe=0
-    # the bench still runs when the recipe fails or hangs: its figures stand on their own; tandem's SIGTERM
-    # handler stops the launched servers (docs/RELIABILITY.md), SIGKILL follows 60 s later
+    # the rest still runs when the recipe fails or hangs: tandem's SIGTERM handler stops the launched
+    # servers (docs/RELIABILITY.md), SIGKILL follows 60 s later
     timeout --kill-after=60 "${RECIPE_TIMEOUT_S:-900}" bash "$0" recipe "$eng" 20 || recipe=$?
-    # the two the acceptance compares; vllm_eager and vllm_pinned are for `bench` alone (the device time is 30 min)
-    bash "$0" bench "$eng,embedded" "$@"  # ENGINE first: its entry is written before the embedded one's
+    BENCH_JSON=engines_h200_embedded.json bash "$0" bench embedded "$@" || echo "bench embedded: exit $?"
     if [ "$eng" = sglang ]; then bash "$0" probe || echo "probe: exit $?"; fi
     exit "$recipe"
     ;;

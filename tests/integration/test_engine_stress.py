@@ -97,7 +97,7 @@ class Stress:
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("speculative, duration_s", [("none", DURATION_S), ("ngram", 20.0)])
+@pytest.mark.parametrize("speculative, duration_s", [("none", DURATION_S), ("ngram", 10.0)])
 def test_stress_pauses_and_updates(tiny_llama_dir, speculative, duration_s):
     weight_sets = [hf_state_dict(tiny_llama_dir), forcing_state_dict(tiny_llama_dir)]
     options = EngineOptions(speculative=speculative)

@@ -48,7 +48,9 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   stdout, one line each, which a launched server's log under the run's output dir keeps.
 
 Generation is a deterministic stand-in: token i of a request is (sum(prompt) + 7 i) % 1000 with logprob
--0.5, one token every TOKEN_S seconds; streams are SGLang's default (cumulative). With
+-0.5, one token every TOKEN_S seconds; a streamed chunk holds every token so far (SGLang's default), or
+only its new ones with `--incremental-streaming-output` (which tandem sends), completion_tokens counting
+all either way. With
 `--speculative-num-draft-tokens N` (SGLang's flag: N - 1 draft tokens a verify step) a finished request's
 meta_info carries 0.5.15's speculation counts (tokenizer_manager.py `_calculate_spec_decoding_metrics`:
 only once it finished, aborts included, and only when it verified at least once), as if its first token
@@ -147,8 +149,15 @@ class Request:
 
 
 class FakeSglang:
-    def __init__(self, tp_size: int = 1, num_draft_tokens: int = 0, api_key: str | None = None):
+    def __init__(
+        self,
+        tp_size: int = 1,
+        num_draft_tokens: int = 0,
+        api_key: str | None = None,
+        incremental: bool = False,
+    ):
         self.tp_size = tp_size
+        self.incremental = incremental  # --incremental-streaming-output: each chunk holds only its new tokens
         self.api_key = api_key  # --api-key: every path but /health* and /metrics* needs it
         self.is_up = False  # ServerStatus.Starting until the warm-up is done
         self.last_output_s = 0.0  # when the scheduler last put out a token (what /health waits for)
@@ -259,7 +268,11 @@ class FakeSglang:
             return web.json_response(outputs[-1])
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        sent = 0  # tokens already streamed (incremental chunks start after them)
         async for out in self.run(rid, ids, params, bool(body.get("return_logprob"))):
+            if self.incremental:
+                out = delta(out, sent)
+                sent += len(out["output_ids"])
             await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -611,6 +624,16 @@ def spec_counts(num_tokens: int, num_draft_tokens: int) -> dict[str, int]:
     }
 
 
+def delta(out: dict, sent: int) -> dict:
+    """An incremental chunk (`--incremental-streaming-output`): the output ids and output logprobs after
+    the first `sent`, as tokenizer_manager.py `_slice_streaming_output_meta_info` cuts them; the rest of
+    meta_info (completion_tokens included) stays cumulative."""
+    meta = dict(out["meta_info"])
+    if "output_token_logprobs" in meta:
+        meta["output_token_logprobs"] = meta["output_token_logprobs"][sent:]
+    return {**out, "output_ids": out["output_ids"][sent:], "meta_info": meta}
+
+
 LAUNCH_FLAGS = {  # sglang.launch_server's flags that tandem sends (rollout/sglang_process.py), as SGLang types them
     "--model-path": str,
     "--tp-size": int,
@@ -624,6 +647,7 @@ LAUNCH_FLAGS = {  # sglang.launch_server's flags that tandem sends (rollout/sgla
     "--api-key": str,
     "--speculative-algorithm": str,
     "--speculative-num-draft-tokens": int,
+    "--incremental-streaming-output": bool,  # a switch (store_true)
 }
 
 
@@ -653,14 +677,19 @@ def merge_config(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="sglang serve (fake)")
     for flag, kind in LAUNCH_FLAGS.items():
-        parser.add_argument(flag, type=kind, required=flag == "--port")
+        if kind is bool:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=kind, required=flag == "--port")
     parser.set_defaults(tp_size=1, speculative_num_draft_tokens=0, host="127.0.0.1")
     return parser.parse_args(merge_config(argv))
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
-    fake = FakeSglang(args.tp_size, args.speculative_num_draft_tokens or 0, args.api_key)
+    fake = FakeSglang(
+        args.tp_size, args.speculative_num_draft_tokens or 0, args.api_key, args.incremental_streaming_output
+    )
     say(f"serving on {args.host}:{args.port}, tp_size {args.tp_size}")
     # a stream frozen by a pause must not hold the exit (aiohttp waits 60 s for open requests by default)
     web.run_app(fake.app(), host=args.host, port=args.port, print=None, access_log=None, shutdown_timeout=1.0)

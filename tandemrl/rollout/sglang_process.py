@@ -2,8 +2,9 @@
 
 The command line comes whole from the config: `rollout.model.model_path`, `rollout.tensor_parallel_size`,
 `rollout.sglang.mem_fraction_static`, the host and port of the instance's placement, `rollout.dtype`,
-`rollout.max_context_len`, `rollout.max_running_requests`, `rollout.engine.speculative` (as SGLang's NGRAM
-flags, `speculative_args`), then `rollout.sglang.extra_args` verbatim.
+`rollout.max_context_len`, `rollout.max_running_requests`, `--incremental-streaming-output` (the client
+streams, rollout/client.py, and reads deltas and cumulative chunks alike), `rollout.engine.speculative` (as
+SGLang's NGRAM flags, `speculative_args`), then `rollout.sglang.extra_args` verbatim.
 The GPUs are the ones the process sees (`CUDA_VISIBLE_DEVICES`, set by Ray for the instance's bundle).
 The interpreter is `rollout.sglang.python` (default: tandem's), with `rollout.sglang.pythonpath` first
 on its PYTHONPATH (an engine installed aside, for that process only).
@@ -114,6 +115,10 @@ class SglangServerProcess(ChildServer):
             str(rollout.max_running_requests),
             "--random-seed",
             str(self.seed),
+            # each streamed chunk carries the tokens (and logprobs) since the last one: by default SGLang
+            # 0.5.15 sends every token so far in every chunk (tokenizer_manager.py `_handle_batch_output`),
+            # O(n^2) bytes a request, over 15 MB for a 1,024-token response with logprobs
+            "--incremental-streaming-output",
         ]
         if rollout.dtype != "auto":
             args += ["--dtype", rollout.dtype]

@@ -22,6 +22,7 @@ managers/scheduler_components/weight_updater.py, managers/tokenizer_manager.py, 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -251,6 +252,51 @@ def test_generate_plain_and_streamed(fake_sglang):
     assert streamed.output_logprobs == [-0.5] * 6 and streamed.finish_reason == "length"
     assert streamed.weight_versions == [3] * 6 and plain.weight_versions is None
     assert streamed.prompt_tokens == 3
+
+
+async def raw_stream(url: str, body: dict) -> list[dict]:
+    """The chunks of one streamed /generate, as the server sent them."""
+    chunks = []
+    async with aiohttp.ClientSession() as session, session.post(url + "/generate", json=body) as resp:
+        async for line in resp.content:
+            line = line.strip()
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                chunks.append(json.loads(line[len(b"data: ") :]))
+    return chunks
+
+
+def test_incremental_streaming_gives_the_client_the_same_tokens(fresh_fakes):
+    """tandem launches SGLang with --incremental-streaming-output (rollout/sglang_process.py): each chunk
+    then holds only its new ids and logprobs, completion_tokens still counting all; the client assembles
+    what it assembles from SGLang's default cumulative chunks."""
+    cumulative_url, incremental_url = fresh_fakes(1) + fresh_fakes(
+        1, extra_args=("--incremental-streaming-output",)
+    )
+    body = {
+        "input_ids": [4, 5],
+        "sampling_params": {"max_new_tokens": 5},
+        "return_logprob": True,
+        "stream": True,
+    }
+
+    async def run():
+        chunks = {url: await raw_stream(url, body) for url in (cumulative_url, incremental_url)}
+        results = []
+        for url in (cumulative_url, incremental_url):
+            client = EngineClient(url, kind="sglang", weight_version=2)
+            results.append(await client.generate([4, 5], {"max_new_tokens": 5}, rid=f"inc-{len(results)}"))
+            await client.close()
+        return chunks, results
+
+    chunks, (from_cumulative, from_incremental) = asyncio.run(run())
+    expected = [(9 + 7 * i) % 1000 for i in range(5)]
+    assert [c["output_ids"] for c in chunks[cumulative_url]] == [expected[: i + 1] for i in range(5)]
+    assert [c["output_ids"] for c in chunks[incremental_url]] == [[t] for t in expected]
+    assert [len(c["meta_info"]["output_token_logprobs"]) for c in chunks[incremental_url]] == [1] * 5
+    assert [c["meta_info"]["completion_tokens"] for c in chunks[incremental_url]] == [1, 2, 3, 4, 5]
+    assert from_incremental.output_ids == from_cumulative.output_ids == expected
+    assert from_incremental.output_logprobs == from_cumulative.output_logprobs == [-0.5] * 5
+    assert from_incremental.weight_versions == [2] * 5 and from_incremental.finish_reason == "length"
 
 
 def test_control_routes(fake_sglang):

@@ -85,7 +85,10 @@ def test_sglang_command_line_and_key_file(tmp_path):
     server = build_server(spec, "127.0.0.1")
     command = server.command()
     assert command[:3] == ["/opt/sglang-env/bin/python", "-m", "sglang.launch_server"]
-    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    switch = "--incremental-streaming-output"  # each streamed chunk holds only its new tokens
+    assert command.count(switch) == 1
+    pairs = [arg for arg in command[3:] if arg != switch]
+    flags = dict(zip(pairs[::2], pairs[1::2], strict=False))
     assert flags["--tp-size"] == "2" and flags["--context-length"] == "3072"
     assert flags["--max-running-requests"] == "48" and flags["--port"] == "30000"
     assert command[-2:] == ["--attention-backend", "fa3"]

@@ -198,17 +198,7 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
     if mode == "drain" and not was_paused:
         ctx.driver.resume_admission()
     marks_s.append(time.monotonic())
-    log.info(
-        "weight version %d on %d engine(s), rollout.pause_mode=%s%s: pause %.2f s, push %.2f s, continue %.2f s",
-        weight_version,
-        len(ctx.engines),
-        mode,
-        " (atomic, no pause)" if is_atomic_in_place else " (stood down)" if is_stood_down else "",
-        marks_s[1] - marks_s[0],
-        marks_s[2] - marks_s[1],
-        marks_s[3] - marks_s[2],
-    )
-    return {
+    metrics = {
         "time/sync_weights": marks_s[3] - marks_s[0],
         "time/sync_weights/pause": marks_s[1] - marks_s[0],
         "time/sync_weights/push": marks_s[2] - marks_s[1],
@@ -216,6 +206,17 @@ async def sync_weights(ctx: RunContext, weight_version: int, is_stood_down: bool
         "sync_weights/bytes": float(pushed.get("sync_weights/bytes", 0.0)),
         **pause_metrics(answers),
     }
+    log.info(
+        "weight version %d on %d engine(s), rollout.pause_mode=%s%s: pause %.2f s, push %.2f s, continue %.2f s",
+        weight_version,
+        len(ctx.engines),
+        mode,
+        " (atomic, no pause)" if is_atomic_in_place else " (stood down)" if is_stood_down else "",
+        metrics["time/sync_weights/pause"],
+        metrics["time/sync_weights/push"],
+        metrics["time/sync_weights/continue"],
+    )
+    return metrics
 
 
 def pause_metrics(answers: list) -> dict[str, float]:

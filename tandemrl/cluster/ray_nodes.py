@@ -59,6 +59,29 @@ def init_ray(config: TandemConfig) -> None:
     mark("ray initialized")
 
 
+# Ray's longest socket of a local start: <ray temp dir>/session_<date>_<time>_<microseconds>_<pid>/sockets/
+# plasma_store, under Linux's AF_UNIX limit of 107 bytes (ray._private.utils.validate_socket_filepath).
+# Ray's temp dir is $RAY_TMPDIR/ray, else $TMPDIR/ray on Linux, else /tmp/ray (get_default_ray_temp_dir).
+_SESSION_SOCKET = "session_2026-12-07_06-22-17_832341_4194304/sockets/plasma_store"  # the widest pid
+AF_UNIX_MAX_BYTES = 107
+
+
+def local_ray_socket_problem(environ: dict[str, str] | None = None) -> str | None:
+    """Why a local `ray.init` would fail to bind its sockets under this environment's temp dir, or None.
+    Ray itself says it only after it began starting, in a traceback."""
+    env = os.environ if environ is None else environ
+    name, base = next(((k, env[k]) for k in ("RAY_TMPDIR", "TMPDIR") if env.get(k)), ("", "/tmp"))
+    longest = os.path.join(base, "ray", _SESSION_SOCKET)
+    if len(longest.encode()) <= AF_UNIX_MAX_BYTES:
+        return None
+    return (
+        f"{name}={base!r} is too long for Ray: its sockets would lie at {longest} "
+        f"({len(longest.encode())} bytes, and a Unix socket path may have {AF_UNIX_MAX_BYTES}). "
+        f"Set RAY_TMPDIR to a directory of at most {AF_UNIX_MAX_BYTES - len(longest) + len(base)} characters "
+        "(RAY_TMPDIR=/tmp), or cluster.use_ray=false."
+    )
+
+
 def _connect(config: TandemConfig) -> None:
     import ray
 

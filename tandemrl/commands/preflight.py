@@ -3,7 +3,7 @@
 `check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
 their combinations; these checks need the machine: the engines tandem can launch (a launched vLLM or
 SGLang server's interpreter imports its engine, rollout/engine_python.py), the MPS control
-daemon `cluster.mps` needs, the model directories this node reads (the driver loads the tokenizer from
+daemon `cluster.mps` needs, room for a local Ray's sockets under its temp dir, the model directories this node reads (the driver loads the tokenizer from
 the model path, the actor its weights), the optional tracker packages, and the plug-ins
 (`reward.function` and `tools.<name>.function` import; the reward's dry call returns a finite number).
 Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths live on the nodes and are not
@@ -49,6 +49,7 @@ def check_startable(config: TandemConfig) -> None:
             "their GPUs. Set cluster.use_ray=true, or start them yourself (rollout.server_addrs)."
         )
     _check_mps(config)
+    _check_ray_temp_dir(config)
     if config.cluster.num_nodes > 1:
         return  # the engines' interpreters and the model paths live on the nodes
     _check_engine_imports(rollout)
@@ -100,6 +101,19 @@ def _check_engine_imports(rollout: RolloutConfig) -> None:
     said = import_error(rollout.backend, section.python, section.pythonpath)
     if said is not None:
         raise ConfigError(engine_import_message(rollout.backend, section.python, section.pythonpath, said))
+
+
+def _check_ray_temp_dir(config: TandemConfig) -> None:
+    """A Ray this run starts on its own machine binds Unix sockets under its temp dir, whose path has room for
+    107 bytes only (a cluster's Ray was started by `ray start`, with its own)."""
+    cluster = config.cluster
+    if not cluster.use_ray or cluster.ray_address or cluster.num_nodes > 1:
+        return
+    from tandemrl.cluster.ray_nodes import local_ray_socket_problem
+
+    problem = local_ray_socket_problem()
+    if problem:
+        raise ConfigError(problem)
 
 
 def _check_mps(config: TandemConfig) -> None:

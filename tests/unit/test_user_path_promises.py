@@ -67,6 +67,34 @@ def test_mps_without_nvidia_tools_is_refused_at_config_show(capsys, monkeypatch,
     _refused(code, err, "cluster.mps=true", "nvidia-cuda-mps-control")
 
 
+def test_a_temp_dir_too_long_for_rays_sockets_is_refused_at_config_show(capsys, monkeypatch):
+    monkeypatch.delenv("RAY_TMPDIR", raising=False)
+    monkeypatch.setenv("TMPDIR", "/tmp/" + "d" * 60)  # Ray would fail on it only after it began starting
+    code, _, err = _run(capsys, "config", "show", ASYNC, "cluster.use_ray=true")
+    _refused(code, err, "TMPDIR='/tmp/ddd", "RAY_TMPDIR=/tmp")
+    code, _, err = _run(capsys, "config", "show", ASYNC, "cluster.use_ray=false")  # no Ray: nothing to bind
+    assert code == 0, err
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")  # Ray's own key comes first
+    code, _, err = _run(capsys, "config", "show", ASYNC, "cluster.use_ray=true")
+    assert code == 0, err
+
+
+def test_the_temp_dir_check_draws_rays_own_line():
+    """The longest TMPDIR the check lets through gives Ray a socket path its own validator accepts, and
+    one byte more is refused by both."""
+    from ray._private.utils import validate_socket_filepath
+
+    from tandemrl.cluster.ray_nodes import _SESSION_SOCKET, local_ray_socket_problem
+
+    fits = "/" + "t" * (107 - len(f"/ray/{_SESSION_SOCKET}") - 1)
+    assert local_ray_socket_problem({"TMPDIR": fits}) is None
+    validate_socket_filepath(f"{fits}/ray/{_SESSION_SOCKET}")
+    problem = local_ray_socket_problem({"TMPDIR": fits + "t", "RAY_TMPDIR": ""})
+    assert problem and f"at most {len(fits)} characters" in problem, problem
+    with pytest.raises(OSError, match="AF_UNIX path length"):
+        validate_socket_filepath(f"{fits}t/ray/{_SESSION_SOCKET}")
+
+
 @pytest.mark.parametrize(
     ("overrides", "needle"),
     [

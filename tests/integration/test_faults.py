@@ -131,7 +131,12 @@ def test_a_signal_stops_the_run_cleanly(tmp_path, tiny_llama_dir, small_kb, use_
 
 
 @pytest.mark.parametrize(
-    ("subcommand", "name"), [("serve-engine", "rollout engine 0"), ("serve-retrieval", "retrieval server")]
+    ("subcommand", "name"),
+    [
+        ("serve-engine", "rollout engine 0"),
+        # the same watchdog and exit path; `make test-slow` (make test stays under 25 min on CI)
+        pytest.param("serve-retrieval", "retrieval server", marks=pytest.mark.slow),
+    ],
 )
 def test_kill_9_of_a_server_stops_the_run_naming_it(tmp_path, tiny_llama_dir, small_kb, subcommand, name):
     run = Run(tmp_path, tiny_llama_dir, small_kb)  # cluster.use_ray=false: the servers are the run's children

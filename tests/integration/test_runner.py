@@ -247,7 +247,11 @@ def test_a_dead_engine_stops_the_run_within_seconds_naming_it(
     assert stopped_s < 60.0
 
 
-@pytest.mark.parametrize("attention", ["auto", "varlen"])
+@pytest.mark.parametrize(
+    "attention",
+    # auto's check also ends every run of test_recipe_segments.py; varlen met the H100's error (docs/RELIABILITY.md 27)
+    [pytest.param("auto", marks=pytest.mark.slow), "varlen"],
+)
 def test_weights_check_after_the_last_sync(tmp_path, tiny_llama_dir, small_kb, attention):
     """runner.weights_check_tokens: with the rollout stopped after the last push, the engine's greedy
     output on the probe prompts is the actor's under the weights it pushed (the embedded engine and the

@@ -24,9 +24,9 @@
 #                                                      all` and the cold start (`tandem sft` with $SFT_ARGS,
 #                                                      unless it is there), the bench of ENGINE with ARGS,
 #                                                      the recipe (20 steps, stopped after
-#                                                      $RECIPE_TIMEOUT_S, 900), the bench of embedded
-#                                                      (engines_h200_embedded.json), then (sglang) the
-#                                                      probe; exits with the recipe's status
+#                                                      $RECIPE_TIMEOUT_S, 900), then (sglang) the probe,
+#                                                      then the bench of embedded (engines_h200_embedded.json;
+#                                                      not with EMBEDDED_BENCH=0); exits with the recipe's status
 # Results go to ${OUT:-/tmp/engines_h200} (on a `run`, $OUT comes back): metrics.jsonl, weights_check.json,
 # startup.json of each recipe run, engines_h200.json of the benchmark. The engine's wheels are seen by the
 # engine server only (rollout.ENGINE.pythonpath), never by tandem's own processes.
@@ -125,15 +125,18 @@ PY
     # shellcheck disable=SC2086
     [ -f "$coldstart/config.json" ] || python3 -m tandemrl.cli sft examples/searchr1/config/smollm2_h200_sync.yaml ${SFT_ARGS:-}
     wait "$installing" || { cat "$out/install_$eng.log"; exit 2; }
-    # ENGINE's bench first (one start-up, its entry written at once), then the recipe, then the embedded
-    # engine's bench beside it on the same machine (its own file), then (sglang) the probe
+    # ENGINE's bench first (one start-up, its entry written at once), then the recipe, then (sglang) the
+    # probe, then the embedded engine's bench beside it on the same machine (its own file; EMBEDDED_BENCH=0
+    # leaves it out when device time is short)
     bash "$0" bench "$eng" "$@" || echo "bench $eng: exit $?"
     recipe=0
     # the rest still runs when the recipe fails or hangs: tandem's SIGTERM handler stops the launched
     # servers (docs/RELIABILITY.md), SIGKILL follows 60 s later
     timeout --kill-after=60 "${RECIPE_TIMEOUT_S:-900}" bash "$0" recipe "$eng" 20 || recipe=$?
-    BENCH_JSON=engines_h200_embedded.json bash "$0" bench embedded "$@" || echo "bench embedded: exit $?"
     if [ "$eng" = sglang ]; then bash "$0" probe || echo "probe: exit $?"; fi
+    if [ "${EMBEDDED_BENCH:-1}" = 1 ]; then
+      BENCH_JSON=engines_h200_embedded.json bash "$0" bench embedded "$@" || echo "bench embedded: exit $?"
+    fi
     exit "$recipe"
     ;;
   *) echo "unknown command $cmd (install, recipe, bench, probe, all)" >&2; exit 2 ;;

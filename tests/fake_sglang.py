@@ -14,7 +14,10 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   init_weights_update_group) in a group of the `world_size` given, exactly as SGLang's
   `init_custom_process_group` joins (tcp rendezvous, the bare group name as store prefix, torch's group
   helper); each receives every broadcast tensor; and for update_weights_from_tensor rank r opens
-  `serialized_named_tensors[r]` (managers/tp_worker.py), so fewer entries than ranks fail.
+  `serialized_named_tensors[r]` (managers/tp_worker.py), so fewer entries than ranks fail. Each entry
+  is opened by SGLang's `SafeUnpickler` (utils/common.py), which loads a global only from the modules it
+  allows (torch, Python's own, multiprocessing's reductions, ...): the fake reads the entry's globals
+  without loading it and, as the scheduler's exception would, crashes on one outside them (`refused_globals`).
 - Pause modes (managers/tokenizer_manager.py, managers/scheduler.py pause_generation): every mode holds
   new requests at the tokenizer until continue (`is_pause_cond`). `abort` aborts every request and
   returns once none is left, looking again each second (it polls `model_update_lock`, which every
@@ -68,6 +71,7 @@ import hmac
 import json
 import multiprocessing
 import os
+import pickletools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -127,6 +131,68 @@ SAMPLING_KEYS = {
 }  # fmt: skip
 PAUSE_MODES = ("abort", "retract", "in_place")
 FLUSH_REFUSED = "Cache not flushed because there are pending requests."
+
+
+# SGLang 0.5.15's SafeUnpickler (utils/common.py): a pickle's global loads only when "module." starts with
+# one of these, and never these (module, name) pairs
+SAFE_UNPICKLER_PREFIXES = (
+    *("builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref."),
+    *("torch.", "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools."),
+    *("peft.", "transformers.", "huggingface_hub.", "torch_npu."),
+    *(
+        "sglang.srt.weight_sync.tensor_bucket.",
+        "sglang.srt.model_executor.model_runner.",
+        "sglang.srt.layers.",
+    ),
+    *("sglang.srt.utils.", "sglang.srt.disaggregation.", "sglang.srt.managers."),
+)
+SAFE_UNPICKLER_DENIED = {
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "compile"),
+    ("os", "system"),
+    ("subprocess", "Popen"),
+    ("subprocess", "run"),
+    ("codecs", "decode"),
+    ("types", "CodeType"),
+    ("types", "FunctionType"),
+}
+
+
+def pickle_globals(raw: bytes) -> list[tuple[str, str]]:
+    """The (module, name) of every global a pickle would load, read from its opcodes without loading it
+    (STACK_GLOBAL takes the two strings pushed last, directly or from the memo)."""
+    found, pushed, memo = [], [], {}
+    for op, arg, _ in pickletools.genops(raw):
+        if op.name == "GLOBAL":
+            module, name = arg.split(" ", 1)
+            found.append((module, name))
+        elif op.name == "STACK_GLOBAL":
+            found.append((str(pushed[-2]), str(pushed[-1])))
+        elif op.name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+            pushed.append(arg)
+            continue
+        elif op.name == "MEMOIZE":
+            memo[len(memo)] = pushed[-1] if pushed else None
+            continue
+        elif op.name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[arg] = pushed[-1] if pushed else None
+            continue
+        elif op.name in ("GET", "BINGET", "LONG_BINGET"):
+            pushed.append(memo.get(arg))
+            continue
+        pushed.append(None)  # anything else pushed or popped: no longer a string pair for STACK_GLOBAL
+    return found
+
+
+def refused_globals(raw: bytes) -> list[str]:
+    """The globals of a pickle that SGLang's SafeUnpickler would refuse to load."""
+    return [
+        f"{module}.{name}"
+        for module, name in pickle_globals(raw)
+        if (module, name) in SAFE_UNPICKLER_DENIED
+        or not any(f"{module}.".startswith(prefix) for prefix in SAFE_UNPICKLER_PREFIXES)
+    ]
 
 
 def error(message: str, status: int = 400) -> web.Response:
@@ -511,7 +577,15 @@ class FakeSglang:
         if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
             raise ValueError("serialized_named_tensors must be a list of base64 strings")
         for entry in entries:
-            base64.b64decode(entry, validate=True)  # the Base64Bytes schema refuses anything else
+            raw = base64.b64decode(entry, validate=True)  # the Base64Bytes schema refuses anything else
+            refused = refused_globals(raw) if raw[:1] == b"\x80" else []
+            if refused:  # MultiprocessingSerializer.deserialize raises in the scheduler, which dies of it
+                self.crashed = True
+                return error(
+                    f"RuntimeError: Blocked unsafe class loading ({refused[0]}), "
+                    "to prevent exploitation of CVE-2025-10164",
+                    500,
+                )
         read = []
         for tp_rank in range(self.tp_size):  # TpModelWorker: serialized_named_tensors[self.tp_rank]
             if tp_rank >= len(entries):

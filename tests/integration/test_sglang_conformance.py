@@ -22,7 +22,9 @@ managers/scheduler_components/weight_updater.py, managers/tokenizer_manager.py, 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import pickle
 import subprocess
 import sys
 import time
@@ -31,10 +33,11 @@ import aiohttp
 import pytest
 import torch
 
+from tandemrl.config.errors import ConfigError
 from tandemrl.host.child_server import free_port
 from tandemrl.rollout.backends import make_weight_sender
 from tandemrl.rollout.client import EngineClient, EngineError
-from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, rank_offsets
+from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, ipc_payload, rank_offsets
 from tests.integration.engine_helpers import record_streams, wait_for
 
 TENSORS = {"a.weight": torch.randn(64, 8), "b.bias": torch.arange(10, dtype=torch.float32)}
@@ -397,6 +400,27 @@ def test_update_from_tensor_carries_one_entry_per_tp_rank(fresh_fakes):
     entries, answer, state = asyncio.run(run())
     assert len(entries) == 2 and answer["success"] is True
     assert state["tensor_entries_read"] == [[0, 1]] and state["weight_version"] == "2"
+
+
+def test_update_from_tensor_entries_pass_sglangs_safe_unpickler(fresh_fakes):
+    """tandem's own entry (a CPU tensor's reduction standing in for the CUDA one: the same torch module)
+    loads under SGLang's allowlist; a pickle of one of tandem's classes kills the scheduler, as in SGLang."""
+    (url,) = fresh_fakes(1)
+    ours = ipc_payload([("w", torch.arange(4.0).half())], "sglang")
+    foreign = base64.b64encode(pickle.dumps([("w", ConfigError("not a tensor"))])).decode()
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        answer = await client.update_weights_from_tensor([ours], weight_version=1)
+        with pytest.raises(
+            EngineError, match=r"Blocked unsafe class loading \(tandemrl\.config\.errors\.ConfigError\)"
+        ):
+            await client.update_weights_from_tensor([foreign], weight_version=2)
+        await client.close()
+        return answer, await fake_state(url)
+
+    answer, state = asyncio.run(run())
+    assert answer["success"] is True and state["weight_version"] == "1" and state["crashed"]
 
 
 def test_retract_recomputes_every_kv_under_the_new_weights(fresh_fakes):

@@ -1,10 +1,13 @@
 """rollout.backend wiring without servers: the pause modes each backend can realise (a clear ConfigError
 at start-up otherwise), the weight routes and flushes per backend and pause mode, the vLLM request
-mapping, and the embedded engine's refusal of pickled tensors."""
+mapping, the embedded engine's refusal of pickled tensors, and SGLang's SafeUnpickler rule (as the fake
+applies it) over tandem's IPC entries."""
 
 from __future__ import annotations
 
 import base64
+import collections
+import io
 import json
 import pickle
 
@@ -18,6 +21,7 @@ from tandemrl.rollout.backends import make_client, make_weight_sender
 from tandemrl.rollout.client import EngineClient
 from tandemrl.rollout.vllm_client import VllmClient, check_pause_mode, completion_body
 from tandemrl.rollout.weight_sync import DiskWeightSender, WeightSender, ipc_payload
+from tests.fake_sglang import pickle_globals, refused_globals
 
 PAUSE = ("retract", "drain", "in_place")
 
@@ -93,6 +97,28 @@ def test_sglang_ipc_entries_name_the_gpu_by_uuid_for_sglang_and_stay_json_for_ou
 
     ((name, tensor),) = ForkingPickler.loads(raw)
     assert name == "w" and torch.equal(tensor, torch.arange(4.0))
+
+
+@pytest.mark.parametrize("protocol", range(3, pickle.HIGHEST_PROTOCOL + 1))  # 2 names builtins __builtin__
+def test_the_fakes_pickle_reader_finds_the_globals_an_unpickler_loads(protocol):
+    """tests/fake_sglang.py reads an entry's globals without loading it, to apply SGLang's SafeUnpickler
+    rule: it finds what Python's own unpickler looks up, in order, at every protocol (memo included)."""
+    obj = [ConfigError("x"), torch.float16, collections.OrderedDict(a=1), (ConfigError, ConfigError), eval]
+    raw = pickle.dumps(obj, protocol=protocol)
+    looked_up = []
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            looked_up.append((module, name))
+            return super().find_class(module, name)
+
+    Recording(io.BytesIO(raw)).load()
+    assert pickle_globals(raw) == looked_up
+    assert refused_globals(raw) == ["tandemrl.config.errors.ConfigError", "builtins.eval"]
+    # tandem's own entry: torch's reductions and multiprocessing's fd sharing only
+    ours = base64.b64decode(ipc_payload([("w", torch.arange(4.0).half())], "sglang"))
+    assert ("torch.multiprocessing.reductions", "rebuild_tensor") in pickle_globals(ours)
+    assert refused_globals(ours) == []
 
 
 def test_embedded_engine_opens_json_ipc_entries_never_pickles():

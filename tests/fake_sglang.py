@@ -8,7 +8,8 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   PauseGenerationReqInput, ContinueGenerationReqInput, AbortReq, InitWeightsUpdateGroupReqInput,
   UpdateWeightsFromDistributedReqInput, UpdateWeightsFromTensorReqInput, UpdateWeightFromDiskReqInput,
   DestroyWeightsUpdateGroupReqInput, FlushCacheReqInput; plus BaseReq's rid and http_worker_ipc), and
-  sampling_params only SamplingParams' keys (sampling/sampling_params.py); anything else is a 400.
+  sampling_params only SamplingParams' keys (sampling/sampling_params.py), and the control requests'
+  fields of their struct's types (`FIELD_TYPES`: a weight version is a string); anything else is a 400.
 - Tensor parallelism (`--tp-size N`): every TP rank is a process of its own, as SGLang's schedulers
   are. Each joins the weight group at `rank_offset + tp_rank` (model_executor/model_runner.py,
   init_weights_update_group) in a group of the `world_size` given, exactly as SGLang's
@@ -121,6 +122,42 @@ REQUIRED = {
     "/update_weights_from_tensor": {"serialized_named_tensors"},
     "/update_weights_from_disk": {"model_path"},
 }
+# the types of the control requests' fields (io_struct.py; msgspec structs checked by pydantic, which
+# turns no number into a str): "str?" may also be null, "float" takes an int too
+FIELD_TYPES = {
+    **dict.fromkeys(("master_address", "group_name", "backend", "model_path", "mode"), "str"),
+    **dict.fromkeys(("weight_version", "load_format", "rid"), "str?"),
+    **dict.fromkeys(("master_port", "rank_offset", "world_size", "token_step"), "int"),
+    **dict.fromkeys(
+        ("flush_cache", "abort_all_requests", "torch_empty_cache", "abort_all", "is_async"), "bool"
+    ),
+    **dict.fromkeys(("keep_pause", "recapture_cuda_graph", "disable_draft_model"), "bool"),
+    **{"timeout_s": "float?", "names": "list[str]", "dtypes": "list[str]", "shapes": "list[list[int]]"},
+}
+
+
+def type_problem(field: str, value) -> str | None:
+    """Why SGLang's schema would refuse `value` for a control request's `field`, or None."""
+    kind = FIELD_TYPES.get(field)
+    if kind is None or (kind.endswith("?") and value is None):
+        return None
+    kind = kind.rstrip("?")
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    fits = {
+        "str": isinstance(value, str),
+        "int": is_int,
+        "float": is_int or isinstance(value, float),
+        "bool": isinstance(value, bool),
+        "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
+        "list[list[int]]": isinstance(value, list)
+        and all(
+            isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
+            for v in value
+        ),
+    }[kind]
+    return None if fits else f"{field}: Input should be a valid {kind}, got {value!r}"
+
+
 # the struct defaults of the flags that matter here (io_struct.py): an update flushes unless told not to
 FLUSH_DEFAULT = True
 SAMPLING_KEYS = {
@@ -240,6 +277,7 @@ class FakeSglang:
         self.stale_prefills: list[str] = []
         self.num_flushes = 0
         self.crashed = False
+        self.crash = ""  # what killed the scheduler
         self.received: dict[str, float] = {}
         self.rank_received: list[dict[str, float]] = [{} for _ in range(tp_size)]
         self.ranks: list[dict] = []
@@ -265,6 +303,10 @@ class FakeSglang:
         missing = REQUIRED.get(path, set()) - set(body)
         if missing:
             raise ValueError(f"{path}: missing required fields {sorted(missing)}")
+        if path != "/generate":
+            problems = [p for p in (type_problem(k, v) for k, v in body.items()) if p]
+            if problems:
+                raise ValueError(f"{path}: {'; '.join(problems)}")
         return body
 
     def app(self) -> web.Application:
@@ -308,7 +350,7 @@ class FakeSglang:
     @web.middleware
     async def validation(self, request, handler):
         if self.crashed and request.path != "/fake/state":
-            return error("the scheduler died: AssertionError: Cache flush failed after updating weights", 500)
+            return error(f"the scheduler died: {self.crash}", 500)
         try:
             return await handler(request)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
@@ -581,11 +623,11 @@ class FakeSglang:
             refused = refused_globals(raw) if raw[:1] == b"\x80" else []
             if refused:  # MultiprocessingSerializer.deserialize raises in the scheduler, which dies of it
                 self.crashed = True
-                return error(
+                self.crash = (
                     f"RuntimeError: Blocked unsafe class loading ({refused[0]}), "
-                    "to prevent exploitation of CVE-2025-10164",
-                    500,
+                    "to prevent exploitation of CVE-2025-10164"
                 )
+                return error(self.crash, 500)
         read = []
         for tp_rank in range(self.tp_size):  # TpModelWorker: serialized_named_tensors[self.tp_rank]
             if tp_rank >= len(entries):
@@ -624,7 +666,8 @@ class FakeSglang:
         say(f"weight update to version {body.get('weight_version')}, flush_cache {flush}")
         if flush and not self.try_flush():
             self.crashed = True
-            return error("AssertionError: Cache flush failed after updating weights", 500)
+            self.crash = "AssertionError: Cache flush failed after updating weights"
+            return error(self.crash, 500)
         return web.json_response({"success": True, "message": message})
 
 

@@ -404,12 +404,18 @@ def test_update_from_tensor_carries_one_entry_per_tp_rank(fresh_fakes):
 
 def test_update_from_tensor_entries_pass_sglangs_safe_unpickler(fresh_fakes):
     """tandem's own entry (a CPU tensor's reduction standing in for the CUDA one: the same torch module)
-    loads under SGLang's allowlist; a pickle of one of tandem's classes kills the scheduler, as in SGLang."""
+    loads under SGLang's allowlist; a pickle of one of tandem's classes kills the scheduler, as in SGLang.
+    A field of the wrong type is refused first, as SGLang's schema does."""
     (url,) = fresh_fakes(1)
     ours = ipc_payload([("w", torch.arange(4.0).half())], "sglang")
     foreign = base64.b64encode(pickle.dumps([("w", ConfigError("not a tensor"))])).decode()
 
     async def run():
+        # the schema's types too: a version is a string (pydantic turns no number into one)
+        status, text = await raw_post(
+            url + "/update_weights_from_tensor", {"serialized_named_tensors": [ours], "weight_version": 1}
+        )
+        assert status == 400 and "weight_version: Input should be a valid str" in text, text
         client = EngineClient(url, kind="sglang")
         answer = await client.update_weights_from_tensor([ours], weight_version=1)
         with pytest.raises(

@@ -25,6 +25,10 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   request holds while it lives: so it takes a second or more whenever a request was running); the
   scheduler itself is not paused. `retract` moves running requests to the waiting queue, where they
   re-prefill on continue; `in_place` freezes them with their KV.
+- Aborts (managers/tokenizer_manager.py `abort_request`): a rid aborts only while a request with exactly
+  that rid lives, and then every live request whose rid starts with it. Every streamed /generate response
+  aborts its own rid 2 s after its stream ended (`create_abort_task`), so a request sent again under the
+  same rid within those 2 s is aborted.
 - The cache: prefixes stay cached under the weight version that computed them, until a flush. A
   prefill that reuses a prefix cached under another version counts as a stale prefill (/fake/state).
   `/flush_cache` succeeds only with no request queued or running, else 400 (Scheduler.flush_cache,
@@ -82,6 +86,7 @@ import torch
 from aiohttp import web
 
 TOKEN_S = 0.03
+STREAM_ABORT_S = 2.0  # create_abort_task's sleep
 WARMUP_S = 0.3  # the fake's warm-up request: /health answers 503 until it is done (ServerStatus.Starting)
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("SGLANG_HEALTH_CHECK_TIMEOUT", 20))
 BASE = {"rid", "http_worker_ipc"}
@@ -249,6 +254,7 @@ class Request:
     prompt: list[int]
     output: list[int] = field(default_factory=list)
     is_retracted: bool = False  # in the waiting queue after a retract pause: re-prefills on continue
+    is_aborted: bool = False
 
 
 class FakeSglang:
@@ -270,7 +276,7 @@ class FakeSglang:
         self.scheduler_paused = False  # retract / in_place: the scheduler's loop stops
         self.tokenizer_held = False  # any pause: new requests wait at the tokenizer until continue
         self.abort_epoch = 0
-        self.aborted_rids: set[str] = set()
+        self.stream_abort_tasks: set[asyncio.Task] = set()
         self.weight_version = "default"
         self.active: dict[str, Request] = {}  # queued or running in the scheduler
         self.cache: dict[tuple[int, ...], str] = {}  # cached prefix -> the weight version that made it
@@ -383,7 +389,26 @@ class FakeSglang:
                 sent += len(out["output_ids"])
             await resp.write(b"data: " + json.dumps(out).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
+        task = asyncio.create_task(self.abort_after_stream(rid))  # the response's background task
+        self.stream_abort_tasks.add(task)
+        task.add_done_callback(self.stream_abort_tasks.discard)
         return resp
+
+    async def abort_after_stream(self, rid: str) -> None:
+        """SGLang hands every streamed /generate response a background task that aborts its rid
+        STREAM_ABORT_S after the stream ended (http_server.py `create_abort_task`, meant for clients that
+        left): a new request that took the same rid meanwhile is aborted by it."""
+        await asyncio.sleep(STREAM_ABORT_S)
+        self.abort_rid(rid)
+
+    def abort_rid(self, rid: str) -> None:
+        """TokenizerManager.abort_request: nothing unless a live request has exactly this rid (one
+        tokenizer worker); the scheduler then aborts every request whose rid starts with it."""
+        if not rid or rid not in self.active:
+            return
+        for other, req in self.active.items():
+            if other.startswith(rid):
+                req.is_aborted = True
 
     def prefill(self, req: Request) -> None:
         """Reuse the longest cached prefix (counting it when another weight version computed it), then
@@ -402,7 +427,7 @@ class FakeSglang:
             while len(req.output) < limit:
                 while self.scheduler_paused and self.abort_epoch == epoch:
                     await asyncio.sleep(0.005)
-                if self.abort_epoch != epoch or rid in self.aborted_rids:
+                if self.abort_epoch != epoch or req.is_aborted:
                     reason = {"type": "abort", "message": "Abort in waiting queue"}
                     yield self.output(req, return_logprob, reason)
                     return
@@ -502,7 +527,7 @@ class FakeSglang:
         if body.get("abort_all"):
             self.abort_epoch += 1
         else:
-            self.aborted_rids.add(str(body.get("rid", "")))
+            self.abort_rid(str(body.get("rid", "")))
         return web.Response(status=200)
 
     def try_flush(self) -> bool:

@@ -27,7 +27,7 @@ import aiohttp
 from tandemrl.host.http_guard import auth_headers
 from tandemrl.host.http_pool import pooled_connector
 from tandemrl.host.startup import mark
-from tandemrl.rollout.retract import RetractGate, resumed_body
+from tandemrl.rollout.retract import RetractGate, resent_rid, resumed_body
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,7 @@ class EngineClient(HttpClient):
         self.kind = kind
         self.weight_version = weight_version
         self.retract_gate = RetractGate()  # SGLang only (the embedded engine retracts by itself)
+        self.live_rids: dict[str, str] = {}  # SGLang only: a caller's rid -> the rid it was sent again as
         self.spec_totals = dict.fromkeys(SPEC_COUNTERS, 0.0)  # SGLang only: `count_speculation`
 
     async def generate(
@@ -272,26 +273,40 @@ class EngineClient(HttpClient):
 
     async def _generate_streamed(self, body: dict) -> GenerateResult:
         """Stream `body`; a request that a retract pause sent back waits for `continue_generation` and
-        goes again with its tokens appended to the prompt (rollout/retract.py): the result spans all."""
+        goes again with its tokens appended to the prompt (rollout/retract.py): the result spans all.
+        It goes again under a rid of its own (`resent_rid`): SGLang aborts a streamed request's rid 2 s
+        after its stream ended (http_server.py `create_abort_task`), which would cut a request sent again
+        under the same rid within that time. `abort_request` finds it under the rid it has now."""
         gate, rid = self.retract_gate, body.get("rid")
         limit = int(body["sampling_params"].get("max_new_tokens", 128))
         ids, logprobs, versions, meta = [], [], [], {}
-        while True:
-            await gate.wait_open()
-            marked = gate.mark()
-            try:
-                meta = await self._stream_tokens(resumed_body(body, ids), ids, logprobs, versions)
-            except EngineError:  # a stream the pause cut: keep what it delivered, go again
-                if not gate.is_retracted(marked, rid):
-                    raise
-                continue
-            count_speculation(self.spec_totals, meta)
-            is_abort = (meta.get("finish_reason") or {}).get("type") == "abort"
-            if not (is_abort and gate.is_retracted(marked, rid)):
-                break
-            if len(ids) >= limit:  # retracted after its last token: it is complete
-                meta = {**meta, "finish_reason": {"type": "length", "length": limit}}
-                break
+        marked, attempt = None, 0
+        try:
+            while True:
+                await gate.wait_open()
+                if marked is not None and not gate.is_retracted(marked, rid):  # aborted while it waited
+                    meta = {**meta, "finish_reason": {"type": "abort", "message": "aborted by the caller"}}
+                    break
+                marked, sent = gate.mark(), resumed_body(body, ids)
+                if rid is not None and attempt:
+                    sent["rid"] = self.live_rids[rid] = resent_rid(rid, attempt)
+                attempt += 1
+                try:
+                    meta = await self._stream_tokens(sent, ids, logprobs, versions)
+                except EngineError:  # a stream the pause cut: keep what it delivered, go again
+                    if not gate.is_retracted(marked, rid):
+                        raise
+                    continue
+                count_speculation(self.spec_totals, meta)
+                is_abort = (meta.get("finish_reason") or {}).get("type") == "abort"
+                if not (is_abort and gate.is_retracted(marked, rid)):
+                    break
+                if len(ids) >= limit:  # retracted after its last token: it is complete
+                    meta = {**meta, "finish_reason": {"type": "length", "length": limit}}
+                    break
+        finally:
+            if rid is not None:
+                self.live_rids.pop(rid, None)
         reported = meta.get("output_token_weight_versions")  # an engine that knows them (ours) wins
         if reported is not None and len(reported) == len(ids):
             versions = [int(v) for v in reported]
@@ -361,6 +376,7 @@ class EngineClient(HttpClient):
             self.retract_gate.num_abort_all += 1
         elif rid is not None:
             self.retract_gate.aborted_rids.add(rid)
+            rid = self.live_rids.get(rid, rid)  # the rid a retracted request was sent again under
         await self._post("/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
 
     async def flush_cache(self) -> None:

@@ -11,7 +11,8 @@ pause uses SGLang's `abort` mode, which empties the engine, the update is follow
 succeeds, and the client holds every request (returned or new) until `continue_generation`.
 
 Invariant: a request is resubmitted only when a retract pause began after it was sent and neither it
-nor all requests were aborted by the caller, so a caller's abort still ends it.
+nor all requests were aborted by the caller (also while it waited), so a caller's abort still ends it;
+it is resubmitted under a rid of its own (`resent_rid`), to which the caller's abort is forwarded.
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ class RetractGate:
             and self.num_abort_all == num_abort_all
             and (rid is None or rid not in self.aborted_rids)
         )
+
+
+def resent_rid(rid: str, attempt: int) -> str:
+    """The rid of a retracted request's `attempt`-th resubmission: its own, so that SGLang's abort of the
+    earlier stream's rid misses it, and not starting with the caller's (SGLang's scheduler aborts every
+    rid that starts with the one it is given)."""
+    return f"retry{attempt}-{rid}"
 
 
 def resumed_body(body: dict, output_ids: list[int]) -> dict:

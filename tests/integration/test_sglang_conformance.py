@@ -462,6 +462,38 @@ def test_retract_recomputes_every_kv_under_the_new_weights(fresh_fakes):
         assert result.prompt_tokens == 2
 
 
+def test_a_retracted_request_outlives_the_abort_sglang_sends_after_its_first_stream(fresh_fakes):
+    """SGLang aborts a streamed request's rid 2 s after its stream ended (`create_abort_task`): a retracted
+    request sent again under the same rid within that time would be cut there. It goes again under a rid
+    of its own and runs to its limit; the caller's abort still reaches it, under whichever rid it has now,
+    and one the caller aborts while it waits for `continue` is not sent again."""
+    from tests.fake_sglang import STREAM_ABORT_S, TOKEN_S
+
+    (url,) = fresh_fakes(1)
+    long = int(3 * STREAM_ABORT_S / TOKEN_S)  # still generating well after the first stream's abort fires
+
+    async def run():
+        client = EngineClient(url, kind="sglang")
+        params = {"max_new_tokens": long}
+        tasks = {
+            rid: asyncio.create_task(client.generate([5, i], params, rid=rid)) for i, rid in enumerate("abc")
+        }
+        await wait_for_progress(url, list(tasks), 3)
+        await client.pause_generation("retract")
+        await client.abort_request("b")  # while it waits at the client for continue
+        await client.continue_generation()
+        await wait_for_progress(url, ["retry1-c"], 1)
+        await client.abort_request("c")  # the caller's rid reaches the request it was sent again as
+        results = {rid: await task for rid, task in tasks.items()}
+        await client.close()
+        return results
+
+    results = asyncio.run(run())
+    assert results["a"].finish_reason == "length" and len(results["a"].output_ids) == long
+    assert results["b"].finish_reason == "abort" and len(results["b"].output_ids) < long
+    assert results["c"].finish_reason == "abort" and len(results["c"].output_ids) < long
+
+
 def test_sglangs_own_retract_mode_would_reuse_old_kv(fresh_fakes):
     """Why retract is not SGLang's `retract` mode: after an update without a flush (the only update
     SGLang accepts while retracted requests are queued) they re-prefill on the old weights' KV."""

@@ -35,8 +35,10 @@ class PortInUseError(OSError):
 
 
 def new_api_key() -> str:
-    """A fresh key for the servers one run launches (it lives only in their environment and memory)."""
-    return secrets.token_urlsafe(32)
+    """A fresh key for the servers one run launches (it lives only in their environment and memory). It
+    begins with a letter: SGLang reads its `--config` file back as `--api-key VALUE` through argparse,
+    which takes a value that begins with "-" for a flag and exits (token_urlsafe's would, 1 in 64)."""
+    return "k" + secrets.token_urlsafe(32)
 
 
 def key_from_env(*names: str) -> str | None:

@@ -164,6 +164,32 @@ def test_the_fake_takes_the_launch_command_line_and_refuses_what_sglang_would():
         merge_config(["--config", "a.yaml", "--config", "b.yaml"])
 
 
+def test_a_launched_servers_key_reads_back_as_a_value(tmp_path, monkeypatch):
+    """SGLang turns the `--config` file into `--api-key VALUE` for argparse, which takes a value beginning
+    with "-" for a flag and exits (the fake parses as SGLang does): tandem's keys begin with a letter,
+    even for the 1-in-64 draw of token_urlsafe that begins with "-"."""
+    import secrets
+
+    from tandemrl.config.loader import load_config
+    from tandemrl.host.http_guard import new_api_key
+    from tandemrl.rollout.sglang_process import SglangServerProcess
+    from tests.fake_sglang import parse_args
+
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda nbytes=None: "-" + "x" * 42)
+    rollout = load_config(None, ["rollout.backend=sglang", "cluster.use_ray=true"]).rollout
+    for key, is_read in ((new_api_key(), True), (secrets.token_urlsafe(32), False)):
+        server = SglangServerProcess(rollout, tmp_path, "127.0.0.1", free_port(), 0, api_key=key)
+        try:
+            server._write_config()
+            if is_read:
+                assert parse_args(server.server_args()).api_key == key
+            else:
+                with pytest.raises(SystemExit):  # "expected one argument", as SGLang's own parser says
+                    parse_args(server.server_args())
+        finally:
+            server.stop()
+
+
 def test_health_is_a_generation_that_a_paused_scheduler_holds(fresh_fakes, monkeypatch):
     """SGLang's /health (http_server.py `health_generate`) sends a one-token request through the scheduler
     and waits at least a second; while generation is paused its request waits at the tokenizer, and the

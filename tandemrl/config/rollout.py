@@ -218,6 +218,15 @@ class RolloutConfig:
             "tokens in a trie of every request's tokens)",
             "Leave them at 1/3 and put SGLang's own --speculative-ngram-* flags in rollout.sglang.extra_args.",
         )
+        _check(
+            self.weight_sync != "disk",
+            "rollout.engine.speculative",
+            engine.speculative,
+            "with rollout.weight_sync=disk kills SGLang 0.5.15's scheduler at the first push: it passes a disk "
+            "update on to its draft worker, and the NGRAM worker has no update_weights_from_disk "
+            "(managers/scheduler_components/weight_updater.py)",
+            "Set rollout.weight_sync=auto (CUDA IPC or NCCL), or rollout.engine.speculative to none.",
+        )
 
 
 @dataclass

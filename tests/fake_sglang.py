@@ -25,6 +25,8 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   request holds while it lives: so it takes a second or more whenever a request was running); the
   scheduler itself is not paused. `retract` moves running requests to the waiting queue, where they
   re-prefill on continue; `in_place` freezes them with their KV.
+- Lengths (tokenizer_manager.py `_validate_one_request`, with `--context-length N`): an input of N tokens
+  or more, or one whose `max_new_tokens` would pass N, is refused (a stream's one chunk is the error).
 - Aborts (managers/tokenizer_manager.py `abort_request`): a rid aborts only while a request with exactly
   that rid lives, and then every live request whose rid starts with it. Every streamed /generate response
   aborts its own rid 2 s after its stream ended (`create_abort_task`), so a request sent again under the
@@ -264,8 +266,10 @@ class FakeSglang:
         num_draft_tokens: int = 0,
         api_key: str | None = None,
         incremental: bool = False,
+        context_length: int | None = None,
     ):
         self.tp_size = tp_size
+        self.context_length = context_length  # --context-length (None: no limit, the model's in SGLang)
         self.incremental = incremental  # --incremental-streaming-output: each chunk holds only its new tokens
         self.api_key = api_key  # --api-key: every path but /health* and /metrics* needs it
         self.is_up = False  # ServerStatus.Starting until the warm-up is done
@@ -375,6 +379,15 @@ class FakeSglang:
         rid = str(body.get("rid") or f"r{id(body)}")
         if rid in self.active:
             raise ValueError(f"Duplicate request ID: {rid}")
+        too_long = self.length_problem(len(ids), params.get("max_new_tokens"))
+        if too_long and body.get("stream"):  # the stream's generator raises: one error chunk, then [DONE]
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            chunk = {"error": {"message": too_long, "type": "invalid_request_error", "code": 400}}
+            await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
+        if too_long:
+            raise ValueError(too_long)
         while self.tokenizer_held:  # a pause holds new requests at the tokenizer
             await asyncio.sleep(0.005)
         if not body.get("stream"):
@@ -393,6 +406,24 @@ class FakeSglang:
         self.stream_abort_tasks.add(task)
         task.add_done_callback(self.stream_abort_tasks.discard)
         return resp
+
+    def length_problem(self, num_input: int, max_new_tokens) -> str | None:
+        """TokenizerManager._validate_one_request: the input, and the input plus max_new_tokens, must fit
+        the context (no --allow-auto-truncate: refused, not cut)."""
+        limit = self.context_length
+        if limit is None:
+            return None
+        if num_input >= limit:
+            return (
+                f"The input ({num_input} tokens) is longer than the model's context length ({limit} tokens)."
+            )
+        if max_new_tokens is not None and num_input + int(max_new_tokens) > limit:
+            return (
+                f"Requested token count exceeds the model's maximum context length of {limit} tokens. You "
+                f"requested a total of {num_input + int(max_new_tokens)} tokens: {num_input} tokens from the input "
+                f"messages and {max_new_tokens} tokens for the completion."
+            )
+        return None
 
     async def abort_after_stream(self, rid: str) -> None:
         """SGLang hands every streamed /generate response a background task that aborts its rid
@@ -830,7 +861,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     fake = FakeSglang(
-        args.tp_size, args.speculative_num_draft_tokens or 0, args.api_key, args.incremental_streaming_output
+        args.tp_size,
+        args.speculative_num_draft_tokens or 0,
+        args.api_key,
+        args.incremental_streaming_output,
+        args.context_length,
     )
     say(f"serving on {args.host}:{args.port}, tp_size {args.tp_size}")
     # a stream frozen by a pause must not hold the exit (aiohttp waits 60 s for open requests by default)

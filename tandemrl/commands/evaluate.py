@@ -202,7 +202,12 @@ async def _evaluate(
 
     search_cfg = config.tools.search
     engine_key, search_key = keys
-    engines = [make_client(config.rollout.backend, url, api_key=engine_key) for url in urls]
+    engines = [
+        make_client(
+            config.rollout.backend, url, api_key=engine_key, max_context_len=config.rollout.max_context_len
+        )
+        for url in urls
+    ]
     search = build_env(  # tools + reward
         config.agentloop, config.tools, config.reward, SearchTool.from_config(addr, search_cfg, search_key)
     )

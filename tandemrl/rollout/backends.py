@@ -24,16 +24,28 @@ def pushes_atomically(engine_kind: str, route: str) -> bool:
     return route == "cuda_ipc" and engine_kind == "embedded"
 
 
-def make_client(backend: str, url: str, weight_version: int = 0, api_key: str | None = None):
+def make_client(
+    backend: str,
+    url: str,
+    weight_version: int = 0,
+    api_key: str | None = None,
+    max_context_len: int | None = None,
+):
+    """`max_context_len` (rollout.max_context_len): SGLang and vLLM clients cut a request's max_new_tokens to
+    the context left (rollout/client.py `fit_to_context`)."""
     if backend not in BACKENDS:
         raise ValueError(f"rollout.backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "vllm":
         from tandemrl.rollout.vllm_client import VllmClient
 
-        return VllmClient(url, api_key=api_key, weight_version=weight_version)
+        return VllmClient(
+            url, api_key=api_key, weight_version=weight_version, max_context_len=max_context_len
+        )
     from tandemrl.rollout.client import EngineClient
 
-    return EngineClient(url, api_key=api_key, kind=backend, weight_version=weight_version)
+    return EngineClient(
+        url, api_key=api_key, kind=backend, weight_version=weight_version, max_context_len=max_context_len
+    )
 
 
 def make_weight_sender(

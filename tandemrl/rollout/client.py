@@ -208,6 +208,23 @@ class HttpClient:
             self._session = None
 
 
+def fit_to_context(sampling_params: dict, num_input: int, max_context_len: int | None) -> dict:
+    """`sampling_params` with `max_new_tokens` cut to the context left after the input: the embedded engine
+    stops a request at its context's end, while SGLang and vLLM refuse one whose input plus max_new_tokens
+    would pass it (SGLang's `_validate_one_request`, vLLM's max_model_len check). An input that fills the
+    context is refused as the embedded engine refuses it."""
+    if max_context_len is None:
+        return sampling_params
+    room = max_context_len - num_input
+    if room <= 0:
+        raise EngineError(
+            f"prompt has {num_input} tokens but the context is {max_context_len} (rollout.max_context_len); "
+            "shorten the prompt or raise rollout.max_context_len"
+        )
+    wanted = int(sampling_params.get("max_new_tokens", 128))
+    return sampling_params if wanted <= room else {**sampling_params, "max_new_tokens": room}
+
+
 def count_speculation(totals: dict[str, float], meta: dict) -> None:
     """Add a finished SGLang request's speculation counts (its last meta_info) to `totals`: its tokens,
     the draft tokens proposed and accepted, and its rows, the tokens less the accepted drafts (a verify step
@@ -244,11 +261,13 @@ class EngineClient(HttpClient):
         api_key: str | None = None,
         kind: str = "embedded",
         weight_version: int = 0,
+        max_context_len: int | None = None,
     ):
         if kind not in ENGINE_KINDS:
             raise ValueError(f"kind must be one of {ENGINE_KINDS}, got {kind!r}")
         super().__init__(base_url, timeout_s, api_key)
         self.kind = kind
+        self.max_context_len = max_context_len  # SGLang's --context-length: `fit_to_context`
         self.weight_version = weight_version
         self.retract_gate = RetractGate()  # SGLang only (the embedded engine retracts by itself)
         self.live_rids: dict[str, str] = {}  # SGLang only: a caller's rid -> the rid it was sent again as
@@ -257,6 +276,8 @@ class EngineClient(HttpClient):
     async def generate(
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
     ) -> GenerateResult:
+        if self.kind != "embedded":  # ours stops a request at its context's end by itself
+            sampling_params = fit_to_context(sampling_params, len(input_ids), self.max_context_len)
         body = {
             "input_ids": list(input_ids),
             "sampling_params": dict(sampling_params),

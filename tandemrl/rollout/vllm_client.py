@@ -28,7 +28,7 @@ import logging
 import re
 
 from tandemrl.config.rollout import UNSUPPORTED_PAUSE_MODES
-from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient
+from tandemrl.rollout.client import EngineError, GenerateResult, HttpClient, fit_to_context
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +99,16 @@ def completion_body(model: str, input_ids: list[int], sampling_params: dict, rid
 
 class VllmClient(HttpClient):
     def __init__(
-        self, base_url: str, timeout_s: float = 600.0, api_key: str | None = None, weight_version: int = 0
+        self,
+        base_url: str,
+        timeout_s: float = 600.0,
+        api_key: str | None = None,
+        weight_version: int = 0,
+        max_context_len: int | None = None,
     ):
         super().__init__(base_url, timeout_s, api_key)
         self.weight_version = weight_version
+        self.max_context_len = max_context_len  # vLLM's --max-model-len: `fit_to_context`
         self._model: str | None = None
         self._loaded_version = weight_version  # the last version loaded through this client
         self._version_routes = True  # False once the server answered 404 (vLLM 0.24)
@@ -118,6 +124,7 @@ class VllmClient(HttpClient):
         self, input_ids: list[int], sampling_params: dict, rid: str | None = None, extra: dict | None = None
     ) -> GenerateResult:
         del extra  # task metadata: the embedded engine echoes it, vLLM has no field for it
+        sampling_params = fit_to_context(sampling_params, len(input_ids), self.max_context_len)
         body = completion_body(await self.model(), input_ids, sampling_params, rid)
         ids, logprobs, versions = [], [], []
         finish, matched, prompt_tokens = "abort", None, len(input_ids)

@@ -157,7 +157,12 @@ async def run_session(
     prepared = prepared or prepare_session(config)
     tokenizer = prepared.tokenizer
     engines = [
-        make_client(config.rollout.backend, url, api_key=services.engine_api_key)
+        make_client(
+            config.rollout.backend,
+            url,
+            api_key=services.engine_api_key,
+            max_context_len=config.rollout.max_context_len,
+        )
         for url in services.engine_urls
     ]
     # the search tool, the plug-in tools and the reward: what the agent loops act in (agent/tools.py)

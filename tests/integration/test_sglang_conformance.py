@@ -294,6 +294,31 @@ async def raw_stream(url: str, body: dict) -> list[dict]:
     return chunks
 
 
+def test_a_request_past_the_context_is_cut_to_fit_as_the_embedded_engine_stops_it(fresh_fakes):
+    """SGLang refuses an input whose max_new_tokens would pass `--context-length` (the fake as SGLang);
+    tandem's client, which knows rollout.max_context_len, asks for what fits, and the request ends there
+    with finish_reason length, as the embedded engine ends it; an input that fills the context is refused."""
+    (url,) = fresh_fakes(1, extra_args=("--context-length", "64"))
+    prompt, params = list(range(1, 41)), {"max_new_tokens": 100}
+
+    async def run():
+        bare = EngineClient(url, kind="sglang")
+        with pytest.raises(
+            EngineError, match="Requested token count exceeds the model's maximum context length"
+        ):
+            await bare.generate(prompt, params, rid="bare")
+        await bare.close()
+        fitted = EngineClient(url, kind="sglang", max_context_len=64)
+        result = await fitted.generate(prompt, params, rid="fitted")
+        with pytest.raises(EngineError, match="prompt has 64 tokens but the context is 64"):
+            await fitted.generate(list(range(1, 65)), params, rid="full")
+        await fitted.close()
+        return result
+
+    result = asyncio.run(run())
+    assert len(result.output_ids) == 64 - 40 and result.finish_reason == "length"
+
+
 def test_incremental_streaming_gives_the_client_the_same_tokens(fresh_fakes):
     """tandem launches SGLang with --incremental-streaming-output (rollout/sglang_process.py): each chunk
     then holds only its new ids and logprobs, completion_tokens still counting all; the client assembles

@@ -353,6 +353,12 @@ class EngineClient(HttpClient):
             if len(chunk_lps) == total:
                 chunk_lps = chunk_lps[done:]
             if len(chunk_ids) != new or len(chunk_lps) != new:
+                if (meta.get("finish_reason") or {}).get("type") == "abort":
+                    # SGLang's abort of a queued request echoes its last id and every logprob
+                    # (tokenizer_manager.py `_handle_abort_req`), merged with any chunk still unread: the
+                    # tokens it did not deliver are lost with the abort (a retracted request makes them again)
+                    meta = {**meta, "completion_tokens": len(ids)}
+                    continue
                 raise EngineError(
                     f"stream chunk has {len(chunk_ids)} ids and {len(chunk_lps)} logprobs for {new} new "
                     "tokens; send return_logprob=true"

@@ -13,8 +13,11 @@ The run's API key reaches SGLang as `--api-key` inside a YAML file named by `--c
 `ConfigArgumentMerger` turns its keys into flags), in a directory only this user can read, removed at
 stop: never on the command line, which `ps` and error messages show. The directory is named after the
 run (`tandem-sglang-key-<run id>-*`): after a kill -9 the run's reaper removes it, and any run's reaper
-removes those whose run has no process left (cluster/reaper.py). Start/health/stop semantics are
-`ChildServer`'s (SGLang answers `/health` too).
+removes those whose run has no process left (cluster/reaper.py). SGLang itself logs its server arguments,
+the key among them, into the server's log (entrypoints/engine.py, `server_args=` at start-up): the log
+stays in the run's own `logs/`, the key dies with the run, and the log tails tandem's errors quote name
+it as `<api key>` (`log_tail`). Start/health/stop semantics are `ChildServer`'s (SGLang answers `/health`
+too).
 """
 
 from __future__ import annotations
@@ -138,6 +141,11 @@ class SglangServerProcess(ChildServer):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(f'api-key: "{self.api_key}"\n')  # token_urlsafe: no character needs escaping
+
+    def log_tail(self, num_chars: int = 4000) -> str:
+        """The log's end, for an error message, with the key SGLang logged among its arguments hidden."""
+        tail = super().log_tail(num_chars)
+        return tail.replace(self.api_key, "<api key>") if self.api_key else tail
 
     def stop(self, timeout_s: float = 10.0) -> None:
         super().stop(timeout_s)

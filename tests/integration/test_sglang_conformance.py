@@ -190,6 +190,22 @@ def test_a_launched_servers_key_reads_back_as_a_value(tmp_path, monkeypatch):
             server.stop()
 
 
+def test_the_log_tail_an_error_quotes_hides_the_key_sglang_logged(tmp_path):
+    """SGLang logs `server_args=ServerArgs(..., api_key='...')` at start-up; a failed start quotes the log's
+    tail, with the key hidden."""
+    from tandemrl.config.loader import load_config
+    from tandemrl.rollout.sglang_process import SglangServerProcess
+
+    rollout = load_config(None, ["rollout.backend=sglang", "cluster.use_ray=true"]).rollout
+    log = tmp_path / "sglang.log"
+    server = SglangServerProcess(rollout, tmp_path, "127.0.0.1", 1, 0, log_path=log, api_key="kSecret_1")
+    log.write_text(
+        "[2026-12-07] server_args=ServerArgs(model_path='/m', api_key='kSecret_1', port=1)\nready\n"
+    )
+    tail = server.log_tail()
+    assert "kSecret_1" not in tail and "api_key='<api key>'" in tail and "ready" in tail
+
+
 def test_health_is_a_generation_that_a_paused_scheduler_holds(fresh_fakes, monkeypatch):
     """SGLang's /health (http_server.py `health_generate`) sends a one-token request through the scheduler
     and waits at least a second; while generation is paused its request waits at the tokenizer, and the

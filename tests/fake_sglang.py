@@ -43,8 +43,9 @@ python/sglang/srt/managers/scheduler_update_weights_mixin.py @ 018c9109680f6f5b0
   put out anything since the probe began, else 503 after SGLANG_HEALTH_CHECK_TIMEOUT (20 s), as while the
   scheduler is paused; the probe's request stays queued meanwhile, so a flush then is refused.
   SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false makes /health a plain 200 once started, as in SGLang.
-- /get_weight_version answers 404 (0.5.15: "use /model_info"); /get_model_info and /server_info have
-  0.5.15's shapes (server_info: the server args, `tp_size` among them).
+- /get_weight_version answers 404 (0.5.15: "use /model_info"); /model_info and /server_info have
+  0.5.15's shapes (server_info: the server args, `tp_size` among them); their old names /get_model_info
+  and /get_server_info answer too, each call logging SGLang's deprecation warning (`deprecated_calls`).
 - The command line is `sglang.launch_server`'s for the flags tandem sends (rollout/sglang_process.py),
   any other flag is an error as in SGLang's argparse; `--config FILE` is merged as SGLang's
   ConfigArgumentMerger does (server_args_config_parser.py: YAML only, a mapping whose keys become flags,
@@ -288,6 +289,7 @@ class FakeSglang:
         self.num_flushes = 0
         self.crashed = False
         self.crash = ""  # what killed the scheduler
+        self.deprecated_calls: list[str] = []  # /get_model_info, /get_server_info: SGLang warns each time
         self.received: dict[str, float] = {}
         self.rank_received: list[dict[str, float]] = [{} for _ in range(tp_size)]
         self.ranks: list[dict] = []
@@ -579,7 +581,16 @@ class FakeSglang:
             "waiting requests, the operation will not be performed.)\n"
         )
 
+    def note_deprecated(self, request: web.Request, name: str) -> None:
+        """SGLang 0.5.15 logs a warning for every call to a deprecated name (http_server.py)."""
+        if request.path != name:
+            self.deprecated_calls.append(request.path)
+            say(
+                f"Endpoint '{request.path}' is deprecated and will be removed in a future version. Please use '{name}' instead."
+            )
+
     async def model_info(self, request: web.Request) -> web.Response:
+        self.note_deprecated(request, "/model_info")
         return web.json_response(
             {
                 "model_path": "fake-sglang",
@@ -599,6 +610,7 @@ class FakeSglang:
         return web.json_response({"detail": detail}, status=404)
 
     async def server_info(self, request: web.Request) -> web.Response:
+        self.note_deprecated(request, "/server_info")
         return web.json_response(
             {"model_path": "fake-sglang", "tp_size": self.tp_size, "dp_size": 1, "internal_states": [{}]}
         )
@@ -614,6 +626,7 @@ class FakeSglang:
                 "num_flushes": self.num_flushes,
                 "stale_prefills": self.stale_prefills,
                 "crashed": self.crashed,
+                "deprecated_calls": self.deprecated_calls,
                 "paths": self.paths,
                 "weight_version": self.weight_version,
                 "tokens_at_pause": self.tokens_at_pause,

@@ -413,13 +413,10 @@ class EngineClient(HttpClient):
 
     async def num_tp_ranks(self, default: int = 1) -> int:
         """The server's tensor-parallel ranks, each a member of the weight group: SGLang reports its
-        `tp_size` in /get_server_info; the embedded engine is one rank."""
+        `tp_size` in /server_info; the embedded engine is one rank."""
         if self.kind == "embedded":
             return 1
-        try:
-            info = await self._get("/server_info")  # SGLang 0.5.15; /get_server_info is its deprecated name
-        except EngineError:
-            info = await self.server_info()
+        info = await self.server_info()
         return int(info.get("tp_size", default)) if isinstance(info, dict) else default
 
     async def finish_weight_update(self, weight_version: int, flush: bool) -> None:
@@ -440,14 +437,16 @@ class EngineClient(HttpClient):
 
     async def get_weight_version(self) -> str:
         # SGLang 0.5.15 answers /get_weight_version with 404 ("use /model_info"); both engines report
-        # the version in /get_model_info
+        # the version in /model_info
         return str((await self.get_model_info())["weight_version"])
 
+    # SGLang 0.5.15's names; it logs a deprecation warning for every call to /get_model_info and
+    # /get_server_info (http_server.py), which the run asks once a step. The embedded engine has both names.
     async def get_model_info(self) -> dict:
-        return await self._get("/get_model_info")
+        return await self._get("/model_info")
 
     async def server_info(self) -> dict:
-        return await self._get("/get_server_info")
+        return await self._get("/server_info")
 
     # ---- weight updates (SGLang's routes and bodies) --------------------------------------------------
     # Buckets go with flush_cache false: an update that asks for the flush while a request is queued or

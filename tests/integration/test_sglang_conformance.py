@@ -16,7 +16,7 @@ managers/scheduler_components/weight_updater.py, managers/tokenizer_manager.py, 
   with `flush_cache: true` otherwise fails an assert and kills the scheduler, and SGLang's own retract
   pause leaves the retracted requests queued: so `retract` (done by our client with SGLang's abort mode)
   must flush after the push, and `in_place` must never ask for a flush;
-- /get_weight_version is gone in 0.5.15 (404); the version is in /get_model_info.
+- /get_weight_version is gone in 0.5.15 (404); the version is in /model_info.
 """
 
 from __future__ import annotations
@@ -371,6 +371,7 @@ def test_incremental_streaming_gives_the_client_the_same_tokens(fresh_fakes):
 
 def test_control_routes(fake_sglang):
     async def run():
+        deprecated_before = len((await fake_state(fake_sglang))["deprecated_calls"])
         client = EngineClient(fake_sglang, kind="sglang")
         for mode in ("abort", "retract", "in_place"):
             await client.pause_generation(mode)
@@ -386,7 +387,10 @@ def test_control_routes(fake_sglang):
         await client.flush_cache()
         info = await client.get_model_info()
         version = await client.get_weight_version()
+        assert await client.num_tp_ranks() == 1 and "tp_size" in await client.server_info()
         await client.close()
+        # none of it through a name SGLang logs a deprecation warning for at every call
+        assert len((await fake_state(fake_sglang))["deprecated_calls"]) == deprecated_before
         return aborted, aborted_all, info, version
 
     aborted, aborted_all, info, version = asyncio.run(run())
@@ -394,7 +398,7 @@ def test_control_routes(fake_sglang):
     assert aborted.finish_reason == "abort" and 0 < len(aborted.output_ids) < 500
     assert aborted_all.finish_reason == "abort" and 0 < len(aborted_all.output_ids) < 500
     assert {"model_path", "is_generation", "weight_version", "architectures"} <= set(info)
-    assert version == info["weight_version"]  # read from /get_model_info: /get_weight_version is a 404
+    assert version == info["weight_version"]  # read from /model_info: /get_weight_version is a 404
 
 
 def test_broadcast_sync_joins_the_group_as_sglang_does(fake_sglang):

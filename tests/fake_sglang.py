@@ -144,26 +144,31 @@ FIELD_TYPES = {
 }
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+FIELD_TYPE_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "float": lambda v: _is_int(v) or isinstance(v, float),
+    "bool": lambda v: isinstance(v, bool),
+    "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+    "list[list[int]]": lambda v: (
+        isinstance(v, list) and all(isinstance(x, list) and all(map(_is_int, x)) for x in v)
+    ),
+}
+
+
 def type_problem(field: str, value) -> str | None:
     """Why SGLang's schema would refuse `value` for a control request's `field`, or None."""
     kind = FIELD_TYPES.get(field)
     if kind is None or (kind.endswith("?") and value is None):
         return None
     kind = kind.rstrip("?")
-    is_int = isinstance(value, int) and not isinstance(value, bool)
-    fits = {
-        "str": isinstance(value, str),
-        "int": is_int,
-        "float": is_int or isinstance(value, float),
-        "bool": isinstance(value, bool),
-        "list[str]": isinstance(value, list) and all(isinstance(v, str) for v in value),
-        "list[list[int]]": isinstance(value, list)
-        and all(
-            isinstance(v, list) and all(isinstance(n, int) and not isinstance(n, bool) for n in v)
-            for v in value
-        ),
-    }[kind]
-    return None if fits else f"{field}: Input should be a valid {kind}, got {value!r}"
+    return (
+        None if FIELD_TYPE_CHECKS[kind](value) else f"{field}: Input should be a valid {kind}, got {value!r}"
+    )
 
 
 # the struct defaults of the flags that matter here (io_struct.py): an update flushes unless told not to
@@ -287,8 +292,7 @@ class FakeSglang:
         self.cache: dict[tuple[int, ...], str] = {}  # cached prefix -> the weight version that made it
         self.stale_prefills: list[str] = []
         self.num_flushes = 0
-        self.crashed = False
-        self.crash = ""  # what killed the scheduler
+        self.crash = ""  # what killed the scheduler ("": it lives)
         self.deprecated_calls: list[str] = []  # /get_model_info, /get_server_info: SGLang warns each time
         self.received: dict[str, float] = {}
         self.rank_received: list[dict[str, float]] = [{} for _ in range(tp_size)]
@@ -361,7 +365,7 @@ class FakeSglang:
 
     @web.middleware
     async def validation(self, request, handler):
-        if self.crashed and request.path != "/fake/state":
+        if self.crash and request.path != "/fake/state":
             return error(f"the scheduler died: {self.crash}", 500)
         try:
             return await handler(request)
@@ -625,7 +629,7 @@ class FakeSglang:
                 "update_flush_flags": self.update_flush_flags,
                 "num_flushes": self.num_flushes,
                 "stale_prefills": self.stale_prefills,
-                "crashed": self.crashed,
+                "crashed": bool(self.crash),
                 "deprecated_calls": self.deprecated_calls,
                 "paths": self.paths,
                 "weight_version": self.weight_version,
@@ -691,7 +695,6 @@ class FakeSglang:
             raw = base64.b64decode(entry, validate=True)  # the Base64Bytes schema refuses anything else
             refused = refused_globals(raw) if raw[:1] == b"\x80" else []
             if refused:  # MultiprocessingSerializer.deserialize raises in the scheduler, which dies of it
-                self.crashed = True
                 self.crash = (
                     f"RuntimeError: Blocked unsafe class loading ({refused[0]}), "
                     "to prevent exploitation of CVE-2025-10164"
@@ -734,7 +737,6 @@ class FakeSglang:
         self.update_flush_flags.append(flush)
         say(f"weight update to version {body.get('weight_version')}, flush_cache {flush}")
         if flush and not self.try_flush():
-            self.crashed = True
             self.crash = "AssertionError: Cache flush failed after updating weights"
             return error(self.crash, 500)
         return web.json_response({"success": True, "message": message})

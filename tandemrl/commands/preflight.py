@@ -3,9 +3,10 @@
 `check_startable` (run by `tandem config show` and `tandem train`): `load_config` checks the keys and
 their combinations; these checks need the machine: the engines tandem can launch (a launched vLLM or
 SGLang server's interpreter imports its engine, rollout/engine_python.py), the MPS control
-daemon `cluster.mps` needs, room for a local Ray's sockets under its temp dir, the model directories this node reads (the driver loads the tokenizer from
-the model path, the actor its weights), the optional tracker packages, and the plug-ins
-(`reward.function` and `tools.<name>.function` import; the reward's dry call returns a finite number).
+daemon `cluster.mps` needs, room for a local Ray's sockets under its temp dir, the model directories
+this node reads (the driver loads the tokenizer from the model path, the actor its weights), the
+optional tracker packages, and the plug-ins (`reward.function` and `tools.<name>.function` import;
+the reward's dry call returns a finite number).
 Files only, no torch. On a cluster (`cluster.num_nodes > 1`) model paths live on the nodes and are not
 checked here, nor is `coldstart`, the model `tandem sft` is about to write.
 

@@ -301,11 +301,11 @@ class EngineClient(HttpClient):
         gate, rid = self.retract_gate, body.get("rid")
         limit = int(body["sampling_params"].get("max_new_tokens", 128))
         ids, logprobs, versions, meta = [], [], [], {}
-        marked, attempt = None, 0
+        marked, attempt = gate.mark(), 0
         try:
             while True:
                 await gate.wait_open()
-                if marked is not None and not gate.is_retracted(marked, rid):  # aborted while it waited
+                if attempt and not gate.is_retracted(marked, rid):  # aborted while it waited
                     meta = {**meta, "finish_reason": {"type": "abort", "message": "aborted by the caller"}}
                     break
                 marked, sent = gate.mark(), resumed_body(body, ids)
